@@ -1,0 +1,38 @@
+"""The attention backend interface every model layer calls through."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from specserve.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write k, v into the cache at slot_mapping, then attend causally over each request's cache."""
+        ...
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    if name == "torch":
+        from specserve.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from specserve.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    from specserve.errors import ConfigError
+
+    raise ConfigError("attention_backend", f"unknown backend {name!r}; choose 'torch' or 'triton'")

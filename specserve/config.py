@@ -1,0 +1,84 @@
+"""Engine configuration: typed dataclasses validated at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.errors import ConfigError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _check(cond: bool, field: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(field, message)
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to know before it loads a model.
+
+    None means "choose for me": dtype float32 on CPU and bfloat16 on CUDA;
+    max_model_len from the model (capped at 8192); KV blocks from
+    kv_cache_memory_gb.
+    """
+
+    model: str = "smollm2-135m"
+    tokenizer: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 2.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.model, str) and bool(self.model), "model",
+               "give a model name (e.g. smollm2-135m), a Hugging Face directory or a .gguf file")
+        _check(self.dtype is None or self.dtype in _DTYPES, "dtype",
+               f"must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        _check(self.device.split(":")[0] in ("cpu", "cuda"), "device", f"must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device.startswith("cuda"):
+            _check(torch.cuda.is_available(), "device",
+                   "CUDA was asked for but torch sees no GPU; use device='cpu' or install a CUDA build of torch")
+        _check(self.block_size in (8, 16, 32, 64, 128), "block_size", f"must be 8, 16, 32, 64 or 128, got {self.block_size}")
+        _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+               f"must be >= 1, got {self.max_model_len}")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks",
+               f"must be >= 2, got {self.num_kv_blocks}")
+        _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
+        _check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+               f"must be >= 1, got {self.max_num_batched_tokens}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype is None:
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        return _DTYPES[self.dtype]
+
+    def finalize(self, model_max_len: int) -> None:
+        """Fill the fields that depend on the loaded model and check their fit."""
+        if self.max_model_len is None:
+            self.max_model_len = min(model_max_len, 8192)
+        _check(self.max_model_len <= model_max_len, "max_model_len",
+               f"{self.max_model_len} exceeds the model's context length {model_max_len}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(2048, self.max_model_len)
+        if not self.enable_chunked_prefill:
+            _check(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
+                   f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}) without chunked "
+                   "prefill, or a long prompt could never be scheduled; raise it or enable chunked prefill")
+        if self.num_kv_blocks is not None:
+            capacity = self.num_kv_blocks * self.block_size
+            _check(capacity >= self.max_model_len, "num_kv_blocks",
+                   f"{self.num_kv_blocks} blocks of {self.block_size} tokens hold {capacity} tokens, fewer than "
+                   f"max_model_len={self.max_model_len}; raise num_kv_blocks or lower max_model_len")

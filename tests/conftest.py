@@ -1,0 +1,90 @@
+"""Shared fixtures: tiny random Hugging Face models saved as safetensors directories."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(min(4, os.cpu_count() or 1))
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts tokens and verifies them in one pass.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Continuous batching admits new requests every step.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Symbols: (){}[]<>!?;:",
+    "Héllo wörld, ça va? Ελληνικά, русский, 中文, 日本語 and emoji 🚀🙂.",
+] * 20
+
+
+def _train_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+    )
+    fast.save_pretrained(str(path))
+
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+
+
+def make_hf_model(path: Path, tokenizer_dir: Path, arch: str = "llama", tie: bool = False, seed: int = 0, **overrides):
+    """Save a random Hugging Face model of `arch` with the test tokenizer; returns the transformers model."""
+    import shutil
+
+    import transformers
+
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
+    kw = dict(TINY, vocab_size=vocab, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, **overrides)
+    cls, cfg_cls = {
+        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+        "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig),
+        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+        "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config),
+    }[arch]
+    if arch == "qwen3":
+        kw.setdefault("head_dim", 16)
+    torch.manual_seed(seed)
+    model = cls(cfg_cls(**kw)).eval()
+    with torch.no_grad():
+        # Larger-than-default weights give peaked distributions, so greedy paths are not knife-edge ties.
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+            elif "norm" in name:
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0, 0.02)
+    model.save_pretrained(str(path), safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, path / f.name)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tokenizer")
+    _train_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, tokenizer_dir):
+    """(directory, transformers model) of a tiny random Llama."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    return path, make_hf_model(path, tokenizer_dir, "llama")
