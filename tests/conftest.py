@@ -88,3 +88,12 @@ def tiny_llama(tmp_path_factory, tokenizer_dir):
     """(directory, transformers model) of a tiny random Llama."""
     path = tmp_path_factory.mktemp("tiny_llama")
     return path, make_hf_model(path, tokenizer_dir, "llama")
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of exactly n tokens, with EOS neither stopping nor suppressed."""
+    hf.generation_config.eos_token_id = None
+    x = torch.tensor([ids])
+    out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()

@@ -23,12 +23,14 @@ class ScheduledRequest:
     num_new_tokens: int  # including the draft tokens below
     spec_token_ids: list[int]
     block_ids: list[int]
+    # Whether this step reaches the request's last known token and so yields new tokens
+    # (false for a prompt chunk that stops short of the prompt's end).
+    samples: bool
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the request's last known token and so yields new tokens."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens >= r.num_tokens + len(self.spec_token_ids)
+    @classmethod
+    def of(cls, req: Request, num_new_tokens: int, block_ids: list[int]) -> "ScheduledRequest":
+        samples = req.num_computed_tokens + num_new_tokens >= req.num_tokens_with_spec
+        return cls(req, num_new_tokens, list(req.spec_token_ids), block_ids, samples)
 
 
 @dataclass
@@ -94,7 +96,7 @@ class Scheduler:
             # Drafts past the budget are dropped rather than verified partially out of order.
             num_spec = max(0, min(len(req.spec_token_ids), req.num_computed_tokens + num_new - req.num_tokens))
             req.spec_token_ids = req.spec_token_ids[:num_spec]
-            scheduled.append(ScheduledRequest(req, num_new, list(req.spec_token_ids), self.kv.block_ids(req.request_id)))
+            scheduled.append(ScheduledRequest.of(req, num_new, self.kv.block_ids(req.request_id)))
             budget -= num_new
             i += 1
 
@@ -117,7 +119,7 @@ class Scheduler:
             req.num_computed_tokens = num_computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled.append(ScheduledRequest(req, num_new, [], self.kv.block_ids(req.request_id)))
+            scheduled.append(ScheduledRequest.of(req, num_new, self.kv.block_ids(req.request_id)))
             budget -= num_new
 
         out.scheduled = scheduled

@@ -155,4 +155,4 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: str, backend, a
     # Built after the dtype cast so the rotary tables stay float32.
     model.model.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
                                          arch.rope_scaling).to(device)
-    return model.eval(), arch
+    return model.eval().requires_grad_(False), arch

@@ -1,0 +1,129 @@
+"""The `specserve` command line: generate, chat."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import warnings
+
+from specserve.errors import SpecserveError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="smollm2-135m", help="built-in name, Hugging Face directory or .gguf file")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on CUDA")
+    g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--request-seed", type=int, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(
+        dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=not a.no_prefix_caching,
+        enable_chunked_prefill=not a.no_chunked_prefill, seed=a.seed,
+    )
+
+
+def sampling_params(a: argparse.Namespace):
+    from specserve.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+                          max_tokens=a.max_tokens, seed=a.request_seed, stop=a.stop)
+
+
+def cmd_generate(a: argparse.Namespace) -> None:
+    from specserve.llm import LLM
+
+    params = sampling_params(a)
+    llm = LLM(a.model, **engine_kwargs(a))
+    prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in a.prompts] if a.chat else a.prompts
+    outs = llm.generate(prompts, params)
+    for prompt, out in zip(a.prompts, outs):
+        c = out.outputs[0]
+        print(f"=== {prompt!r}\n{c.text}\n--- {len(c.token_ids)} tokens, finished: {c.finish_reason}")
+
+
+def cmd_chat(a: argparse.Namespace) -> None:
+    from specserve.llm import LLM
+
+    params = sampling_params(a)
+    llm = LLM(a.model, **engine_kwargs(a))
+    engine = llm.engine
+    history = [{"role": "system", "content": a.system}] if a.system else []
+    print("Chat with the model; an empty line or Ctrl-D quits, /reset clears the history.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        if line == "/reset":
+            history = history[:1] if a.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        rid = engine.add_request(llm.apply_chat_template(history), params)
+        reply = ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == rid:
+                    print(out.delta_text, end="", flush=True)
+                    reply = out.outputs[0].text
+        print()
+        history.append({"role": "assistant", "content": reply})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description="LLM inference with speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate completions for prompts")
+    gen.add_argument("prompts", nargs="+", help="one or more prompts")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat, streaming tokens as they come")
+    chat.add_argument("--system", help="system prompt")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for noisy in ("transformers", "gguf", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="transformers")
+    try:
+        args.func(args)
+    except SpecserveError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
