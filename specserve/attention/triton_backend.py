@@ -1,0 +1,144 @@
+"""Paged attention in Triton: one kernel for prefill, decode and verify alike.
+
+Every request is treated the same way: its q_len query tokens are the last
+q_len positions of its seq_len cached tokens, so prefill (with or without a
+cached prefix), decode (q_len 1) and draft verification (q_len 1 + k) mix
+freely in one batch.
+
+Grid: (num_reqs, num_kv_heads, query tiles). A program owns one request, one
+KV head and a tile of that request's query tokens; the rows of its tile are
+(token, query head) pairs of all query heads sharing the KV head, so each
+key/value block is loaded once per group instead of once per query head, and
+decode batches still fill the 16-row minimum of tl.dot. The grid comes from
+tensor shapes, num_reqs and max_query_len only; per-request lengths are read
+on the device, so the launch never syncs and can be captured in a CUDA graph.
+Padded request rows (q_len 0, seq_len 0) loop over no keys and store nothing.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.attention.metadata import AttentionMetadata
+from specserve.kernels.reshape_and_cache import write_kv_cache_triton
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
+    qk_scale,  # softmax scale times log2(e): the kernel works in base 2
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch,  # the key and value caches share one layout
+    stride_bt, block_size,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows of a tile: BLOCK_Q tokens x GROUP heads, padded to a power of two
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # multiply in float32 whatever the input dtype
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    tile_start = tl.program_id(2) * BLOCK_Q
+
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = tile_start + offs_m // GROUP  # query index within the request
+    head = kv_head * GROUP + offs_m % GROUP
+    row_valid = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = seq_len - q_len + tok
+
+    q_off = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+    dot_ty = tl.float32 if DOT_FP32 else q_ptr.dtype.element_ty
+    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_valid[:, None], other=0.0).to(dot_ty)
+
+    # Keys past this tile's last query position are invisible to all its rows.
+    # A tile past the request's queries (or a padded request) reads no keys.
+    tile_end = tl.minimum(q_len, tile_start + BLOCK_Q)
+    kv_end = tl.where(tile_start < q_len, seq_len - q_len + tile_end, 0)
+
+    # A finite initial max keeps exp2(m_i - m_new) free of inf - inf in a row
+    # that sees no key (only possible if q_len > seq_len, i.e. bad metadata).
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for start_n in range(0, kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < kv_end
+        # Positions map to cache slots through the block table; masked-off
+        # positions read neither the table nor the cache.
+        phys = tl.load(block_table_ptr + req * stride_bt + offs_n // block_size, mask=n_valid, other=0)
+        kv_off = phys.to(tl.int64) * stride_cb + (offs_n % block_size) * stride_cs + kv_head * stride_ch
+
+        k = tl.load(k_cache_ptr + kv_off[None, :] + offs_d[:, None], mask=n_valid[None, :], other=0.0)
+        # IEEE: float32 operands must not silently drop to tf32.
+        qk = tl.dot(q, k.to(dot_ty), input_precision="ieee") * qk_scale
+        visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # Masked values load as zero: a stale NaN in the cache must not leak through 0 * NaN.
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v.to(dot_ty), input_precision="ieee")
+        m_i = m_new
+
+    # A row that saw no key outputs zero rather than NaN.
+    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_off = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
+    tl.store(out_ptr + o_off[:, None] + offs_d[None, :], acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+def _tile_sizes(group: int, max_query_len: int, head_dim: int, on_cpu: bool) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): small tiles under the CPU interpreter, where every
+    tile costs Python time; on the GPU, rows just cover a decode/verify batch
+    and are capped at 64 for prefill so the fp32 accumulator stays in registers."""
+    min_rows = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows; a tile holds a whole group
+    block_m = max(min_rows, min(triton.next_power_of_2(group * max_query_len), 16 if on_cpu else 64))
+    block_n = 16 if on_cpu else (64 if head_dim <= 128 else 32)
+    return block_m, block_n
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv_cache_triton(k, v, kv_cache, metadata.slot_mapping)
+        # Zeros, not empty: query tokens outside every request (graph padding) stay defined.
+        out = torch.zeros_like(q)
+        if metadata.num_reqs == 0 or metadata.max_query_len == 0:
+            return out
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k.shape[1]
+        assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+        assert head_dim >= 16 and head_dim == triton.next_power_of_2(head_dim), "head_dim must be a power of two >= 16"
+        assert q.stride(2) == 1 and out.stride(2) == 1 and kv_cache.stride(4) == 1
+
+        group = num_heads // num_kv_heads
+        on_cpu = q.device.type == "cpu"  # only the interpreter runs Triton on CPU tensors
+        block_m, block_n = _tile_sizes(group, metadata.max_query_len, head_dim, on_cpu)
+        block_q = block_m // group
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        grid = (metadata.num_reqs, num_kv_heads, triton.cdiv(metadata.max_query_len, block_q))
+        _paged_attention_kernel[grid](
+            q, k_cache, v_cache, out,
+            metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
+            scale * math.log2(math.e),
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            metadata.block_table.stride(0), kv_cache.shape[2],
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+            # The interpreter multiplies bfloat16 dot operands as raw integer bits.
+            DOT_FP32=on_cpu and q.dtype == torch.bfloat16,
+        )
+        return out
