@@ -16,6 +16,7 @@ from specserve.errors import InvalidRequestError
 from specserve.models.loader import build_model, load_tokenizer, open_model_source
 from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specserve.sampling_params import SamplingParams
+from specserve.spec_decode.metrics import SpecDecodeStats
 from specserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ class LLMEngine:
                                  config.max_model_len)
         self.scheduler = Scheduler(config, self.kv)
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        # Engine-wide acceptance statistics; stays empty without a speculator.
+        self.spec_stats = SpecDecodeStats()
         self._counter = itertools.count()
         logger.info("specserve ready: %s (%s, %s, %d layers), max_model_len=%d", source.name, self.arch.architecture,
                     config.torch_dtype, self.arch.num_layers, config.max_model_len)
