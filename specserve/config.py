@@ -37,8 +37,15 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # "torch" (exact reference, any device) or "triton" (paged kernels); None: triton on CUDA, torch on CPU.
+    attention_backend: str | None = None
+    # A SpeculativeConfig, or its dict / JSON form as on vLLM's command line.
+    speculative_config: object = None
 
     def __post_init__(self) -> None:
+        from specserve.spec_decode.config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         _check(isinstance(self.model, str) and bool(self.model), "model",
                "give a model name (e.g. smollm2-135m), a Hugging Face directory or a .gguf file")
         _check(self.dtype is None or self.dtype in _DTYPES, "dtype",
@@ -49,6 +56,10 @@ class EngineConfig:
         if self.device.startswith("cuda"):
             _check(torch.cuda.is_available(), "device",
                    "CUDA was asked for but torch sees no GPU; use device='cpu' or install a CUDA build of torch")
+        if self.attention_backend is None:
+            self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
+        _check(self.attention_backend in ("torch", "triton"), "attention_backend",
+               f"must be 'torch' or 'triton', got {self.attention_backend!r}")
         _check(self.block_size in (8, 16, 32, 64, 128), "block_size", f"must be 8, 16, 32, 64 or 128, got {self.block_size}")
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",

@@ -16,6 +16,7 @@ from specserve.errors import InvalidRequestError
 from specserve.models.loader import build_model, load_tokenizer, open_model_source
 from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specserve.sampling_params import SamplingParams
+from specserve.spec_decode.factory import build_speculator
 from specserve.spec_decode.metrics import SpecDecodeStats
 from specserve.worker.model_runner import ModelRunner
 
@@ -27,16 +28,18 @@ class LLMEngine:
         self.config = config
         source = open_model_source(config.model)
         self.tokenizer = load_tokenizer(source, config.tokenizer)
-        self.model, self.arch = build_model(source, config.torch_dtype, config.device, get_attention_backend("torch"))
+        backend = get_attention_backend(config.attention_backend)
+        self.model, self.arch = build_model(source, config.torch_dtype, config.device, backend)
         config.finalize(self.arch.max_context)
         self.eos_token_ids = self._eos_ids(source)
         self.runner = ModelRunner(self.model, self.arch, config)
+        spec = config.speculative_config
+        if spec is not None:
+            self.runner.set_speculator(build_speculator(spec, self.runner, backend), spec.forced_acceptance_prob)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.max_model_len)
-        self.scheduler = Scheduler(config, self.kv)
+        self.scheduler = Scheduler(config, self.kv, num_lookahead_tokens=spec.num_speculative_tokens if spec else 0)
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        # Engine-wide acceptance statistics; stays empty without a speculator.
-        self.spec_stats = SpecDecodeStats()
         self._counter = itertools.count()
         logger.info("specserve ready: %s (%s, %s, %d layers), max_model_len=%d", source.name, self.arch.architecture,
                     config.torch_dtype, self.arch.num_layers, config.max_model_len)
@@ -98,6 +101,11 @@ class LLMEngine:
         self._detok.pop(request_id, None)
         return True
 
+    @property
+    def spec_stats(self) -> SpecDecodeStats:
+        """Engine-wide acceptance statistics; empty without a speculator."""
+        return self.scheduler.spec_stats
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
@@ -112,11 +120,12 @@ class LLMEngine:
         if sched.is_empty:
             return []
         result = self.runner.execute_model(sched)
-        updated = self.scheduler.update(sched, result.sampled)
+        before = {s.request.request_id: s.request.num_output_tokens for s in sched.scheduled}
+        updated = self.scheduler.update(sched, result)
         outputs = []
         for req in updated:
-            n_before = req.num_output_tokens - len(result.sampled[req.request_id])
-            req.logprobs.extend(result.logprobs.get(req.request_id, []))
+            n_before = before[req.request_id]
+            req.logprobs.extend(result.logprobs.get(req.request_id, [])[: req.num_output_tokens - n_before])
             outputs.append(self._output(req, n_before))
         return outputs
 
@@ -156,6 +165,7 @@ class LLMEngine:
             first_token_time=req.first_token_time,
             finished_time=now if finished else None,
             arrival_time=req.arrival_time,
+            spec=req.spec_stats.as_dict() if self.config.speculative_config else {},
         )
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished,
                              delta_text=delta, delta_token_ids=new_tokens, metrics=metrics)

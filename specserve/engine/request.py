@@ -7,6 +7,7 @@ import time
 import torch
 
 from specserve.sampling_params import SamplingParams
+from specserve.spec_decode.metrics import SpecDecodeStats
 
 
 class RequestStatus(enum.Enum):
@@ -54,6 +55,7 @@ class Request:
         self.num_model_tokens = 0
         # Draft tokens proposed for verification in the next step.
         self.spec_token_ids: list[int] = []
+        self.spec_stats = SpecDecodeStats()
         self.stop_reason: int | str | None = None
         # Seeded requests draw all their randomness from their own generator, on the model's device.
         self.generator: torch.Generator | None = None

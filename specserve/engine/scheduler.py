@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from specserve.config import EngineConfig
 from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.request import Request, RequestStatus
+from specserve.spec_decode.metrics import SpecDecodeStats
 
 
 @dataclass
@@ -37,6 +38,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # Requests that finished since the last step: the runner drops their per-request state.
+    finished: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +58,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self.spec_stats = SpecDecodeStats()
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -75,7 +80,8 @@ class Scheduler:
         out.preempted.append(victim.request_id)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished=self._finished_ids)
+        self._finished_ids = []
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
 
@@ -125,14 +131,15 @@ class Scheduler:
         out.scheduled = scheduled
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Advance each request past the tokens computed this step; returns requests with new tokens."""
+    def update(self, out: SchedulerOutput, result) -> list[Request]:
+        """Advance each request past the tokens computed this step (result: the runner's output);
+        returns the requests that got new tokens."""
         updated = []
         for s in out.scheduled:
             req = s.request
             if req.is_finished:
                 continue
-            new_tokens = sampled.get(req.request_id, [])
+            new_tokens = result.sampled.get(req.request_id, [])
             # Of the verified drafts only the accepted ones (len(new_tokens) - 1) count as computed.
             num_rejected = len(s.spec_token_ids) - max(len(new_tokens) - 1, 0) if s.samples else 0
             req.num_computed_tokens += s.num_new_tokens - num_rejected
@@ -140,9 +147,14 @@ class Scheduler:
             req.spec_token_ids = []
             if not s.samples:
                 continue
+            if s.spec_token_ids:
+                req.spec_stats.record(len(s.spec_token_ids), len(new_tokens) - 1)
+                self.spec_stats.record(len(s.spec_token_ids), len(new_tokens) - 1)
             for t in new_tokens:
                 if req.append_token(t):
                     break
+            if not req.is_finished:
+                req.spec_token_ids = result.drafts.get(req.request_id, [])
             updated.append(req)
         return updated
 
@@ -157,3 +169,4 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)

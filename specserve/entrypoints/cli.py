@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 import warnings
 
 from specserve.errors import SpecserveError
@@ -20,6 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    g.add_argument("--speculative-config", help='JSON as in vLLM, e.g. \'{"method": "eagle3", "model": PATH, '
+                   '"num_speculative_tokens": 4}\'; methods: eagle, eagle3, ngram, draft_model')
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -37,7 +40,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(
         dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=not a.no_prefix_caching,
-        enable_chunked_prefill=not a.no_chunked_prefill, seed=a.seed,
+        enable_chunked_prefill=not a.no_chunked_prefill, seed=a.seed, speculative_config=a.speculative_config,
     )
 
 
@@ -54,10 +57,25 @@ def cmd_generate(a: argparse.Namespace) -> None:
     params = sampling_params(a)
     llm = LLM(a.model, **engine_kwargs(a))
     prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in a.prompts] if a.chat else a.prompts
+    start = time.perf_counter()
     outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
     for prompt, out in zip(a.prompts, outs):
         c = out.outputs[0]
         print(f"=== {prompt!r}\n{c.text}\n--- {len(c.token_ids)} tokens, finished: {c.finish_reason}")
+        if a.stats and out.metrics.spec:
+            print(f"--- speculation: {format_spec_stats(out.metrics.spec)}")
+    if a.stats:
+        total = sum(len(o.outputs[0].token_ids) for o in outs)
+        print(f"=== {total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tokens/s)")
+        if llm.engine.config.speculative_config:
+            print(f"=== speculation, all requests: {format_spec_stats(llm.engine.spec_stats.as_dict())}")
+
+
+def format_spec_stats(s: dict) -> str:
+    per_pos = ", ".join(f"{p:.2f}" for p in s["acceptance_per_position"])
+    return (f"drafted {s['num_drafted']}, accepted {s['num_accepted']} ({s['acceptance_rate']:.1%}), "
+            f"mean acceptance length {s['mean_acceptance_length']:.2f}, per position [{per_pos}]")
 
 
 def cmd_chat(a: argparse.Namespace) -> None:
@@ -97,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate completions for prompts")
     gen.add_argument("prompts", nargs="+", help="one or more prompts")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    gen.add_argument("--stats", action="store_true", help="print throughput and speculative-decoding acceptance")
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)

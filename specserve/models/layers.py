@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
@@ -46,10 +46,23 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict):
         super().__init__()
+        self._spec = (head_dim, max_positions, theta, scaling)
+        self._build(torch.device("cpu"))
+
+    def _build(self, device: torch.device) -> None:
+        head_dim, max_positions, theta, scaling = self._spec
+        # Computed on the CPU in float64 whatever device context is active (meta during model construction).
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        self.register_buffer("cos", freqs.cos().float(), persistent=False)
-        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64, device="cpu"), inv_freq)
+        self.register_buffer("cos", freqs.cos().float().to(device), persistent=False)
+        self.register_buffer("sin", freqs.sin().float().to(device), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        # Recomputed after every move or cast: the tables stay float32 (in bf16 large positions
+        # alias) and are never left uninitialised by to_empty.
+        self._build(self.cos.device)
+        return self
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].unsqueeze(1)

@@ -12,18 +12,18 @@ from torch import nn
 
 from specserve.attention.backend import AttentionBackend
 from specserve.attention.metadata import AttentionMetadata
-from specserve.errors import ModelLoadError
 from specserve.models.arch_config import ArchConfig
 from specserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from specserve.models.weight_loading import load_hf_weights
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, input_size: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = nn.Linear(input_size or cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -67,12 +67,6 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # Hugging Face names that are stored as a slice of one of our fused parameters.
-    _FUSED = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
-
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend, aux_hidden_layers: tuple[int, ...] = ()):
         super().__init__()
         self.cfg = cfg
@@ -92,59 +86,20 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Final-norm hidden states [num_tokens, hidden] and the auxiliary hidden states asked for."""
         x = self.model.embed_tokens(input_ids)
-        aux = []
+        saved = {}
         for i, layer in enumerate(self.model.layers):
             if i in self.aux_hidden_layers:
-                aux.append(x)
+                saved[i] = x
             x = layer(x, positions, self.model.rotary, kv_caches[i], metadata)
-        return self.model.norm(x), aux
+        return self.model.norm(x), [saved[i] for i in self.aux_hidden_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        shard_sizes = {
-            "qkv_proj": [self.cfg.num_heads * self.cfg.head_dim] + [self.cfg.num_kv_heads * self.cfg.head_dim] * 2,
-            "gate_up_proj": [self.cfg.intermediate_size] * 2,
-        }
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
-                continue
-            parts = name.split(".")
-            target = name
-            shard = None
-            for i, p in enumerate(parts):
-                if p in self._FUSED:
-                    fused, shard = self._FUSED[p]
-                    target = ".".join(parts[:i] + [fused] + parts[i + 1:])
-                    break
-            if target not in params:
-                raise ModelLoadError(f"weight {name!r} does not belong to a {self.cfg.architecture}; is the config right?")
-            param = params[target]
-            if shard is None:
-                dst = param.data
-            else:
-                sizes = shard_sizes[target.split(".")[-2]]
-                offset = sum(sizes[:shard])
-                dst = param.data.narrow(0, offset, sizes[shard])
-            if dst.shape != tensor.shape:
-                raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
-            loaded.add(f"{target}#{shard}")
-        expected = set()
-        for pname, _ in self.named_parameters():
-            leaf = pname.split(".")[-2] if pname.count(".") else ""
-            if leaf in shard_sizes:
-                expected.update(f"{pname}#{i}" for i in range(len(shard_sizes[leaf])))
-            else:
-                expected.add(f"{pname}#None")
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ModelLoadError(
-                f"the checkpoint lacks {len(missing)} weights, e.g. {missing[0].split('#')[0]}; the file may be "
-                "truncated or of another model"
-            )
+        def rename(name: str) -> str | None:
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+                return None
+            return name
+
+        load_hf_weights(self, weights, self.cfg, rename)

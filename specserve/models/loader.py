@@ -87,7 +87,7 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
 
     for f in _safetensors_files(path):
@@ -104,7 +104,7 @@ def _weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
         reader = open_gguf(source.path)
         return iter(tqdm(gguf_weights(reader, source.hf_config), total=len(reader.tensors),
                          desc=f"Loading {source.name}", unit="tensor", leave=False))
-    return iter(tqdm(_safetensors_weights(source.path), desc=f"Loading {source.name}", unit="tensor", leave=False))
+    return iter(tqdm(safetensors_weights(source.path), desc=f"Loading {source.name}", unit="tensor", leave=False))
 
 
 def load_weights_into(model: torch.nn.Module, source: ModelSource) -> None:
@@ -142,7 +142,6 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
 
 
 def build_model(source: ModelSource, dtype: torch.dtype, device: str, backend, aux_hidden_layers=()):
-    from specserve.models.layers import RotaryEmbedding
     from specserve.models.llama import LlamaForCausalLM
 
     arch = ArchConfig.from_hf_config(source.hf_config)
@@ -152,7 +151,4 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: str, backend, a
     model.tie_weights()
     load_weights_into(model, source)
     model = model.to(device=device, dtype=dtype)
-    # Built after the dtype cast so the rotary tables stay float32.
-    model.model.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
-                                         arch.rope_scaling).to(device)
     return model.eval().requires_grad_(False), arch

@@ -159,3 +159,13 @@ class Sampler:
             if b.max_logprobs > 0:
                 out.top_logprobs, out.top_ids = raw_logprobs.topk(b.max_logprobs, dim=-1)
         return out
+
+
+def token_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, top_n: int) -> SamplerOutput:
+    """Logprob and rank of each chosen token under the raw model distribution, and the top_n alternatives."""
+    out = SamplerOutput(tokens)
+    out.sampled_logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    out.sampled_ranks = (raw_logprobs > out.sampled_logprobs.unsqueeze(1)).sum(dim=1) + 1
+    if top_n > 0:
+        out.top_logprobs, out.top_ids = raw_logprobs.topk(top_n, dim=-1)
+    return out

@@ -11,7 +11,10 @@ from specserve.config import EngineConfig
 from specserve.engine.scheduler import SchedulerOutput
 from specserve.models.arch_config import ArchConfig
 from specserve.outputs import Logprob
-from specserve.sample.sampler import Sampler, SamplingBatch
+from specserve.sample.sampler import Sampler, SamplingBatch, filtered_probs, token_logprobs
+from specserve.spec_decode.config import MAX_SPECULATIVE_TOKENS
+from specserve.spec_decode.rejection_sampler import draw_randomness, rejection_sample
+from specserve.spec_decode.speculator import DraftInput, Speculator
 from specserve.worker.input_buffers import InputBuffers
 
 logger = logging.getLogger(__name__)
@@ -23,6 +26,10 @@ class RunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)
     # request id -> one logprob dict per produced token
     logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
+    # request id -> drafts verified this step (for acceptance statistics)
+    num_drafted: dict[str, int] = field(default_factory=dict)
+    # request id -> draft tokens proposed for the next step
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -41,66 +48,201 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or max(
             2, int(config.kv_cache_memory_gb * 2**30) // kv_block_bytes(arch, self.block_size, self.dtype)
         )
-        shape = (2, self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(arch.num_layers)]
+        self.kv_caches = self.allocate_kv_caches(arch)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                     self.num_blocks * kv_block_bytes(arch, self.block_size, self.dtype) / 2**30)
-        max_blocks_per_req = -(-(config.max_model_len + self.block_size) // self.block_size)
+        # Room for the context plus draft lookahead slots.
+        max_blocks_per_req = -(-(config.max_model_len + MAX_SPECULATIVE_TOKENS) // self.block_size) + 1
         self.buffers = InputBuffers(config.max_num_seqs, config.max_num_batched_tokens, max_blocks_per_req, self.device)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
+        self.speculator: Speculator | None = None
+        self.forced_acceptance_prob: float | None = None
+        # Each running request owns one row of per-request persistent state (the draft-probability buffer).
+        self.rows: dict[str, int] = {}
+        self.free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+
+    def allocate_kv_caches(self, arch: ArchConfig, num_layers: int | None = None) -> list[torch.Tensor]:
+        """Paged KV caches in the runner's block layout (the target's, or a drafter's over the same blocks)."""
+        shape = (2, self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers or arch.num_layers)]
+
+    def set_speculator(self, speculator: Speculator, forced_acceptance_prob: float | None) -> None:
+        self.speculator = speculator
+        self.forced_acceptance_prob = forced_acceptance_prob
+        self.model.aux_hidden_layers = speculator.aux_hidden_layers
+        n = self.config.max_num_seqs
+        self.draft_base_positions = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.draft_block_table = torch.zeros_like(self.buffers.block_table)
+
+    def _release_rows(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            row = self.rows.pop(rid, None)
+            if row is not None:
+                self.free_rows.append(row)
+            if self.speculator is not None:
+                self.speculator.forget(rid)
+
+    def _row(self, request_id: str) -> int:
+        if request_id not in self.rows:
+            self.rows[request_id] = self.free_rows.pop()
+        return self.rows[request_id]
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
-        ids, pos, qlens, slens, rows, sample_rows, sampling_reqs = [], [], [], [], [], [], []
+        self._release_rows(sched.finished + sched.preempted)
+        ids, pos, qlens, slens, rows, sample_ends, sampling = [], [], [], [], [], [], []
         offset = 0
-        for s in sched.scheduled:
+        for i, s in enumerate(sched.scheduled):
             req = s.request
             start = req.num_computed_tokens
-            tokens = (req.all_token_ids + s.spec_token_ids)[start:start + s.num_new_tokens]
-            ids.append(tokens)
+            ids.append((req.all_token_ids + s.spec_token_ids)[start:start + s.num_new_tokens])
             pos.append(np.arange(start, start + s.num_new_tokens))
             qlens.append(s.num_new_tokens)
             slens.append(start + s.num_new_tokens)
             rows.append(s.block_ids)
             offset += s.num_new_tokens
             if s.samples:
-                sample_rows.append(offset - 1)
-                sampling_reqs.append(req)
-        metadata = self.buffers.prepare(
-            np.fromiter((t for chunk in ids for t in chunk), dtype=np.int64, count=offset),
-            np.concatenate(pos).astype(np.int64),
-            np.array(qlens, dtype=np.int64),
-            np.array(slens, dtype=np.int64),
-            rows,
-            self.block_size,
-        )
-        hidden, _ = self.model(self.buffers.input_ids[:offset], self.buffers.positions[:offset], self.kv_caches, metadata)
+                sample_ends.append(offset)
+                sampling.append(i)
+        input_ids = np.fromiter((t for chunk in ids for t in chunk), dtype=np.int64, count=offset)
+        metadata = self.buffers.prepare(input_ids, np.concatenate(pos).astype(np.int64), np.array(qlens, dtype=np.int64),
+                                        np.array(slens, dtype=np.int64), rows, self.block_size)
+        hidden, aux = self.model(self.buffers.input_ids[:offset], self.buffers.positions[:offset], self.kv_caches, metadata)
         out = RunnerOutput()
-        if not sampling_reqs:
+        if not sampling:
             return out
-        idx = self.buffers.upload("logits_indices", np.array(sample_rows, dtype=np.int64))
-        logits = self.model.compute_logits(hidden[idx])
-        result = self.sampler(logits, SamplingBatch.build(sampling_reqs, self.device))
-        tokens = result.token_ids.tolist()
-        for i, req in enumerate(sampling_reqs):
-            out.sampled[req.request_id] = [tokens[i]]
-        if result.sampled_logprobs is not None:
-            self._collect_logprobs(result, sampling_reqs, tokens, out)
+        scheduled = [sched.scheduled[i] for i in sampling]
+        if any(s.spec_token_ids for s in scheduled):
+            self._verify(hidden, scheduled, sample_ends, out)
+        else:
+            self._sample(hidden, scheduled, sample_ends, out)
+        if self.speculator is not None:
+            self._propose(sched, sampling, sample_ends, input_ids, hidden, aux, metadata, out)
         return out
 
+    def _sample(self, hidden, scheduled, sample_ends, out: RunnerOutput) -> None:
+        reqs = [s.request for s in scheduled]
+        idx = self.buffers.upload("logits_indices", np.array(sample_ends, dtype=np.int64) - 1)
+        result = self.sampler(self.model.compute_logits(hidden[idx]), SamplingBatch.build(reqs, self.device))
+        tokens = result.token_ids.tolist()
+        for req, t in zip(reqs, tokens):
+            out.sampled[req.request_id] = [t]
+        if result.sampled_logprobs is not None:
+            self._collect_logprobs(result, [[r] for r in reqs], out)
+
+    def _verify(self, hidden, scheduled, sample_ends, out: RunnerOutput) -> None:
+        """Rejection-sample each request's drafts against the target's logits at the verified positions."""
+        reqs = [s.request for s in scheduled]
+        num_drafts = [len(s.spec_token_ids) for s in scheduled]
+        k = max(num_drafts)
+        # Row j of request i is the target's prediction after its j-th draft (clamped for padding).
+        index = np.array([[end - 1 - n + min(j, n) for j in range(k + 1)] for end, n in zip(sample_ends, num_drafts)])
+        idx = torch.from_numpy(index.reshape(-1)).to(self.device)
+        logits = self.model.compute_logits(hidden[idx]).view(len(reqs), k + 1, -1)
+        batch = SamplingBatch.build(reqs, self.device)
+        if batch.all_greedy:
+            target_probs = logits
+        else:
+            expanded = SamplingBatch.build([r for r in reqs for _ in range(k + 1)], self.device)
+            target_probs = filtered_probs(logits.flatten(0, 1), expanded).view_as(logits)
+        drafts = torch.tensor([s.spec_token_ids + [-1] * (k - len(s.spec_token_ids)) for s in scheduled],
+                              dtype=torch.int64, device=self.device)
+        draft_probs = None
+        if self.speculator.draft_probs is not None and not batch.all_greedy:
+            rows = torch.tensor([self._row(r.request_id) for r in reqs], device=self.device)
+            draft_probs = self.speculator.draft_probs[rows, :k]
+        uniform, noise = draw_randomness(len(reqs), k, logits.shape[-1], batch.generators, self.device,
+                                         self.sampler.default_generator)
+        tokens, accepted = rejection_sample(
+            drafts, torch.tensor(num_drafts, device=self.device), draft_probs, target_probs, batch.greedy,
+            logits.argmax(dim=-1), uniform, noise, self.forced_acceptance_prob)
+        tokens, accepted = tokens.tolist(), accepted.tolist()
+        for req, row, a, n in zip(reqs, tokens, accepted, num_drafts):
+            out.sampled[req.request_id] = row[:a + 1]
+            out.num_drafted[req.request_id] = n
+        if batch.max_logprobs is not None:
+            emitted = [(i, j) for i, a in enumerate(accepted) for j in range(a + 1)]
+            sel = torch.tensor(emitted, device=self.device)
+            raw = logits[sel[:, 0], sel[:, 1]].log_softmax(dim=-1)
+            chosen = torch.tensor([tokens[i][j] for i, j in emitted], device=self.device)
+            per_req = [[reqs[i] for i, _ in emitted if i == r] for r in range(len(reqs))]
+            self._collect_logprobs(token_logprobs(raw, chosen, batch.max_logprobs), per_req, out)
+
+    def _propose(self, sched, sampling, sample_ends, input_ids, hidden, aux, metadata, out: RunnerOutput) -> None:
+        """Draft the next tokens of every request that produced tokens this step."""
+        spec = self.speculator
+        drafting, last_idx, base, contexts, max_drafts = [], [], [], [], []
+        next_ids = np.roll(input_ids, -1)
+        for i, end in zip(sampling, sample_ends):
+            s = sched.scheduled[i]
+            req = s.request
+            new = out.sampled[req.request_id]
+            last = end - 1 - len(s.spec_token_ids) + (len(new) - 1)
+            next_ids[last] = new[-1]
+            # Penalties and min_tokens depend on every earlier token, so such requests decode one token at a time.
+            if req.params.uses_penalties or req.num_output_tokens + len(new) < req.params.min_tokens:
+                continue
+            context = req.all_token_ids + new
+            room = self.config.max_model_len - len(context)
+            if room <= 0:
+                continue
+            drafting.append(req)
+            last_idx.append(last)
+            base.append(req.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids) - 1 + len(new) - 1)
+            contexts.append(context)
+            max_drafts.append(min(spec.num_speculative_tokens, room))
+        # Positions whose next token is still a prompt token (prompt chunks) keep the rolled value;
+        # a request's last position otherwise got its new token above.
+        for i, s in enumerate(sched.scheduled):
+            if not s.samples:
+                end = int(metadata.query_start_loc_cpu[i + 1])
+                req = s.request
+                next_ids[end - 1] = req.all_token_ids[req.num_computed_tokens + s.num_new_tokens]
+        if not drafting:
+            return
+        n = len(drafting)
+        self.draft_base_positions[:n].copy_(torch.tensor(base))
+        req_index = {id(s.request): i for i, s in enumerate(sched.scheduled)}
+        table_rows = torch.tensor([req_index[id(r)] for r in drafting], device=self.device)
+        self.draft_block_table[:n].copy_(metadata.block_table.index_select(0, table_rows))
+        target_hidden = torch.cat(aux, dim=-1) if spec.aux_hidden_layers else hidden
+        inp = DraftInput(
+            input_ids=self.buffers.input_ids[: len(input_ids)],
+            next_ids=torch.from_numpy(next_ids).to(self.device),
+            positions=self.buffers.positions[: len(input_ids)],
+            hidden=target_hidden,
+            metadata=metadata,
+            requests=drafting,
+            contexts=contexts,
+            last_token_indices=torch.tensor(last_idx, device=self.device),
+            base_positions=self.draft_base_positions,
+            base_positions_cpu=base,
+            last_tokens=torch.tensor([c[-1] for c in contexts], device=self.device),
+            block_table=self.draft_block_table,
+            rows=torch.tensor([self._row(r.request_id) for r in drafting], device=self.device),
+            sampling=SamplingBatch.build(drafting, self.device),
+            max_drafts=max_drafts,
+        )
+        for req, d in zip(drafting, spec.propose(inp)):
+            out.drafts[req.request_id] = d
+
     @staticmethod
-    def _collect_logprobs(result, reqs, tokens, out: RunnerOutput) -> None:
+    def _collect_logprobs(result, reqs_per_row: list[list], out: RunnerOutput) -> None:
+        """result rows are emitted tokens in order; reqs_per_row[i] lists request i once per emitted token."""
         lp = result.sampled_logprobs.tolist()
         ranks = result.sampled_ranks.tolist()
+        tokens = result.token_ids.tolist()
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
         top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-        for i, req in enumerate(reqs):
-            n = req.params.logprobs
-            if n is None:
-                continue
-            entry = {tokens[i]: Logprob(lp[i], ranks[i])}
-            for r in range(n):
-                entry.setdefault(top_ids[i][r], Logprob(top_lp[i][r], r + 1))
-            out.logprobs[req.request_id] = [entry]
+        row = 0
+        for reqs in reqs_per_row:
+            for req in reqs:
+                n = req.params.logprobs
+                if n is not None:
+                    entry = {tokens[row]: Logprob(lp[row], ranks[row])}
+                    for r in range(n):
+                        entry.setdefault(top_ids[row][r], Logprob(top_lp[row][r], r + 1))
+                    out.logprobs.setdefault(req.request_id, []).append(entry)
+                row += 1

@@ -1,0 +1,85 @@
+"""EAGLE-3 draft head (the layout vLLM's Eagle3LlamaForCausalLM loads).
+
+The target hands over hidden states from three of its layers; fc maps their
+concatenation (3H) to H at draft position 0. The decoder layer attends over
+concat(norm(token embedding), norm(hidden)) (2H wide), and the head has its
+own final norm and an lm_head over a smaller draft vocabulary; d2t maps a
+draft id to a target id (target = draft + d2t[draft]).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from specserve.models.arch_config import ArchConfig
+from specserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from specserve.models.llama import Attention
+from specserve.models.weight_loading import load_hf_weights
+
+
+def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
+    """Early, middle and late layers, as EAGLE-3 trains with (inputs of these layers)."""
+    return (2, num_target_layers // 2, num_target_layers - 3)
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: ArchConfig, backend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend, input_size=2 * cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, embeds, hidden, positions, rotary, kv_cache, metadata):
+        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
+        h = hidden + self.self_attn(x, positions, rotary, kv_cache, metadata)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, cfg: ArchConfig, backend, draft_vocab_size: int, target_hidden_size: int,
+                 aux_hidden_layers: tuple[int, ...]):
+        super().__init__()
+        self.cfg = cfg
+        self.aux_hidden_layers = aux_hidden_layers
+        self.draft_vocab_size = draft_vocab_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.fc = nn.Linear(len(aux_hidden_layers) * target_hidden_size, cfg.hidden_size, bias=False)
+        self.layer = Eagle3Layer(cfg, backend)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(self, input_ids, positions, hidden, kv_cache, metadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pre-norm hidden fed back to the next draft step, normed hidden for the logits)."""
+        if hidden.shape[-1] != self.cfg.hidden_size:
+            hidden = self.fc(hidden)  # draft position 0: the target's auxiliary hidden states
+        h = self.layer(self.embed_tokens(input_ids), hidden, positions, self.rotary, kv_cache, metadata)
+        return h, self.norm(h)
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the target vocabulary; tokens outside the draft vocabulary get -inf."""
+        draft = self.lm_head(h).float()
+        full = torch.full((h.shape[0], self.cfg.vocab_size), float("-inf"), device=h.device)
+        target_ids = torch.arange(self.draft_vocab_size, device=h.device) + self.d2t
+        return full.index_copy_(1, target_ids, draft)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        def rename(name: str) -> str | None:
+            name = name.removeprefix("model.")
+            if name in ("d2t", "t2d") or "rotary_emb" in name:
+                return None
+            for prefix in ("midlayer.", "layers.0."):
+                if name.startswith(prefix):
+                    return "layer." + name[len(prefix):]
+            return name
+
+        weights = list(weights)
+        d2t = [t for n, t in weights if n == "d2t"]
+        if d2t:
+            self.d2t.copy_(d2t[0].to(torch.int64))
+        return load_hf_weights(self, weights, self.cfg, rename, optional=("embed_tokens",))

@@ -1,0 +1,74 @@
+"""Loading Hugging Face-named weights into our modules, which store q/k/v and gate/up fused."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from specserve.errors import ModelLoadError
+from specserve.models.arch_config import ArchConfig
+
+# Hugging Face projection name -> (our fused parameter, shard index).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+def load_hf_weights(
+    module: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    cfg: ArchConfig,
+    rename: Callable[[str], str | None] = lambda n: n,
+    optional: tuple[str, ...] = (),
+) -> set[str]:
+    """Copy weights into module; `rename` maps a checkpoint name to ours (None skips it).
+
+    Raises ModelLoadError on an unknown name, a wrong shape, or a missing weight
+    (parameters whose name starts with one of `optional` may be missing).
+    Returns the names of the parameters that were loaded.
+    """
+    params = dict(module.named_parameters())
+    shard_sizes = {
+        "qkv_proj": [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2,
+        "gate_up_proj": [cfg.intermediate_size] * 2,
+    }
+    loaded: set[str] = set()
+    for raw_name, tensor in weights:
+        name = rename(raw_name)
+        if name is None:
+            continue
+        parts = name.split(".")
+        shard = None
+        for i, p in enumerate(parts):
+            if p in _FUSED:
+                fused, shard = _FUSED[p]
+                name = ".".join(parts[:i] + [fused] + parts[i + 1:])
+                break
+        if name not in params:
+            raise ModelLoadError(f"weight {raw_name!r} does not belong to a {type(module).__name__} "
+                                 f"({cfg.architecture}); is the config right?")
+        dst = params[name].data
+        if shard is not None:
+            sizes = shard_sizes[name.split(".")[-2]]
+            dst = dst.narrow(0, sum(sizes[:shard]), sizes[shard])
+        if dst.shape != tensor.shape:
+            raise ModelLoadError(f"weight {raw_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        loaded.add(f"{name}#{shard}")
+
+    expected = set()
+    for pname, _ in module.named_parameters():
+        leaf = pname.split(".")[-2] if "." in pname else ""
+        if pname.startswith(optional):
+            continue
+        if leaf in shard_sizes:
+            expected.update(f"{pname}#{i}" for i in range(len(shard_sizes[leaf])))
+        else:
+            expected.add(f"{pname}#None")
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ModelLoadError(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[0].split('#')[0]}; "
+                             "the file may be truncated or of another model")
+    return {n.split("#")[0] for n in loaded}

@@ -1,0 +1,97 @@
+"""Build the speculator a SpeculativeConfig asks for, checking that it fits the target."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from specserve.errors import ConfigError, ModelLoadError
+from specserve.models.arch_config import ArchConfig
+from specserve.spec_decode.config import SpeculativeConfig
+from specserve.spec_decode.speculator import Speculator
+
+logger = logging.getLogger(__name__)
+
+
+def _bad(field: str, msg: str) -> ConfigError:
+    return ConfigError(f"speculative_config.{field}", msg)
+
+
+def _head_config(path: Path) -> dict:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise _bad("model", f"{path} has no config.json; an EAGLE head is a Hugging Face directory")
+    return json.loads(cfg_file.read_text())
+
+
+def _head_arch(cfg: dict) -> ArchConfig:
+    # Heads name their own architectures (EagleLlamaForCausalLM, LlamaForCausalLMEagle3, ...);
+    # their decoder layer is a Llama layer.
+    return ArchConfig.from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"]})
+
+
+def _check_fit(head: ArchConfig, target: ArchConfig, what: str) -> None:
+    if head.hidden_size != target.hidden_size:
+        raise _bad("model", f"the {what}'s hidden size {head.hidden_size} does not match the target's "
+                   f"{target.hidden_size}; use a {what} trained for this target")
+    if head.vocab_size != target.vocab_size:
+        raise _bad("model", f"the {what}'s vocabulary size {head.vocab_size} does not match the target's "
+                   f"{target.vocab_size}; use a {what} trained for this target")
+
+
+def _load_head(cfg: SpeculativeConfig, target_model, target: ArchConfig, backend):
+    from specserve.models.eagle import EagleHead
+    from specserve.models.eagle3 import Eagle3Head, default_aux_layers
+    from specserve.models.loader import safetensors_weights
+
+    path = Path(cfg.model).expanduser()
+    raw = _head_config(path)
+    arch = _head_arch(raw)
+    _check_fit(arch, target, "head")
+    if cfg.method == "eagle":
+        head = EagleHead(arch, backend, fc_bias=bool(raw.get("bias", False)))
+    else:
+        layers = tuple((raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+                       or default_aux_layers(target.num_layers))
+        if any(not 0 <= i < target.num_layers for i in layers):
+            raise _bad("model", f"auxiliary layers {layers} do not exist in a {target.num_layers}-layer target")
+        head = Eagle3Head(arch, backend, raw.get("draft_vocab_size") or arch.vocab_size, target.hidden_size, layers)
+    loaded = head.load_weights(safetensors_weights(path))
+    # Heads usually share the target's embedding (and EAGLE-1 its lm_head): take them when absent.
+    if "embed_tokens.weight" not in loaded:
+        head.embed_tokens.weight = target_model.model.embed_tokens.weight
+    if cfg.method == "eagle" and "lm_head.weight" not in loaded:
+        head.lm_head.weight = target_model.lm_head.weight
+    return head
+
+
+def build_speculator(cfg: SpeculativeConfig, runner, backend) -> Speculator:
+    from specserve.spec_decode.ngram_speculator import NgramSpeculator
+
+    if cfg.method == "ngram":
+        return NgramSpeculator(cfg)
+    target = runner.arch
+    common = dict(k=cfg.num_speculative_tokens, vocab_size=target.vocab_size, max_num_reqs=runner.config.max_num_seqs,
+                  block_size=runner.block_size, max_position=target.max_position_embeddings,
+                  device=runner.device, generator=runner.sampler.default_generator)
+    if cfg.method == "draft_model":
+        from specserve.models.loader import build_model, open_model_source
+        from specserve.spec_decode.draft_model import DraftModelSpeculator
+
+        try:
+            model, arch = build_model(open_model_source(cfg.model), runner.dtype, str(runner.device), backend)
+        except ModelLoadError as e:
+            raise _bad("model", str(e)) from e
+        if arch.vocab_size != target.vocab_size:
+            raise _bad("model", f"the draft model's vocabulary size {arch.vocab_size} does not match the target's "
+                       f"{target.vocab_size}; it must share the target's tokenizer")
+        caches = runner.allocate_kv_caches(arch)
+        logger.info("Draft model: %d layers, hidden %d", arch.num_layers, arch.hidden_size)
+        return DraftModelSpeculator(model, caches, **common)
+    from specserve.spec_decode.eagle.speculator import EagleSpeculator
+
+    head = _load_head(cfg, runner.model, target, backend).to(device=runner.device, dtype=runner.dtype)
+    head = head.eval().requires_grad_(False)
+    (cache,) = runner.allocate_kv_caches(head.cfg, num_layers=1)
+    logger.info("%s head loaded from %s", cfg.method.upper(), cfg.model)
+    return EagleSpeculator(head, cache, **common)

@@ -1,0 +1,53 @@
+"""What every speculator gets after the target's forward, and what it returns."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.attention.metadata import AttentionMetadata
+from specserve.engine.request import Request
+from specserve.sample.sampler import SamplingBatch
+
+
+@dataclass
+class DraftInput:
+    """The target step just run, seen by a speculator proposing the next drafts.
+
+    The first group of fields covers all T tokens the target ran; the second
+    the n requests to draft for (those that produced tokens this step).
+    """
+
+    input_ids: torch.Tensor  # [T] the target's input ids
+    next_ids: torch.Tensor  # [T] the token after each position (the new token at each last accepted one)
+    positions: torch.Tensor  # [T]
+    hidden: torch.Tensor  # [T, H] final hidden states, or [T, n_aux * H] auxiliary ones for EAGLE-3
+    metadata: AttentionMetadata  # the target's, reused by the draft prefill
+
+    requests: list[Request]
+    contexts: list[list[int]]  # each request's tokens including this step's new ones
+    last_token_indices: torch.Tensor  # [n] index into T of each request's last accepted token
+    # Persistent [max_num_reqs] buffer; rows < n hold the position of each last accepted token.
+    base_positions: torch.Tensor
+    base_positions_cpu: list[int]
+    last_tokens: torch.Tensor  # [n] the newest token of each request
+    # Persistent [max_num_reqs, max_blocks] buffer; rows < n are the drafting requests' block tables.
+    block_table: torch.Tensor
+    rows: torch.Tensor  # [n] each request's row in the draft-probability buffer
+    sampling: SamplingBatch
+    max_drafts: list[int]  # per request: at most this many drafts fit before the context ends
+
+
+class Speculator:
+    """Base of the proposers. `draft_probs` is None for proposers without a distribution (n-gram)."""
+
+    num_speculative_tokens: int
+    draft_probs: torch.Tensor | None = None
+    aux_hidden_layers: tuple[int, ...] = ()
+    uses_hidden_states: bool = False
+
+    def propose(self, inp: DraftInput) -> list[list[int]]:
+        raise NotImplementedError
+
+    def forget(self, request_id: str) -> None:
+        """A request finished or was preempted: drop any per-request state."""
