@@ -8,7 +8,7 @@ offset s % block_size.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,3 +33,5 @@ class AttentionMetadata:
     # Host copies, for the reference backend's per-request loop.
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
+    # What a backend derives from this metadata once per step and reuses in every layer.
+    backend_state: dict = field(default_factory=dict)

@@ -1,10 +1,13 @@
 """Exact reference attention over the paged KV cache, in plain PyTorch.
 
 Runs anywhere (CPU and GPU) and is the yardstick the Triton kernels are
-tested against. It loops over requests on the host, so it is for
-correctness, not speed.
+tested against. Prefill chunks attend one request at a time; short queries
+(decodes, draft verification) are batched into one padded call whose layout
+is built once per step and shared by every layer.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,25 +39,66 @@ def gather_kv(kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> 
 _BATCHED_MAX_QUERY = 16
 
 
+@dataclass
+class _StepLayout:
+    """How this step's requests split into per-request (long) and batched (short) attention."""
+
+    qsl: list[int]
+    seq_lens: list[int]
+    long: list[int]
+    batched: "_BatchedLayout | None"
+
+
+@dataclass
+class _BatchedLayout:
+    blocks: torch.Tensor  # [r, num_blocks] cache blocks of each batched request
+    live: torch.Tensor  # [r, max_s, 1, 1] key slots inside the request's length
+    token: torch.Tensor  # [r, max_q] query token index (0 for padding)
+    real: torch.Tensor  # [r, max_q] real query tokens
+    mask: torch.Tensor  # [r, 1, max_q, max_s] causal and length mask
+    max_s: int
+
+
 class TorchAttentionBackend:
     name = "torch"
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        layout = metadata.backend_state.get("torch")
+        if layout is None:
+            layout = metadata.backend_state["torch"] = _step_layout(metadata, kv_cache.shape[2], q.device)
         out = torch.zeros_like(q)
-        qsl = metadata.query_start_loc_cpu.tolist()
-        seq_lens = metadata.seq_lens_cpu.tolist()
-        short, long = [], []
-        for i in range(metadata.num_reqs):
-            q_len = qsl[i + 1] - qsl[i]
-            if q_len > 0 and seq_lens[i] > 0:
-                (short if q_len <= _BATCHED_MAX_QUERY else long).append(i)
-        for i in long:
+        qsl, seq_lens = layout.qsl, layout.seq_lens
+        for i in layout.long:
             out[qsl[i]:qsl[i + 1]] = _attend(q[qsl[i]:qsl[i + 1]], *gather_kv(kv_cache, metadata.block_table[i],
                                                                               seq_lens[i]), scale)
-        if short:
-            _attend_batched(q, out, kv_cache, metadata.block_table, short, qsl, seq_lens, scale)
+        if layout.batched is not None:
+            _attend_batched(q, out, kv_cache, layout.batched, scale)
         return out
+
+
+def _step_layout(metadata: AttentionMetadata, block_size: int, dev) -> _StepLayout:
+    qsl = metadata.query_start_loc_cpu.tolist()
+    seq_lens = metadata.seq_lens_cpu.tolist()
+    short, long = [], []
+    for i in range(metadata.num_reqs):
+        q_len = qsl[i + 1] - qsl[i]
+        if q_len > 0 and seq_lens[i] > 0:
+            (short if q_len <= _BATCHED_MAX_QUERY else long).append(i)
+    if not short:
+        return _StepLayout(qsl, seq_lens, long, None)
+    q_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in short], device=dev)
+    lens = torch.tensor([seq_lens[i] for i in short], device=dev)
+    max_q, max_s = int(q_lens.max()), int(lens.max())
+    blocks = metadata.block_table[torch.tensor(short, device=dev)][:, : -(-max_s // block_size)].long()
+    key_pos = torch.arange(max_s, device=dev)
+    t = torch.arange(max_q, device=dev)
+    real = t[None, :] < q_lens[:, None]
+    token = torch.where(real, torch.tensor([qsl[i] for i in short], device=dev)[:, None] + t[None, :], 0)
+    q_pos = lens[:, None] - q_lens[:, None] + t[None, :]
+    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < lens[:, None, None])
+    live = (key_pos[None, :] < lens[:, None])[:, :, None, None]
+    return _StepLayout(qsl, seq_lens, long, _BatchedLayout(blocks, live, token, real, mask[:, None], max_s))
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -71,29 +115,13 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: fl
     return o.transpose(0, 1)
 
 
-def _attend_batched(q, out, kv_cache, block_table, reqs: list[int], qsl: list[int], seq_lens: list[int],
-                    scale: float) -> None:
+def _attend_batched(q, out, kv_cache, b: _BatchedLayout, scale: float) -> None:
     """The same attention for several short-query requests at once, padded to the longest."""
-    dev = q.device
-    block_size = kv_cache.shape[2]
-    q_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in reqs], device=dev)
-    lens = torch.tensor([seq_lens[i] for i in reqs], device=dev)
-    max_q, max_s = int(q_lens.max()), int(lens.max())
-    num_blocks = -(-max_s // block_size)
-    blocks = block_table[torch.tensor(reqs, device=dev)][:, :num_blocks].long()
-    key_pos = torch.arange(max_s, device=dev)
-    live = (key_pos[None, :] < lens[:, None])[:, :, None, None]
     # Cache slots past a request's length may hold anything (even NaN): zero them, then mask them.
-    keys = torch.where(live, kv_cache[0][blocks].flatten(1, 2)[:, :max_s], 0).to(q.dtype)
-    values = torch.where(live, kv_cache[1][blocks].flatten(1, 2)[:, :max_s], 0).to(q.dtype)
+    keys = torch.where(b.live, kv_cache[0][b.blocks].flatten(1, 2)[:, : b.max_s], 0).to(q.dtype)
+    values = torch.where(b.live, kv_cache[1][b.blocks].flatten(1, 2)[:, : b.max_s], 0).to(q.dtype)
     group = q.shape[1] // keys.shape[2]
     keys, values = keys.repeat_interleave(group, dim=2), values.repeat_interleave(group, dim=2)
-    t = torch.arange(max_q, device=dev)
-    token = torch.tensor([qsl[i] for i in reqs], device=dev)[:, None] + t[None, :]
-    real = t[None, :] < q_lens[:, None]
-    token = torch.where(real, token, 0)
-    q_pos = lens[:, None] - q_lens[:, None] + t[None, :]
-    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < lens[:, None, None])
-    o = F.scaled_dot_product_attention(q[token].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                       attn_mask=mask[:, None], scale=scale).transpose(1, 2)
-    out[token[real]] = o[real]
+    o = F.scaled_dot_product_attention(q[b.token].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                       attn_mask=b.mask, scale=scale).transpose(1, 2)
+    out[b.token[b.real]] = o[b.real]
