@@ -152,13 +152,9 @@ class Sampler:
         if not b.all_greedy:
             sampled = sample_from_probs(filtered_probs(logits, b), b.generators, self.default_generator)
             tokens = torch.where(b.greedy, tokens, sampled)
-        out = SamplerOutput(tokens)
-        if raw_logprobs is not None:
-            out.sampled_logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-            out.sampled_ranks = (raw_logprobs > out.sampled_logprobs.unsqueeze(1)).sum(dim=1) + 1
-            if b.max_logprobs > 0:
-                out.top_logprobs, out.top_ids = raw_logprobs.topk(b.max_logprobs, dim=-1)
-        return out
+        if raw_logprobs is None:
+            return SamplerOutput(tokens)
+        return token_logprobs(raw_logprobs, tokens, b.max_logprobs)
 
 
 def token_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, top_n: int) -> SamplerOutput:

@@ -26,8 +26,6 @@ class RunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)
     # request id -> one logprob dict per produced token
     logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
-    # request id -> drafts verified this step (for acceptance statistics)
-    num_drafted: dict[str, int] = field(default_factory=dict)
     # request id -> draft tokens proposed for the next step
     drafts: dict[str, list[int]] = field(default_factory=dict)
 
@@ -113,11 +111,12 @@ class ModelRunner:
         out = RunnerOutput()
         if not sampling:
             return out
-        scheduled = [sched.scheduled[i] for i in sampling]
-        if any(s.spec_token_ids for s in scheduled):
-            self._verify(hidden, scheduled, sample_ends, out)
-        else:
-            self._sample(hidden, scheduled, sample_ends, out)
+        # Requests without drafts take the plain sampler, which also applies penalties and min_tokens.
+        for verify in (False, True):
+            chosen = [(sched.scheduled[i], end) for i, end in zip(sampling, sample_ends)
+                      if bool(sched.scheduled[i].spec_token_ids) == verify]
+            if chosen:
+                (self._verify if verify else self._sample)(hidden, *map(list, zip(*chosen)), out)
         if self.speculator is not None:
             self._propose(sched, sampling, sample_ends, input_ids, hidden, aux, metadata, out)
         return out
@@ -159,9 +158,8 @@ class ModelRunner:
             drafts, torch.tensor(num_drafts, device=self.device), draft_probs, target_probs, batch.greedy,
             logits.argmax(dim=-1), uniform, noise, self.forced_acceptance_prob)
         tokens, accepted = tokens.tolist(), accepted.tolist()
-        for req, row, a, n in zip(reqs, tokens, accepted, num_drafts):
+        for req, row, a in zip(reqs, tokens, accepted):
             out.sampled[req.request_id] = row[:a + 1]
-            out.num_drafted[req.request_id] = n
         if batch.max_logprobs is not None:
             emitted = [(i, j) for i, a in enumerate(accepted) for j in range(a + 1)]
             sel = torch.tensor(emitted, device=self.device)

@@ -132,3 +132,16 @@ def test_head_that_does_not_fit_names_both_sizes(target, tmp_path):
     with pytest.raises(ConfigError, match=rf"hidden size {hf.config.hidden_size * 2} .* {hf.config.hidden_size}"):
         LLM(str(path), max_model_len=256,
             speculative_config={"method": "eagle", "model": str(head), "num_speculative_tokens": 3})
+
+
+def test_penalized_request_beside_speculating_ones_keeps_its_penalties(target):
+    path, _, ps, ref = target
+    penalized = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.8,
+                               frequency_penalty=1.0)
+    want = LLM(str(path), max_model_len=256).generate([ps[0]], penalized, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(str(path), max_model_len=256,
+              speculative_config={"method": "draft_model", "model": str(path), "num_speculative_tokens": 3})
+    outs = llm.generate(ps[:4], [penalized] + [GREEDY] * 3, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == want
+    assert [o.outputs[0].token_ids for o in outs[1:]] == ref[1:4]
+    assert llm.engine.spec_stats.num_drafted > 0
