@@ -110,9 +110,12 @@ def filtered_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         if b.needs_top_p:
             probs = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1)
             # Keep the smallest prefix whose mass reaches top_p: a token is dropped
-            # when the mass before it already does.
+            # when the mass before it already does. Rows with top_p == 1 are left
+            # alone: a float32 cumsum can round up to 1.0 before the tail and
+            # would otherwise drop their small-probability tokens.
             mass_before = probs.cumsum(dim=-1) - probs
-            drop |= mass_before >= b.top_p.unsqueeze(1)
+            top_p = b.top_p.unsqueeze(1)
+            drop |= (mass_before >= top_p) & (top_p < 1.0)
         x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
     probs = x.softmax(dim=-1)
     if b.needs_min_p:

@@ -1,12 +1,24 @@
-"""Inputs of one draft decode step, prepared on the device (design.md 4.5-4.7).
+"""Inputs of one EAGLE draft decode step, prepared on the device (design.md 4.5-4.7).
 
-For draft step j each drafting request has one query token at position
-base + j (clamped below max_position, where drafts are never accepted
-anyway). Everything is computed from persistent buffers on the device, with
-no host sync, and rows past num_reqs get values that are always safe to read:
-an empty request at the last real end, seq_len 0, a slot that writes nothing,
-last-token index 0. num_reqs may be a device tensor, so a captured graph can
-be replayed for another batch size.
+After the draft prefill produced draft 1 at each request's last accepted
+position, draft step j (1 <= j < k) runs one query token per request at
+position base + j. Its attention metadata must be rebuilt for every step
+(seed #38311), from persistent buffers, on the device, without a host sync
+(seed #39546), and rows past num_reqs must hold values that are always safe
+for a padded FULL graph to read (seed #39773):
+
+    real row i < num_reqs        padded row i >= num_reqs
+    positions[i]  = p            0
+    seq_lens[i]   = p + 1        0
+    slot_mapping[i] = slot of p  PAD_SLOT_ID (writes nothing)
+    last_token_indices[i] = i    0
+    query_start_loc[i + 1] = i + 1 for real rows, num_reqs (the last real end) for padded ones
+
+where p = min(base + j, max_position - 1): the clamp keeps the rotary table
+in range; drafts at the clamped position are never accepted anyway.
+
+num_reqs may be a 1-element device tensor, so a graph captured once can be
+replayed for another batch size: both paths read it on the device.
 """
 from __future__ import annotations
 
@@ -19,89 +31,136 @@ from specserve.attention.metadata import PAD_SLOT_ID
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the torch path below serves CPU-only installs
+except ImportError:  # Triton is optional on CPU installs; the torch path serves there.
     triton = None
+
+# Rows handled by one Triton program; a few programs cover any realistic max_num_reqs.
+_ROWS_PER_PROGRAM = 128
 
 
 @dataclass
 class DraftStepBuffers:
+    """Persistent outputs of prepare_draft_step: allocated once, rewritten in place every step,
+    so a captured graph keeps reading the same tensors."""
+
     positions: torch.Tensor  # [max_num_reqs] int64
     seq_lens: torch.Tensor  # [max_num_reqs] int32
     query_start_loc: torch.Tensor  # [max_num_reqs + 1] int32
     slot_mapping: torch.Tensor  # [max_num_reqs] int64
     last_token_indices: torch.Tensor  # [max_num_reqs] int64
+    # [1] int32: where a host int num_reqs is staged (by a fill kernel, not an upload) for the device to read.
+    num_reqs: torch.Tensor
 
     @classmethod
-    def allocate(cls, max_num_reqs: int, device) -> "DraftStepBuffers":
-        def z(n, dtype):
+    def allocate(cls, max_num_reqs: int, device: torch.device | str) -> DraftStepBuffers:
+        def zeros(n: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(n, dtype=dtype, device=device)
 
-        return cls(z(max_num_reqs, torch.int64), z(max_num_reqs, torch.int32), z(max_num_reqs + 1, torch.int32),
-                   z(max_num_reqs, torch.int64), z(max_num_reqs, torch.int64))
+        return cls(
+            positions=zeros(max_num_reqs, torch.int64),
+            seq_lens=zeros(max_num_reqs, torch.int32),
+            query_start_loc=zeros(max_num_reqs + 1, torch.int32),
+            slot_mapping=zeros(max_num_reqs, torch.int64),
+            last_token_indices=zeros(max_num_reqs, torch.int64),
+            num_reqs=zeros(1, torch.int32),
+        )
 
     @property
     def max_num_reqs(self) -> int:
         return self.positions.shape[0]
 
 
-def _as_tensor(num_reqs, device) -> torch.Tensor:
+def _num_reqs_on_device(num_reqs: int | torch.Tensor, out: DraftStepBuffers) -> torch.Tensor:
+    """num_reqs as a [1] int32 tensor on out's device, without reading it back to the host."""
     if isinstance(num_reqs, torch.Tensor):
-        return num_reqs.reshape(1).to(device=device, dtype=torch.int32)
-    return torch.tensor([num_reqs], dtype=torch.int32, device=device)
+        assert num_reqs.numel() == 1, f"num_reqs must hold one value, got shape {tuple(num_reqs.shape)}"
+        return num_reqs.reshape(1).to(device=out.num_reqs.device, dtype=torch.int32)
+    assert 0 <= num_reqs <= out.max_num_reqs, f"num_reqs={num_reqs} outside [0, {out.max_num_reqs}]"
+    return out.num_reqs.fill_(num_reqs)
 
 
-def prepare_draft_step_torch(step: int, num_reqs, base_positions: torch.Tensor, block_table: torch.Tensor,
-                             block_size: int, max_position: int, out: DraftStepBuffers) -> None:
-    n = _as_tensor(num_reqs, out.positions.device).to(torch.int64)
-    rows = torch.arange(out.max_num_reqs, device=out.positions.device)
+def prepare_draft_step_torch(step: int, num_reqs: int | torch.Tensor, base_positions: torch.Tensor,
+                             block_table: torch.Tensor, block_size: int, max_position: int,
+                             out: DraftStepBuffers) -> None:
+    """prepare_draft_step in plain torch ops (the CPU path and the kernel's reference)."""
+    assert step >= 1, "draft step 0 is the prefill, which reuses the target's metadata"
+    n = _num_reqs_on_device(num_reqs, out)
+    m = out.max_num_reqs
+    rows = torch.arange(m, device=out.positions.device)
     real = rows < n
-    pos = torch.clamp(base_positions[: out.max_num_reqs] + step, max=max_position - 1)
-    block_idx = torch.where(real, pos // block_size, 0)
-    blocks = block_table[: out.max_num_reqs].gather(1, block_idx.unsqueeze(1)).squeeze(1).to(torch.int64)
-    out.positions.copy_(torch.where(real, pos, 0))
+    # Padded rows may hold stale or garbage base positions; zeroing theirs before the gather
+    # keeps every table read in bounds.
+    pos = torch.where(real, torch.clamp(base_positions[:m] + step, max=max_position - 1), 0)
+    block = block_table[:m].gather(1, (pos // block_size).unsqueeze(1)).squeeze(1).to(torch.int64)
+    out.positions.copy_(pos)
     out.seq_lens.copy_(torch.where(real, pos + 1, 0))
-    out.slot_mapping.copy_(torch.where(real, blocks * block_size + pos % block_size, PAD_SLOT_ID))
+    out.slot_mapping.copy_(torch.where(real, block * block_size + pos % block_size, PAD_SLOT_ID))
     out.last_token_indices.copy_(torch.where(real, rows, 0))
-    # Request i's single token is query i; padded requests are empty at the last real end, n.
-    out.query_start_loc.copy_(torch.minimum(torch.arange(out.max_num_reqs + 1, device=rows.device), n))
+    # Request i owns query token i alone, so entry i is i up to the last real end and stays there.
+    out.query_start_loc.copy_(torch.minimum(torch.arange(m + 1, device=rows.device), n))
 
 
 if triton is not None:
 
-    @triton.jit
-    def _prepare_kernel(num_reqs_ptr, base_ptr, table_ptr, table_stride, pos_ptr, seq_ptr, qsl_ptr, slot_ptr,
-                        last_ptr, step, block_size, max_position, max_num_reqs, PAD: tl.constexpr,
-                        BLOCK: tl.constexpr):
+    # step changes every draft step; not specializing on it (Triton treats 1 specially)
+    # lets all steps share one compiled kernel.
+    @triton.jit(do_not_specialize=["step"])
+    def _prepare_draft_step_kernel(
+        num_reqs_ptr, base_positions_ptr, block_table_ptr, block_table_stride,
+        positions_ptr, seq_lens_ptr, query_start_loc_ptr, slot_mapping_ptr, last_token_indices_ptr,
+        step, block_size, max_position, max_num_reqs,
+        PAD_SLOT: tl.constexpr, BLOCK: tl.constexpr,
+    ):
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        in_range = rows < max_num_reqs
-        n = tl.load(num_reqs_ptr)
-        real = in_range & (rows < n)
-        pos = tl.minimum(tl.load(base_ptr + rows, mask=real, other=0) + step, max_position - 1)
-        block = tl.load(table_ptr + rows * table_stride + pos // block_size, mask=real, other=0).to(tl.int64)
-        tl.store(pos_ptr + rows, tl.where(real, pos, 0), mask=in_range)
-        tl.store(seq_ptr + rows, tl.where(real, pos + 1, 0).to(tl.int32), mask=in_range)
-        tl.store(slot_ptr + rows, tl.where(real, block * block_size + pos % block_size, PAD), mask=in_range)
-        tl.store(last_ptr + rows, tl.where(real, rows, 0).to(tl.int64), mask=in_range)
-        # query_start_loc has one more entry than there are rows.
-        qrows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(qsl_ptr + qrows, tl.minimum(qrows, n).to(tl.int32), mask=qrows <= max_num_reqs)
+        num_reqs = tl.load(num_reqs_ptr)
+        is_row = rows < max_num_reqs
+        real = is_row & (rows < num_reqs)
+        # Loads are masked to real rows: padded rows' base positions and table rows are never read.
+        base = tl.load(base_positions_ptr + rows, mask=real, other=0)
+        pos = tl.where(real, tl.minimum(base + step, max_position - 1), 0)
+        block = tl.load(block_table_ptr + rows * block_table_stride + pos // block_size, mask=real, other=0)
+        slot = block.to(tl.int64) * block_size + pos % block_size
+        tl.store(positions_ptr + rows, pos, mask=is_row)
+        tl.store(seq_lens_ptr + rows, tl.where(real, pos + 1, 0).to(tl.int32), mask=is_row)
+        tl.store(slot_mapping_ptr + rows, tl.where(real, slot, PAD_SLOT), mask=is_row)
+        tl.store(last_token_indices_ptr + rows, tl.where(real, rows, 0).to(tl.int64), mask=is_row)
+        # query_start_loc has max_num_reqs + 1 entries; the grid covers the extra one.
+        tl.store(query_start_loc_ptr + rows, tl.minimum(rows, num_reqs).to(tl.int32), mask=rows <= max_num_reqs)
 
 
-def prepare_draft_step_triton(step: int, num_reqs, base_positions: torch.Tensor, block_table: torch.Tensor,
-                              block_size: int, max_position: int, out: DraftStepBuffers) -> None:
+def prepare_draft_step_triton(step: int, num_reqs: int | torch.Tensor, base_positions: torch.Tensor,
+                              block_table: torch.Tensor, block_size: int, max_position: int,
+                              out: DraftStepBuffers) -> None:
+    """prepare_draft_step as one Triton kernel launch; capturable in a CUDA graph."""
+    if triton is None:
+        raise RuntimeError("prepare_draft_step_triton needs Triton, which is not installed")
+    assert step >= 1, "draft step 0 is the prefill, which reuses the target's metadata"
+    # The kernel indexes base positions and a table row's blocks with unit stride.
+    assert base_positions.stride(0) == 1 and block_table.stride(1) == 1
+    n = _num_reqs_on_device(num_reqs, out)
     m = out.max_num_reqs
-    block = 128
-    n = _as_tensor(num_reqs, out.positions.device)
-    _prepare_kernel[(triton.cdiv(m + 1, block),)](
-        n, base_positions, block_table, block_table.stride(0), out.positions, out.seq_lens, out.query_start_loc,
-        out.slot_mapping, out.last_token_indices, step, block_size, max_position, m, PAD=PAD_SLOT_ID, BLOCK=block)
+    grid = (triton.cdiv(m + 1, _ROWS_PER_PROGRAM),)
+    _prepare_draft_step_kernel[grid](
+        n, base_positions, block_table, block_table.stride(0),
+        out.positions, out.seq_lens, out.query_start_loc, out.slot_mapping, out.last_token_indices,
+        step, block_size, max_position, m,
+        PAD_SLOT=PAD_SLOT_ID, BLOCK=_ROWS_PER_PROGRAM,
+    )
 
 
-def prepare_draft_step(step: int, num_reqs, base_positions: torch.Tensor, block_table: torch.Tensor,
-                       block_size: int, max_position: int, out: DraftStepBuffers, use_triton: bool | None = None
-                       ) -> None:
-    """Fill `out` for draft step `step` (>= 1); Triton on CUDA, torch elsewhere unless use_triton says."""
+def prepare_draft_step(step: int, num_reqs: int | torch.Tensor, base_positions: torch.Tensor,
+                       block_table: torch.Tensor, block_size: int, max_position: int, out: DraftStepBuffers,
+                       *, use_triton: bool | None = None) -> None:
+    """Fill `out` with the inputs of draft step `step` (>= 1) for rows < num_reqs, pad values past them.
+
+    base_positions [>= max_num_reqs]: each request's last accepted position (where the draft
+    prefill produced draft 1); block_table [>= max_num_reqs, max_blocks] int32 must cover
+    block (base + step) // block_size of every real row. num_reqs is an int or a 1-element
+    device tensor (read on the device, so graph replays may change it). Runs the Triton
+    kernel on CUDA and torch ops elsewhere; use_triton forces either (tests run the kernel
+    under TRITON_INTERPRET=1).
+    """
     if use_triton is None:
         use_triton = triton is not None and out.positions.is_cuda
-    fn = prepare_draft_step_triton if use_triton else prepare_draft_step_torch
-    fn(step, num_reqs, base_positions, block_table, block_size, max_position, out)
+    prepare = prepare_draft_step_triton if use_triton else prepare_draft_step_torch
+    prepare(step, num_reqs, base_positions, block_table, block_size, max_position, out)
