@@ -1,4 +1,4 @@
-"""The `specserve` command line: generate, chat."""
+"""The `specserve` command line: generate, chat, serve, bench serve."""
 from __future__ import annotations
 
 import argparse
@@ -125,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    # Imported here because cli_args builds on this module's add_engine_args.
+    from specserve.entrypoints.openai.cli_args import add_bench_parser, add_serve_parser
+
+    add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

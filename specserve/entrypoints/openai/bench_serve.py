@@ -1,0 +1,189 @@
+"""A load generator for any OpenAI-compatible server, in the spirit of `vllm bench serve`.
+
+Each request streams, so time to first token (TTFT) is when the first text
+arrives and time per output token (TPOT) is the rest of the latency over the
+remaining tokens; token counts come from the server's usage chunk. Against a
+specserve server it also reports speculative decoding's acceptance over the
+run, from the difference of two /metrics scrapes.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+_SPEC_COUNTERS = {"specserve:spec_decode_num_drafted_tokens": "drafted",
+                  "specserve:spec_decode_num_accepted_tokens": "accepted"}
+
+
+@dataclass
+class BenchConfig:
+    base_url: str
+    model: str | None = None
+    endpoint: str = "chat"
+    max_tokens: int = 128
+    temperature: float = 0.0
+    concurrency: int | None = None
+    request_rate: float = math.inf
+    seed: int = 0
+    timeout: float = 600.0
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    error: str = ""
+
+
+def load_prompts(path: str, num_prompts: int) -> list[str]:
+    prompts = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                prompts.append(row["turns"][0] if "turns" in row else row["prompt"])
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return [prompts[i % len(prompts)] for i in range(num_prompts)]
+
+
+async def _send(client: httpx.AsyncClient, cfg: BenchConfig, model: str, prompt: str) -> RequestResult:
+    payload = {"model": model, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "stream": True,
+               "stream_options": {"include_usage": True}}
+    if cfg.endpoint == "chat":
+        url, payload["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+    else:
+        url, payload["prompt"] = "/v1/completions", prompt
+    start = time.perf_counter()
+    ttft, usage = None, None
+    try:
+        async with client.stream("POST", cfg.base_url + url, json=payload) as r:
+            if r.status_code != 200:
+                return RequestResult(False, error=f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    return RequestResult(False, error=event["error"].get("message", str(event)))
+                usage = event.get("usage") or usage
+                for choice in event.get("choices", []):
+                    text = choice.get("text") if "text" in choice else choice.get("delta", {}).get("content")
+                    if text and ttft is None:
+                        ttft = time.perf_counter() - start
+    except httpx.HTTPError as e:
+        return RequestResult(False, error=f"{type(e).__name__}: {e}")
+    latency = time.perf_counter() - start
+    if usage is None:
+        return RequestResult(False, error="the stream carried no usage")
+    return RequestResult(True, usage["prompt_tokens"], usage["completion_tokens"],
+                         latency if ttft is None else ttft, latency)
+
+
+async def _spec_counters(client: httpx.AsyncClient, base_url: str) -> dict[str, float]:
+    """Speculative decoding counters from /metrics; empty for servers that do not export them."""
+    try:
+        r = await client.get(base_url + "/metrics")
+    except httpx.HTTPError:
+        return {}
+    if r.status_code != 200:
+        return {}
+    return {_SPEC_COUNTERS[f.name]: f.samples[0].value for f in text_string_to_metric_families(r.text)
+            if f.name in _SPEC_COUNTERS and f.samples}
+
+
+async def run_benchmark(cfg: BenchConfig, prompts: list[str]) -> dict:
+    limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
+    async with httpx.AsyncClient(timeout=cfg.timeout, limits=limits) as client:
+        model = cfg.model or (await client.get(cfg.base_url + "/v1/models")).json()["data"][0]["id"]
+        slots = asyncio.Semaphore(cfg.concurrency or len(prompts))
+        rng = random.Random(cfg.seed)
+
+        async def limited(prompt: str) -> RequestResult:
+            async with slots:
+                return await _send(client, cfg, model, prompt)
+
+        before = await _spec_counters(client, cfg.base_url)
+        start = time.perf_counter()
+        tasks = []
+        for i, prompt in enumerate(prompts):
+            tasks.append(asyncio.create_task(limited(prompt)))
+            if math.isfinite(cfg.request_rate) and i + 1 < len(prompts):
+                await asyncio.sleep(rng.expovariate(cfg.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        after = await _spec_counters(client, cfg.base_url)
+    spec = {k: after[k] - before.get(k, 0.0) for k in after}
+    return summarize(results, duration, spec)
+
+
+def summarize(results: list[RequestResult], duration: float, spec: dict[str, float]) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    # TPOT excludes the first token, so requests that produced a single token have none.
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    summary = {
+        "successful_requests": len(ok),
+        "failed_requests": len(results) - len(ok),
+        "errors": [r.error for r in results if not r.ok][:5],
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+    }
+    for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", tpot), ("e2el", [r.latency for r in ok])):
+        ms = np.asarray(values or [math.nan]) * 1000
+        summary[f"mean_{name}_ms"] = float(ms.mean())
+        for p in (50, 90, 99):
+            summary[f"p{p}_{name}_ms"] = float(np.percentile(ms, p))
+    if spec.get("drafted"):
+        summary["spec_drafted_tokens"] = spec["drafted"]
+        summary["spec_accepted_tokens"] = spec["accepted"]
+        summary["spec_acceptance_rate"] = spec["accepted"] / spec["drafted"]
+    return summary
+
+
+def print_report(s: dict) -> None:
+    width = 50
+
+    def row(label: str, value) -> None:
+        text = f"{value:.2f}" if isinstance(value, float) else str(value)
+        print(f"{label:<{width - 12}}{text:>12}")
+
+    print(" Serving Benchmark Result ".center(width, "="))
+    row("Successful requests:", s["successful_requests"])
+    row("Failed requests:", s["failed_requests"])
+    row("Benchmark duration (s):", s["duration_s"])
+    row("Total input tokens:", s["total_input_tokens"])
+    row("Total generated tokens:", s["total_output_tokens"])
+    row("Request throughput (req/s):", s["request_throughput"])
+    row("Output token throughput (tok/s):", s["output_throughput"])
+    row("Total token throughput (tok/s):", s["total_token_throughput"])
+    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st)"),
+                        ("e2el", "End-to-end Latency")):
+        print(f" {title} ".center(width, "-"))
+        row(f"Mean {name.upper()} (ms):", s[f"mean_{name}_ms"])
+        for p in (50, 90, 99):
+            row(f"P{p} {name.upper()} (ms):", s[f"p{p}_{name}_ms"])
+    if "spec_drafted_tokens" in s:
+        print(" Speculative Decoding ".center(width, "-"))
+        row("Drafted tokens:", int(s["spec_drafted_tokens"]))
+        row("Accepted tokens:", int(s["spec_accepted_tokens"]))
+        row("Acceptance rate (%):", 100 * s["spec_acceptance_rate"])
+    for error in s["errors"]:
+        print(f"error: {error}")
+    print("=" * width)

@@ -1,0 +1,90 @@
+"""The `specserve serve` and `specserve bench serve` subcommands.
+
+Heavy imports (torch, FastAPI) happen inside the commands, so `specserve --help`
+stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+
+from specserve.entrypoints.cli import add_engine_args, engine_kwargs
+
+
+def _positive(cast):
+    def parse(text: str):
+        value = cast(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model to serve (overrides --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="the model name clients send (default: MODEL)")
+    p.add_argument("--max-waiting", type=_positive(int), default=512,
+                   help="requests allowed to wait for admission; beyond that the server answers 503")
+    p.add_argument("--request-timeout", type=_positive(float),
+                   help="seconds after which a request is aborted and answered 408 (default: no limit)")
+    p.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="seconds running requests get to finish on shutdown before they are aborted")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def _missing_extra(e: ImportError) -> SystemExit:
+    return SystemExit(f"error: {e.name} is not installed; install the server extra: pip install 'specserve[serve]'")
+
+
+def cmd_serve(a: argparse.Namespace) -> None:
+    from specserve.config import EngineConfig
+
+    try:
+        from specserve.entrypoints.openai.api_server import run_server
+    except ImportError as e:
+        raise _missing_extra(e) from e
+
+    model = a.model_tag or a.model
+    run_server(EngineConfig(model=model, **engine_kwargs(a)), a.served_model_name or model, a.host, a.port,
+               a.max_waiting, a.request_timeout, a.shutdown_grace)
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    p = bench_sub.add_parser("serve", help="load-test a running server and print throughput and latency")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", help="model name to request (default: the server's first model)")
+    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    p.add_argument("--dataset", required=True,
+                   help='JSONL of prompts: MT-bench style {"turns": [...]} (first turn used) or {"prompt": ...}')
+    p.add_argument("--num-prompts", type=_positive(int), default=80,
+                   help="requests to send (the dataset repeats if shorter)")
+    p.add_argument("--max-tokens", type=_positive(int), default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--concurrency", type=_positive(int), help="most requests in flight at once (default: no limit)")
+    p.add_argument("--request-rate", type=_positive(float), default=math.inf,
+                   help="mean requests per second, Poisson arrivals (default: all at once)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    p.add_argument("--timeout", type=_positive(float), default=600.0, help="seconds per request")
+    p.set_defaults(func=cmd_bench_serve)
+
+
+def cmd_bench_serve(a: argparse.Namespace) -> None:
+    try:
+        from specserve.entrypoints.openai.bench_serve import BenchConfig, load_prompts, print_report, run_benchmark
+    except ImportError as e:
+        raise _missing_extra(e) from e
+
+    try:
+        prompts = load_prompts(a.dataset, a.num_prompts)
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"error: cannot read prompts from {a.dataset}: {e!r}") from e
+    config = BenchConfig(a.base_url.rstrip("/"), a.model, a.endpoint, a.max_tokens, a.temperature, a.concurrency,
+                         a.request_rate, a.seed, a.timeout)
+    print_report(asyncio.run(run_benchmark(config, prompts)))

@@ -1,0 +1,87 @@
+"""Prometheus metrics of one server, in their own registry so that several apps can live in
+one process (tests, embedding) without their metric names clashing.
+
+Two kinds: per-request metrics are observed by the server when a request ends;
+engine state (queue lengths, KV cache, speculative decoding) is read at scrape
+time from the snapshot the engine thread publishes, so a scrape never touches
+the engine itself.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from specserve.engine.async_engine import AsyncLLMEngine
+from specserve.outputs import RequestOutput
+
+PREFIX = "specserve:"
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
+
+
+class EngineStatsCollector(Collector):
+    def __init__(self, engine: AsyncLLMEngine):
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.stats
+        yield GaugeMetricFamily(PREFIX + "num_requests_running", "Requests the engine is stepping.",
+                                value=s.num_running)
+        yield GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests queued for admission.",
+                                value=s.num_waiting)
+        yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
+                                value=s.kv_cache_usage)
+        yield GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate",
+                                "Fraction of queried prompt tokens found in the prefix cache.",
+                                value=s.prefix_cache_hit_rate)
+        yield CounterMetricFamily(PREFIX + "spec_decode_num_drafted_tokens", "Draft tokens proposed.",
+                                  value=s.spec_num_drafted)
+        yield CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                  value=s.spec_num_accepted)
+        per_pos = GaugeMetricFamily(PREFIX + "spec_decode_acceptance_per_position",
+                                    "Fraction of drafts accepted at each draft position.", labels=["position"])
+        for position, rate in enumerate(s.spec_acceptance_per_position):
+            per_pos.add_metric([str(position)], rate)
+        yield per_pos
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncLLMEngine):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(PREFIX + "requests", "Requests ended, by finish reason "
+                                "(stop, length, abort: the client left, timeout, error).",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of ended requests.", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first generated token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
+                              "Mean time between generated tokens after the first, per request.",
+                              buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        r.register(EngineStatsCollector(engine))
+
+    def record_request(self, finish_reason: str, last: RequestOutput | None) -> None:
+        """Observe a request that ended; `last` is its last output (None if it never got one)."""
+        self.requests.labels(finish_reason).inc()
+        if last is None:
+            return
+        m = last.metrics
+        n = len(last.outputs[0].token_ids)
+        self.prompt_tokens.inc(m.num_prompt_tokens)
+        self.generation_tokens.inc(n)
+        # The engine's times are time.monotonic() readings, so the same clock ends aborted requests.
+        end = m.finished_time if m.finished_time is not None else time.monotonic()
+        self.e2e.observe(end - m.arrival_time)
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+            if n > 1:
+                self.tpot.observe((end - m.first_token_time) / (n - 1))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

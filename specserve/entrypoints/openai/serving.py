@@ -1,0 +1,147 @@
+"""What both generation endpoints share: admission, disconnects, metrics, server-sent events.
+
+A request is answered only once the engine has produced its first output (or
+refused it), so that every refusal, from an invalid prompt to a full queue,
+gets its own HTTP status instead of an error inside a 200 stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from specserve.engine.async_engine import (AsyncLLMEngine, EngineUnavailableError, QueueFullError,
+                                           RequestTimeoutError)
+from specserve.entrypoints.openai.errors import OpenAIError, to_openai_error
+from specserve.entrypoints.openai.metrics import ServerMetrics
+from specserve.entrypoints.openai.protocol import PromptTokensDetails, Usage
+from specserve.errors import InvalidRequestError
+from specserve.outputs import RequestOutput
+from specserve.sampling_params import SamplingParams
+
+Outputs = AsyncIterator[RequestOutput]
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready; there is nobody to answer."""
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, awaitable: Awaitable):
+    """Await `awaitable`, or cancel it once the client disconnects.
+
+    Starlette does not cancel a handler whose client left, so a long
+    non-streamed generation would otherwise run to its end for nobody.
+    """
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        work.cancel()  # a no-op once it is done
+    if not work.done() or work.cancelled():
+        raise ClientDisconnected()
+    return work.result()
+
+
+def usage(out: RequestOutput) -> Usage:
+    n_prompt, n_out = out.metrics.num_prompt_tokens, len(out.outputs[0].token_ids)
+    return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.metrics.num_cached_tokens))
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, tokenizer, model_name: str, metrics: ServerMetrics):
+        self.engine = engine
+        # The front end's own copy: the engine thread's tokenizer must not be shared across threads.
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.metrics = metrics
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise OpenAIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                              param="model", code="model_not_found")
+
+    async def start(self, request: Request, prompt: str | list[int], params: SamplingParams, request_id: str,
+                    param_name: Callable[[str], str]) -> Outputs:
+        """Admit a request and wait for its first output; returns all its outputs, that one included."""
+        outputs = self._generate(prompt, params, request_id)
+        first = await self._answer(request, anext(outputs), param_name)
+        return _prepend(first, outputs)
+
+    async def finish(self, request: Request, outputs: Outputs) -> RequestOutput:
+        """The final output of a non-streamed request."""
+        async def last() -> RequestOutput:
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    pass
+            return out
+
+        return await self._answer(request, last())
+
+    @staticmethod
+    async def _answer(request: Request, awaitable: Awaitable, param_name=lambda field: field):
+        """Await engine work for a client, turning every failure into its OpenAI error."""
+        try:
+            return await until_disconnect(request, awaitable)
+        except ClientDisconnected:
+            raise OpenAIError(499, "the client closed the request", code="client_closed_request") from None
+        except Exception as e:
+            raise to_openai_error(e, param_name) from e
+
+    async def _generate(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> Outputs:
+        """engine.generate, observing each request in the metrics when it ends."""
+        last, reason = None, "abort"  # ended early without an error: the client went away
+        try:
+            # Closed explicitly, so leaving early aborts the request now rather than at garbage collection.
+            async with contextlib.aclosing(self.engine.generate(prompt, params, request_id)) as outputs:
+                async for out in outputs:
+                    last = out
+                    if out.finished:
+                        reason = out.outputs[0].finish_reason
+                    yield out
+        except (InvalidRequestError, QueueFullError):
+            reason = None  # refused, never admitted
+            raise
+        except RequestTimeoutError:
+            reason = "timeout"
+            raise
+        except EngineUnavailableError:
+            reason = "error"
+            raise
+        finally:
+            if reason is not None:
+                self.metrics.record_request(reason, last)
+
+
+async def _prepend(first: RequestOutput, rest: Outputs) -> Outputs:
+    async with contextlib.aclosing(rest):
+        yield first
+        async for out in rest:
+            yield out
+
+
+def sse(events: AsyncIterator[BaseModel]) -> StreamingResponse:
+    """Stream pydantic events as server-sent events ending in `data: [DONE]`; an error after the
+    stream started is sent as an OpenAI error event, since the status line is already out."""
+    async def body() -> AsyncIterator[str]:
+        async with contextlib.aclosing(events):
+            try:
+                async for event in events:
+                    yield f"data: {event.model_dump_json()}\n\n"
+            except Exception as e:
+                yield f"data: {json.dumps(to_openai_error(e).body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")

@@ -1,0 +1,71 @@
+"""POST /v1/chat/completions: messages in, through the model's chat template, a reply out."""
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import jinja2
+from fastapi import Request
+
+from specserve.entrypoints.openai.errors import to_openai_error
+from specserve.entrypoints.openai.logprobs import chat_logprobs
+from specserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                                   ChatCompletionResponse, ChatMessage, ChatResponseMessage,
+                                                   ChatStreamChoice, DeltaMessage)
+from specserve.entrypoints.openai.serving import OpenAIServing, Outputs, sse, usage
+from specserve.errors import InvalidRequestError
+
+
+def chat_prompt(tokenizer, messages: list[ChatMessage]) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("messages", "this model's tokenizer has no chat template; use /v1/completions")
+    conversation = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    except jinja2.TemplateError as e:
+        raise InvalidRequestError("messages", f"the model's chat template rejected them: {e}") from e
+    # The template writes the special tokens itself; the tokenizer must not add them again.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionRequest, request: Request):
+    serving.check_model(body.model)
+    try:
+        params = body.to_sampling_params()
+        prompt = chat_prompt(serving.tokenizer, body.messages)
+    except InvalidRequestError as e:
+        raise to_openai_error(e, body.param_name) from e
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    outputs = await serving.start(request, prompt, params, request_id, body.param_name)
+    if body.stream:
+        return sse(_chunks(serving, body, request_id, outputs))
+    final = await serving.finish(request, outputs)
+    c = final.outputs[0]
+    logprobs = None
+    if body.logprobs:
+        logprobs = chat_logprobs(serving.tokenizer, c.token_ids, c.logprobs, body.top_logprobs or 0)
+    choice = ChatChoice(message=ChatResponseMessage(content=c.text), logprobs=logprobs, finish_reason=c.finish_reason)
+    return ChatCompletionResponse(id=request_id, model=serving.model_name, choices=[choice], usage=usage(final))
+
+
+async def _chunks(serving: OpenAIServing, body: ChatCompletionRequest, request_id: str,
+                  outputs: Outputs) -> AsyncIterator[ChatCompletionChunk]:
+    def chunk(delta: DeltaMessage, **choice) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=request_id, model=serving.model_name,
+                                   choices=[ChatStreamChoice(delta=delta, **choice)])
+
+    # As OpenAI does, the first chunk carries the role alone.
+    yield chunk(DeltaMessage(role="assistant", content=""))
+    num_sent = 0  # tokens whose logprobs went out
+    async for out in outputs:
+        c = out.outputs[0]
+        logprobs = None
+        if body.logprobs:
+            logprobs = chat_logprobs(serving.tokenizer, c.token_ids[num_sent:], c.logprobs[num_sent:],
+                                     body.top_logprobs or 0)
+            num_sent = len(c.token_ids)
+        # Steps whose text is held back (a possible stop string, an unfinished character) send nothing.
+        if out.delta_text or out.finished or (logprobs and logprobs.content):
+            yield chunk(DeltaMessage(content=out.delta_text), logprobs=logprobs, finish_reason=c.finish_reason)
+    if body.include_usage:
+        yield ChatCompletionChunk(id=request_id, model=serving.model_name, choices=[], usage=usage(out))

@@ -1,0 +1,50 @@
+"""POST /v1/completions: a prompt (text or token ids) in, its continuation out."""
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from specserve.entrypoints.openai.errors import to_openai_error
+from specserve.entrypoints.openai.logprobs import completion_logprobs
+from specserve.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from specserve.entrypoints.openai.serving import OpenAIServing, Outputs, sse, usage
+from specserve.errors import InvalidRequestError
+
+
+async def create_completion(serving: OpenAIServing, body: CompletionRequest, request: Request):
+    serving.check_model(body.model)
+    try:
+        params = body.to_sampling_params()
+    except InvalidRequestError as e:
+        raise to_openai_error(e, body.param_name) from e
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    outputs = await serving.start(request, body.prompt, params, request_id, body.param_name)
+    if body.stream:
+        return sse(_chunks(serving, body, request_id, outputs))
+    final = await serving.finish(request, outputs)
+    c = final.outputs[0]
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs, _ = completion_logprobs(serving.tokenizer, c.token_ids, c.logprobs, 0)
+    choice = CompletionChoice(text=c.text, logprobs=logprobs, finish_reason=c.finish_reason)
+    return CompletionResponse(id=request_id, model=serving.model_name, choices=[choice], usage=usage(final))
+
+
+async def _chunks(serving: OpenAIServing, body: CompletionRequest, request_id: str,
+                  outputs: Outputs) -> AsyncIterator[CompletionResponse]:
+    num_sent, text_offset = 0, 0  # tokens whose logprobs went out, and where their text ends
+    async for out in outputs:
+        c = out.outputs[0]
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs, text_offset = completion_logprobs(serving.tokenizer, c.token_ids[num_sent:],
+                                                        c.logprobs[num_sent:], text_offset)
+            num_sent = len(c.token_ids)
+        # Steps whose text is held back (a possible stop string, an unfinished character) send nothing.
+        if out.delta_text or out.finished or (logprobs and logprobs.tokens):
+            choice = CompletionChoice(text=out.delta_text, logprobs=logprobs, finish_reason=c.finish_reason)
+            yield CompletionResponse(id=request_id, model=serving.model_name, choices=[choice])
+    if body.include_usage:
+        yield CompletionResponse(id=request_id, model=serving.model_name, choices=[], usage=usage(out))
