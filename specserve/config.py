@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import os
+
 import torch
 
 from specserve.errors import ConfigError
@@ -41,6 +43,15 @@ class EngineConfig:
     attention_backend: str | None = None
     # A SpeculativeConfig, or its dict / JSON form as on vLLM's command line.
     speculative_config: object = None
+    # CUDA graph mode as in vLLM (design.md 3): NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or
+    # FULL_AND_PIECEWISE; None: FULL_AND_PIECEWISE on CUDA, NONE on CPU (graphs need CUDA).
+    cudagraph_mode: str | None = None
+    # Batch sizes (num_tokens; num_reqs for full decode graphs) to capture; None: 1, 2, 4, 8, then every 8
+    # up to 256, capped at the scheduler's limits.
+    cudagraph_capture_sizes: list[int] | None = None
+    # Re-run every replayed step eagerly and raise on any difference (slow; for debugging). Also set by
+    # the environment variable SPECSERVE_DEBUG_CUDAGRAPH=1.
+    debug_cudagraph: bool = False
 
     def __post_init__(self) -> None:
         from specserve.spec_decode.config import SpeculativeConfig
@@ -69,6 +80,29 @@ class EngineConfig:
         _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
         _check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                f"must be >= 1, got {self.max_num_batched_tokens}")
+        self._check_cudagraph_fields()
+
+    def _check_cudagraph_fields(self) -> None:
+        from specserve.worker.cudagraph_mode import CUDAGraphMode
+
+        on_cuda = self.device.startswith("cuda")
+        if self.cudagraph_mode is None:
+            self.cudagraph_mode = "FULL_AND_PIECEWISE" if on_cuda else "NONE"
+        names = [m.name for m in CUDAGraphMode]
+        mode = str(self.cudagraph_mode).upper()
+        _check(mode in names, "cudagraph_mode", f"must be one of {names}, got {self.cudagraph_mode!r}")
+        self.cudagraph_mode = mode
+        _check(mode == "NONE" or on_cuda, "cudagraph_mode",
+               f"{mode} needs CUDA graphs, which run on a GPU only; use cudagraph_mode='NONE' on {self.device}")
+        _check(mode == "NONE" or self.attention_backend == "triton", "cudagraph_mode",
+               f"{mode} needs the graph-capturable 'triton' attention backend; the 'torch' reference backend "
+               "reads host metadata, so use cudagraph_mode='NONE' with it")
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None:
+            _check(len(sizes) > 0 and all(isinstance(n, int) and n >= 1 for n in sizes), "cudagraph_capture_sizes",
+                   f"must be a non-empty list of positive integers, got {sizes!r}")
+            self.cudagraph_capture_sizes = sorted(set(sizes))
+        self.debug_cudagraph = self.debug_cudagraph or os.environ.get("SPECSERVE_DEBUG_CUDAGRAPH", "0") not in ("", "0")
 
     @property
     def torch_dtype(self) -> torch.dtype:
