@@ -10,6 +10,7 @@ import torch
 from specserve.errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def _check(cond: bool, field: str, message: str) -> None:
@@ -39,6 +40,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # "auto": the weights in the model's files; "dummy": random weights made on the device, so that speed can be
+    # measured for a shape whose weights we lack (a config.json and a tokenizer are enough).
+    load_format: str = "auto"
     # "torch" (exact reference, any device) or "triton" (paged kernels); None: triton on CUDA, torch on CPU.
     attention_backend: str | None = None
     # A SpeculativeConfig, or its dict / JSON form as on vLLM's command line.
@@ -59,6 +63,8 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         _check(isinstance(self.model, str) and bool(self.model), "model",
                "give a model name (e.g. smollm2-135m), a Hugging Face directory or a .gguf file")
+        _check(self.load_format in LOAD_FORMATS, "load_format",
+               f"must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         _check(self.dtype is None or self.dtype in _DTYPES, "dtype",
                f"must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device is None:

@@ -29,7 +29,8 @@ class LLMEngine:
         source = open_model_source(config.model)
         self.tokenizer = load_tokenizer(source, config.tokenizer)
         backend = get_attention_backend(config.attention_backend)
-        self.model, self.arch = build_model(source, config.torch_dtype, config.device, backend)
+        self.model, self.arch = build_model(source, config.torch_dtype, config.device, backend,
+                                             load_format=config.load_format, seed=config.seed)
         config.finalize(self.arch.max_context)
         self.eos_token_ids = self._eos_ids(source)
         self.runner = ModelRunner(self.model, self.arch, config)

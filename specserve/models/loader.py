@@ -99,7 +99,8 @@ def safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"cannot read {f}: {e}. The file is corrupt or truncated; download it again") from e
 
 
-def _weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_named_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """The source's tensors under Hugging Face names, dequantized to float32 for GGUF."""
     if source.is_gguf:
         reader = open_gguf(source.path)
         return iter(tqdm(gguf_weights(reader, source.hf_config), total=len(reader.tensors),
@@ -109,7 +110,7 @@ def _weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_weights_into(model: torch.nn.Module, source: ModelSource) -> None:
     try:
-        model.load_weights(_weights(source))
+        model.load_weights(hf_named_weights(source))
     except (ValueError, KeyError, RuntimeError) as e:
         if isinstance(e, ModelLoadError):
             raise
@@ -141,12 +142,34 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
     return tok
 
 
-def build_model(source: ModelSource, dtype: torch.dtype, device: str, backend, aux_hidden_layers=()):
+def init_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """Random weights like a freshly initialised Llama's: matrices and embeddings N(0, std), norm scales 1,
+    biases 0. Speed does not depend on weight values, only on their shapes and dtype."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.zero_()
+            elif p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
+
+
+def build_model(source: ModelSource, dtype: torch.dtype, device: str, backend, aux_hidden_layers=(),
+                load_format: str = "auto", seed: int = 0):
     from specserve.models.llama import LlamaForCausalLM
 
     arch = ArchConfig.from_hf_config(source.hf_config)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, backend, aux_hidden_layers)
+    if load_format == "dummy":
+        # Cast while still on meta and allocate straight on the device: an 8B model never exists in
+        # float32 or on the host.
+        model = model.to(dtype=dtype).to_empty(device=device)
+        model.tie_weights()
+        init_dummy_weights(model, seed)
+        return model.eval().requires_grad_(False), arch
     model = model.to_empty(device="cpu")
     model.tie_weights()
     load_weights_into(model, source)

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import math
 
+from specserve.bench.cli import add_decode_parser
 from specserve.entrypoints.cli import add_engine_args, engine_kwargs
 
 
@@ -73,6 +74,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
     p.add_argument("--timeout", type=_positive(float), default=600.0, help="seconds per request")
     p.set_defaults(func=cmd_bench_serve)
+    add_decode_parser(bench_sub)
 
 
 def cmd_bench_serve(a: argparse.Namespace) -> None:

@@ -1,0 +1,1 @@
+"""Benchmarks run by `specserve bench decode` and benchmarks/bench_gpu.py."""
