@@ -48,7 +48,7 @@ class EngineConfig:
     # A SpeculativeConfig, or its dict / JSON form as on vLLM's command line.
     speculative_config: object = None
     # CUDA graph mode as in vLLM (design.md 3): NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or
-    # FULL_AND_PIECEWISE; None: FULL_AND_PIECEWISE on CUDA, NONE on CPU (graphs need CUDA).
+    # FULL_AND_PIECEWISE; None: FULL_AND_PIECEWISE on CUDA with the triton backend, else NONE.
     cudagraph_mode: str | None = None
     # Batch sizes (num_tokens; num_reqs for full decode graphs) to capture; None: 1, 2, 4, 8, then every 8
     # up to 256, capped at the scheduler's limits.
@@ -93,7 +93,7 @@ class EngineConfig:
 
         on_cuda = self.device.startswith("cuda")
         if self.cudagraph_mode is None:
-            self.cudagraph_mode = "FULL_AND_PIECEWISE" if on_cuda else "NONE"
+            self.cudagraph_mode = "FULL_AND_PIECEWISE" if on_cuda and self.attention_backend == "triton" else "NONE"
         names = [m.name for m in CUDAGraphMode]
         mode = str(self.cudagraph_mode).upper()
         _check(mode in names, "cudagraph_mode", f"must be one of {names}, got {self.cudagraph_mode!r}")

@@ -18,6 +18,8 @@ from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.factory import build_speculator
 from specserve.spec_decode.metrics import SpecDecodeStats
+from specserve.worker.cudagraph_mode import CUDAGraphMode
+from specserve.worker.graph_recorder import CudaGraphRecorder
 from specserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,10 @@ class LLMEngine:
         spec = config.speculative_config
         if spec is not None:
             self.runner.set_speculator(build_speculator(spec, self.runner, backend), spec.forced_acceptance_prob)
+        self.attention_backend = backend
+        mode = CUDAGraphMode(config.cudagraph_mode)
+        if mode is not CUDAGraphMode.NONE:
+            self.runner.capture_graphs(mode, CudaGraphRecorder(self.runner.device), backend)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.max_model_len)
         self.scheduler = Scheduler(config, self.kv, num_lookahead_tokens=spec.num_speculative_tokens if spec else 0)

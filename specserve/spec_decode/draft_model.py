@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from specserve.spec_decode.model_drafter import ModelDrafter
-from specserve.spec_decode.speculator import DraftInput
 
 
 class DraftModelSpeculator(ModelDrafter):
@@ -17,10 +16,13 @@ class DraftModelSpeculator(ModelDrafter):
         self.model = model
         self.kv_caches = kv_caches
 
-    def prefill(self, inp: DraftInput):
-        self.model(inp.input_ids, inp.positions, self.kv_caches, inp.metadata)
+    def models(self) -> list[torch.nn.Module]:
+        return [self.model]
+
+    def prefill_forward(self, num_tokens, target_out, metadata):
+        self.model(self.target_input_ids[:num_tokens], self.target_positions[:num_tokens], self.kv_caches, metadata)
         return None, None
 
-    def decode(self, tokens, feedback, positions, metadata):
+    def decode_forward(self, tokens, feedback, positions, metadata):
         hidden, _ = self.model(tokens, positions, self.kv_caches, metadata)
         return self.model.compute_logits(hidden), None

@@ -72,8 +72,10 @@ def build_speculator(cfg: SpeculativeConfig, runner, backend) -> Speculator:
         return NgramSpeculator(cfg)
     target = runner.arch
     common = dict(k=cfg.num_speculative_tokens, vocab_size=target.vocab_size, max_num_reqs=runner.config.max_num_seqs,
-                  block_size=runner.block_size, max_position=target.max_position_embeddings,
-                  device=runner.device, generator=runner.sampler.default_generator)
+                  max_num_tokens=runner.config.max_num_batched_tokens, block_size=runner.block_size,
+                  max_position=target.max_position_embeddings, device=runner.device,
+                  generator=runner.sampler.default_generator, target_input_ids=runner.buffers.input_ids,
+                  target_positions=runner.buffers.positions)
     if cfg.method == "draft_model":
         from specserve.models.loader import build_model, open_model_source
         from specserve.spec_decode.draft_model import DraftModelSpeculator

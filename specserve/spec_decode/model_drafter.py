@@ -7,8 +7,18 @@ own metadata, rebuilt on the device by prepare_draft_step (positions and
 seq_lens advance, a fresh slot per request; padded rows as design.md 4.5).
 Draft probabilities are kept in one persistent float32 buffer, one row per
 running request, for the rejection sampler of the next step (seed #37639).
+
+Under CUDA graphs two managers serve the drafter, on the engine's one pool:
+the prefill's, recorded for every descriptor the target records and in the
+same mode, reading the target's static outputs and, for full graphs, the very
+metadata the target's graph was recorded with; and the decode steps', which is
+FULL_DECODE_ONLY or NONE, never piecewise (seed #39773). Both read only the
+persistent buffers below, and a decode graph writes its float32 draft logits
+during replay.
 """
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -16,11 +26,15 @@ from specserve.attention.metadata import AttentionMetadata
 from specserve.sample.sampler import filtered_probs, sample_from_probs
 from specserve.spec_decode.eagle_inputs import DraftStepBuffers, prepare_draft_step
 from specserve.spec_decode.speculator import DraftInput, Speculator
+from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager
+from specserve.worker.cudagraph_mode import CUDAGraphMode
 
 
 class ModelDrafter(Speculator):
-    def __init__(self, k: int, vocab_size: int, max_num_reqs: int, block_size: int, max_position: int,
-                 device: torch.device, generator: torch.Generator):
+    def __init__(self, k: int, vocab_size: int, max_num_reqs: int, max_num_tokens: int, block_size: int,
+                 max_position: int, device: torch.device, generator: torch.Generator,
+                 target_input_ids: torch.Tensor, target_positions: torch.Tensor, feedback_size: int | None = None,
+                 dtype: torch.dtype = torch.float32):
         self.num_speculative_tokens = k
         self.block_size = block_size
         self.max_position = max_position
@@ -28,34 +42,136 @@ class ModelDrafter(Speculator):
         self.generator = generator
         self.draft_probs = torch.zeros(max_num_reqs, k, vocab_size, dtype=torch.float32, device=device)
         self.step_buffers = DraftStepBuffers.allocate(max_num_reqs, device)
+        # Persistent inputs: the target's own buffers, the token after each target position, the
+        # tokens and fed-back hidden states of a decode step.
+        self.target_input_ids = target_input_ids
+        self.target_positions = target_positions
+        self.next_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
+        self.decode_tokens = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        self.feedback = (torch.zeros(max_num_reqs, feedback_size, dtype=dtype, device=device)
+                         if feedback_size else None)
+        self.prefill_graphs: CUDAGraphManager | None = None
+        self.decode_graphs: CUDAGraphManager | None = None
 
-    # Subclasses: the prefill returns (logits for draft 1 or None, feedback hidden states [n, H] or None);
-    # a decode step returns (logits [n, V], feedback).
-    def prefill(self, inp: DraftInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    # Subclasses. prefill_forward runs over the first num_tokens target tokens and returns
+    # (hidden states for draft-1 logits, hidden states to feed back), either None for a drafter without them;
+    # decode_forward returns (float32 logits [n, V], hidden states to feed back or None).
+    def prefill_forward(self, num_tokens: int, target_out: tuple, metadata: AttentionMetadata):
         raise NotImplementedError
 
-    def decode(self, tokens, feedback, positions, metadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def decode_forward(self, tokens, feedback, positions, metadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ---- graphs -------------------------------------------------------------------------------
+
+    def capture_graphs(self, target_graphs: CUDAGraphManager, splitter, recorder, sizes: Sequence[int], debug: bool,
+                       target_prepare: Callable[[BatchDescriptor], AttentionMetadata],
+                       block_table: torch.Tensor) -> None:
+        for model in self.models():
+            splitter.install(model)
+        max_reqs = self.step_buffers.max_num_reqs
+        self.prefill_graphs = CUDAGraphManager(
+            "draft prefill", target_graphs.mode, sizes, max_reqs, self.next_ids.shape[0],
+            target_graphs.uniform_query_lens, recorder, debug, splitter)
+
+        def prefill_prepare(desc: BatchDescriptor) -> AttentionMetadata:
+            self.next_ids.zero_()
+            metadata = target_prepare(desc)
+            # A full graph reads the attention state the target's graph was recorded with (seed #40410).
+            return target_graphs.metadata.get(desc.key, metadata)
+
+        def prefill(desc: BatchDescriptor, metadata: AttentionMetadata):
+            return self._prefill(desc, metadata, target_graphs.graphs[desc.key].outputs)
+
+        self.prefill_graphs.capture(prefill, prefill_prepare, target_graphs.capture_descriptors())
+        self.decode_graphs = CUDAGraphManager(
+            "draft decode", target_graphs.mode.for_draft_decode(), sizes, max_reqs, max_reqs, (1,), recorder, debug)
+
+        def decode_prepare(desc: BatchDescriptor) -> AttentionMetadata:
+            self.decode_tokens.zero_()
+            if self.feedback is not None:
+                self.feedback.zero_()
+            prepare_draft_step(1, 0, self.step_buffers.positions, block_table, self.block_size, self.max_position,
+                               self.step_buffers)
+            return self._decode_metadata(desc, block_table, self.max_position)
+
+        self.decode_graphs.capture(self._decode, decode_prepare)
+
+    def models(self) -> list[torch.nn.Module]:
+        raise NotImplementedError
+
+    def _prefill(self, desc: BatchDescriptor, metadata: AttentionMetadata, target_out: tuple):
+        return self.prefill_forward(desc.num_tokens, target_out, metadata)
+
+    def _decode(self, desc: BatchDescriptor, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # Pure in its inputs (the fed-back state is copied back by the caller), so a debug re-run
+        # sees what the replay saw.
+        n = desc.num_reqs
+        feedback = self.feedback[:n] if self.feedback is not None else None
+        return self.decode_forward(self.decode_tokens[:n], feedback, self.step_buffers.positions[:n], metadata)
+
+    def _decode_metadata(self, desc: BatchDescriptor, block_table: torch.Tensor, max_seq_len: int) -> AttentionMetadata:
+        n, buf = desc.num_reqs, self.step_buffers
+        return AttentionMetadata(
+            num_reqs=n, num_tokens=n, max_query_len=1, max_seq_len=max_seq_len,
+            query_start_loc=buf.query_start_loc[: n + 1], seq_lens=buf.seq_lens[:n],
+            block_table=block_table[:n], slot_mapping=buf.slot_mapping[:n],
+            # The reference backend loops on the host; it runs on the CPU, where these are the same memory.
+            query_start_loc_cpu=buf.query_start_loc[: n + 1], seq_lens_cpu=buf.seq_lens[:n],
+        )
+
+    # ---- proposing ----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def propose(self, inp: DraftInput) -> list[list[int]]:
         n, k = len(inp.requests), self.num_speculative_tokens
+        desc = inp.descriptor
+        real_tokens = inp.next_ids.shape[0]
+        self.next_ids[:real_tokens].copy_(inp.next_ids)
+        self.next_ids[real_tokens:desc.num_tokens].zero_()
+
+        def prefill(d: BatchDescriptor, metadata: AttentionMetadata):
+            return self._prefill(d, metadata, inp.target_out)
+
+        graphs = self.prefill_graphs
+        for_logits, fed_back = graphs.run(desc, prefill, inp.metadata) if graphs else prefill(desc, inp.metadata)
         drafts: list[torch.Tensor] = []
-        logits, feedback = self.prefill(inp)
         current = inp.last_tokens
-        if logits is not None:
-            current = self._pick(logits, inp, 0)
+        last = inp.last_token_indices
+        if for_logits is not None:
+            current = self._pick(self.compute_logits(for_logits[last]), inp, 0)
             drafts.append(current)
+        if self.feedback is not None and fed_back is not None:
+            self.feedback[:n].copy_(fed_back[last])
+            self.feedback[n:].zero_()
+        # Rows past n are padding for a full decode graph: in-range token ids, finite hidden states.
+        self.decode_tokens[n:].zero_()
         step = 1
         while len(drafts) < k:
-            metadata = self._step_metadata(inp, step)
-            positions = self.step_buffers.positions[:n]
-            logits, feedback = self.decode(current, feedback, positions, metadata)
-            current = self._pick(logits, inp, len(drafts))
+            self.decode_tokens[:n].copy_(current)
+            prepare_draft_step(step, n, inp.base_positions, inp.block_table, self.block_size, self.max_position,
+                               self.step_buffers)
+            logits, fed_back = self._run_decode_step(n, step, inp)
+            if fed_back is not None:
+                self.feedback[:n].copy_(fed_back[:n])
+            current = self._pick(logits[:n], inp, len(drafts))
             drafts.append(current)
             step += 1
         table = torch.stack(drafts, dim=1).tolist()
         return [row[:m] for row, m in zip(table, inp.max_drafts)]
+
+    def _run_decode_step(self, n: int, step: int, inp: DraftInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        graphs = self.decode_graphs
+        desc = graphs.dispatch(n, n, 1) if graphs else BatchDescriptor(CUDAGraphMode.NONE, n, n, 1)
+        if desc.mode is CUDAGraphMode.FULL:
+            metadata = graphs.metadata[desc.key]
+        else:
+            max_seq = min(max(inp.base_positions_cpu) + step, self.max_position - 1) + 1
+            metadata = self._decode_metadata(desc, inp.block_table, max_seq)
+        return graphs.run(desc, self._decode, metadata) if graphs else self._decode(desc, metadata)
 
     def _pick(self, logits: torch.Tensor, inp: DraftInput, j: int) -> torch.Tensor:
         """Draft j of each request: argmax for greedy requests, else a sample from q kept for verification."""
@@ -66,16 +182,3 @@ class ModelDrafter(Speculator):
             tokens = torch.where(b.greedy, tokens, sample_from_probs(q, b.generators, self.generator))
             self.draft_probs[:, j].index_copy_(0, inp.rows, q)
         return tokens
-
-    def _step_metadata(self, inp: DraftInput, step: int) -> AttentionMetadata:
-        n = len(inp.requests)
-        buf = self.step_buffers
-        prepare_draft_step(step, n, inp.base_positions, inp.block_table, self.block_size, self.max_position, buf)
-        max_seq = min(max(inp.base_positions_cpu) + step, self.max_position - 1) + 1
-        return AttentionMetadata(
-            num_reqs=n, num_tokens=n, max_query_len=1, max_seq_len=max_seq,
-            query_start_loc=buf.query_start_loc[: n + 1], seq_lens=buf.seq_lens[:n],
-            block_table=inp.block_table[:n], slot_mapping=buf.slot_mapping[:n],
-            # The reference backend loops on the host; on CPU these are the same memory.
-            query_start_loc_cpu=buf.query_start_loc[: n + 1], seq_lens_cpu=buf.seq_lens[:n],
-        )

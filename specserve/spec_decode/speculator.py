@@ -18,10 +18,15 @@ class DraftInput:
     the n requests to draft for (those that produced tokens this step).
     """
 
-    input_ids: torch.Tensor  # [T] the target's input ids
+    # The target ran T real tokens padded to descriptor.num_tokens (T_pad) for its CUDA graph;
+    # tensors below cover T_pad tokens, padded ones being token 0 at position 0 writing nowhere.
+    input_ids: torch.Tensor  # [T_pad] the target's input ids (a persistent buffer)
     next_ids: torch.Tensor  # [T] the token after each position (the new token at each last accepted one)
-    positions: torch.Tensor  # [T]
-    hidden: torch.Tensor  # [T, H] final hidden states, or [T, n_aux * H] auxiliary ones for EAGLE-3
+    positions: torch.Tensor  # [T_pad] (a persistent buffer)
+    # (final hidden states [T_pad, H], auxiliary hidden states [T_pad, H] each): a graph's static outputs
+    # when the target replayed one
+    target_out: tuple
+    descriptor: object  # the target's BatchDescriptor; a drafter's prefill graph for it reuses its state
     metadata: AttentionMetadata  # the target's, reused by the draft prefill
 
     requests: list[Request]

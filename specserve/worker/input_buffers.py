@@ -82,7 +82,27 @@ class InputBuffers:
 
     def _pad_rows(self, num_reqs: int, num_tokens: int, last_end: int) -> None:
         # Padded requests are empty (start = end = last real end, no cached tokens) and padded
-        # tokens write nowhere, so a kernel or graph that reads past the live batch sees no-ops.
+        # tokens write nowhere and read token 0 at position 0, so a kernel or graph that reads past
+        # the live batch sees in-range no-ops whatever the buffers held before.
         self.query_start_loc[num_reqs + 1:].fill_(last_end)
         self.seq_lens[num_reqs:].zero_()
         self.slot_mapping[num_tokens:].fill_(PAD_SLOT_ID)
+        self.input_ids[num_tokens:].zero_()
+        self.positions[num_tokens:].zero_()
+
+    def reset(self) -> None:
+        """An empty batch in every row (before a capture, and after it: nothing stale survives)."""
+        self.query_start_loc[0] = 0
+        self._pad_rows(0, 0, 0)
+
+    def padded_metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int) -> AttentionMetadata:
+        """Metadata over the first num_reqs rows and num_tokens tokens of the buffers, whatever they hold:
+        a full CUDA graph records it once and keeps reading these views."""
+        return AttentionMetadata(
+            num_reqs=num_reqs, num_tokens=num_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
+            query_start_loc=self.query_start_loc[: num_reqs + 1], seq_lens=self.seq_lens[:num_reqs],
+            block_table=self.block_table[:num_reqs], slot_mapping=self.slot_mapping[:num_tokens],
+            # Only the reference backend reads these, and graphs with it run on the CPU stand-in alone,
+            # where device and host memory are one.
+            query_start_loc_cpu=self.query_start_loc[: num_reqs + 1], seq_lens_cpu=self.seq_lens[:num_reqs],
+        )

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -15,6 +16,9 @@ from specserve.sample.sampler import Sampler, SamplingBatch, filtered_probs, tok
 from specserve.spec_decode.config import MAX_SPECULATIVE_TOKENS
 from specserve.spec_decode.rejection_sampler import draw_randomness, rejection_sample
 from specserve.spec_decode.speculator import DraftInput, Speculator
+from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager, default_capture_sizes
+from specserve.worker.cudagraph_mode import CUDAGraphMode
+from specserve.worker.graph_recorder import AttentionSplitter
 from specserve.worker.input_buffers import InputBuffers
 
 logger = logging.getLogger(__name__)
@@ -60,6 +64,9 @@ class ModelRunner:
         # Each running request owns one row of per-request persistent state (the draft-probability buffer).
         self.rows: dict[str, int] = {}
         self.free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self.graphs: CUDAGraphManager | None = None
+        self.capture_seconds: float | None = None
+        self.graph_memory_bytes: int | None = None
 
     def allocate_kv_caches(self, arch: ArchConfig, num_layers: int | None = None) -> list[torch.Tensor]:
         """Paged KV caches in the runner's block layout (the target's, or a drafter's over the same blocks)."""
@@ -73,6 +80,53 @@ class ModelRunner:
         n = self.config.max_num_seqs
         self.draft_base_positions = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.draft_block_table = torch.zeros_like(self.buffers.block_table)
+
+    def capture_graphs(self, mode: CUDAGraphMode, recorder, backend) -> None:
+        """Record the target's graphs for `mode`, then the speculator's, all through `recorder`
+        (one memory pool). `backend` is the attention backend the models were built with."""
+        cfg = self.config
+        splitter = AttentionSplitter(backend)
+        splitter.install(self.model)
+        k = getattr(self.speculator, "num_speculative_tokens", 0)
+        sizes = cfg.cudagraph_capture_sizes or default_capture_sizes(min(256, cfg.max_num_batched_tokens))
+        self.graphs = CUDAGraphManager(
+            "target", mode, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+            uniform_query_lens=(1, 1 + k) if k else (1,), recorder=recorder, debug=cfg.debug_cudagraph,
+            splitter=splitter)
+        start, used_before = time.perf_counter(), recorder.memory_in_use()
+        self.graphs.capture(self._target_forward, self._prepare_capture)
+        if self.speculator is not None and hasattr(self.speculator, "capture_graphs"):
+            self.speculator.capture_graphs(self.graphs, splitter, recorder, sizes, cfg.debug_cudagraph,
+                                           self._prepare_capture, self.draft_block_table)
+        self.buffers.reset()
+        self.capture_seconds = time.perf_counter() - start
+        self.graph_memory_bytes = recorder.memory_in_use() - used_before
+        logger.info("CUDA graphs (%s): captured in %.1f s, %.0f MiB of GPU memory", mode.name, self.capture_seconds,
+                    self.graph_memory_bytes / 2**20)
+
+    def _prepare_capture(self, desc: BatchDescriptor):
+        # Recording executes nothing but the warm-up run, which must write no cache slot: every row is empty.
+        self.buffers.reset()
+        max_query_len = desc.query_len or desc.num_tokens
+        return self.buffers.padded_metadata(desc.num_reqs, desc.num_tokens, max_query_len, self.config.max_model_len)
+
+    def _target_forward(self, desc: BatchDescriptor, metadata):
+        n = desc.num_tokens
+        return self.model(self.buffers.input_ids[:n], self.buffers.positions[:n], self.kv_caches, metadata)
+
+    def _run_target(self, num_tokens: int, query_lens: list[int], metadata):
+        """Target forward for this step, replayed from a graph where one fits. Returns the descriptor
+        and the forward's outputs over the descriptor's (padded) tokens."""
+        uniform = query_lens[0] if all(q == query_lens[0] for q in query_lens) else None
+        if self.graphs is None:
+            desc = BatchDescriptor(CUDAGraphMode.NONE, num_tokens, len(query_lens), uniform)
+            return desc, self._target_forward(desc, metadata), metadata
+        desc = self.graphs.dispatch(num_tokens, len(query_lens), uniform)
+        if desc.mode is CUDAGraphMode.PIECEWISE:
+            # Attention runs eagerly over the padded tokens; padded ones belong to no request.
+            metadata = replace(metadata, num_tokens=desc.num_tokens,
+                               slot_mapping=self.buffers.slot_mapping[: desc.num_tokens])
+        return desc, self.graphs.run(desc, self._target_forward, metadata), metadata
 
     def _release_rows(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -107,7 +161,8 @@ class ModelRunner:
         input_ids = np.fromiter((t for chunk in ids for t in chunk), dtype=np.int64, count=offset)
         metadata = self.buffers.prepare(input_ids, np.concatenate(pos).astype(np.int64), np.array(qlens, dtype=np.int64),
                                         np.array(slens, dtype=np.int64), rows, self.block_size)
-        hidden, aux = self.model(self.buffers.input_ids[:offset], self.buffers.positions[:offset], self.kv_caches, metadata)
+        desc, (padded_hidden, padded_aux), metadata = self._run_target(offset, qlens, metadata)
+        hidden = padded_hidden[:offset]
         out = RunnerOutput()
         if not sampling:
             return out
@@ -118,7 +173,7 @@ class ModelRunner:
             if chosen:
                 (self._verify if verify else self._sample)(hidden, *map(list, zip(*chosen)), out)
         if self.speculator is not None:
-            self._propose(sched, sampling, sample_ends, input_ids, hidden, aux, metadata, out)
+            self._propose(sched, sampling, sample_ends, input_ids, desc, (padded_hidden, padded_aux), metadata, out)
         return out
 
     def _sample(self, hidden, scheduled, sample_ends, out: RunnerOutput) -> None:
@@ -168,7 +223,7 @@ class ModelRunner:
             per_req = [[reqs[i] for i, _ in emitted if i == r] for r in range(len(reqs))]
             self._collect_logprobs(token_logprobs(raw, chosen, batch.max_logprobs), per_req, out)
 
-    def _propose(self, sched, sampling, sample_ends, input_ids, hidden, aux, metadata, out: RunnerOutput) -> None:
+    def _propose(self, sched, sampling, sample_ends, input_ids, desc, target_out, metadata, out: RunnerOutput) -> None:
         """Draft the next tokens of every request that produced tokens this step."""
         spec = self.speculator
         drafting, last_idx, base, contexts, max_drafts = [], [], [], [], []
@@ -205,12 +260,12 @@ class ModelRunner:
         req_index = {id(s.request): i for i, s in enumerate(sched.scheduled)}
         table_rows = torch.tensor([req_index[id(r)] for r in drafting], device=self.device)
         self.draft_block_table[:n].copy_(metadata.block_table.index_select(0, table_rows))
-        target_hidden = torch.cat(aux, dim=-1) if spec.aux_hidden_layers else hidden
         inp = DraftInput(
-            input_ids=self.buffers.input_ids[: len(input_ids)],
+            input_ids=self.buffers.input_ids[: desc.num_tokens],
             next_ids=torch.from_numpy(next_ids).to(self.device),
-            positions=self.buffers.positions[: len(input_ids)],
-            hidden=target_hidden,
+            positions=self.buffers.positions[: desc.num_tokens],
+            target_out=target_out,
+            descriptor=desc,
             metadata=metadata,
             requests=drafting,
             contexts=contexts,

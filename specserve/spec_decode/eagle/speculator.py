@@ -10,23 +10,31 @@ from __future__ import annotations
 import torch
 
 from specserve.spec_decode.model_drafter import ModelDrafter
-from specserve.spec_decode.speculator import DraftInput
 
 
 class EagleSpeculator(ModelDrafter):
     uses_hidden_states = True
 
     def __init__(self, head: torch.nn.Module, kv_cache: torch.Tensor, **kw):
-        super().__init__(**kw)
+        super().__init__(feedback_size=head.cfg.hidden_size, dtype=kv_cache.dtype, **kw)
         self.head = head
         self.kv_cache = kv_cache
         self.aux_hidden_layers = head.aux_hidden_layers
 
-    def prefill(self, inp: DraftInput):
-        fed_back, for_logits = self.head(inp.next_ids, inp.positions, inp.hidden, self.kv_cache, inp.metadata)
-        last = inp.last_token_indices
-        return self.head.compute_logits(for_logits[last]), fed_back[last]
+    def models(self) -> list[torch.nn.Module]:
+        return [self.head]
 
-    def decode(self, tokens, feedback, positions, metadata):
+    def prefill_forward(self, num_tokens, target_out, metadata):
+        hidden, aux = target_out
+        # EAGLE-3 reads the concatenated auxiliary layers; EAGLE-1 the final hidden state.
+        target_hidden = torch.cat(aux, dim=-1) if self.aux_hidden_layers else hidden
+        fed_back, for_logits = self.head(self.next_ids[:num_tokens], self.target_positions[:num_tokens],
+                                         target_hidden[:num_tokens], self.kv_cache, metadata)
+        return for_logits, fed_back
+
+    def decode_forward(self, tokens, feedback, positions, metadata):
         fed_back, for_logits = self.head(tokens, positions, feedback, self.kv_cache, metadata)
         return self.head.compute_logits(for_logits), fed_back
+
+    def compute_logits(self, hidden):
+        return self.head.compute_logits(hidden)

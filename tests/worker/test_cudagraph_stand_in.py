@@ -1,0 +1,139 @@
+"""The runner and the EAGLE drafter under every graph mode, with the CPU stand-in for CUDA graphs:
+dispatch reaches the graphs it should, padded rows are harmless, nothing stale survives, and the
+debug check catches a replay that differs from eager."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from heads import save_eagle_head
+from specserve import LLM, SamplingParams
+from specserve.worker.cudagraph import CUDAGraphMismatchError
+from specserve.worker.cudagraph_mode import CUDAGraphMode as M
+from specserve.worker.graph_recorder import EagerRecorder
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+GRAPH_MODES = [M.PIECEWISE, M.FULL, M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE]
+
+
+@pytest.fixture(scope="module")
+def case(tiny_llama, tmp_path_factory):
+    path, hf = tiny_llama
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, hf.config.vocab_size) for _ in range(rng.randint(2, 40))] for _ in range(7)]
+    plain = LLM(str(path), max_model_len=256)
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    head = save_eagle_head(tmp_path_factory.mktemp("g") / "eagle3", hf.config, "eagle3", seed=4)
+    return path, prompts, ref, head
+
+
+def graphed_llm(case, mode: M, k: int = 3) -> tuple[LLM, list]:
+    path, _, _, head = case
+    llm = LLM(str(path), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+              cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64],
+              speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": k})
+    engine = llm.engine
+    engine.runner.capture_graphs(mode, EagerRecorder(), engine.attention_backend)
+    used = []
+    runner, spec = engine.runner, engine.runner.speculator
+    for name, mgr in (("target", runner.graphs), ("prefill", spec.prefill_graphs), ("decode", spec.decode_graphs)):
+        original = mgr.run
+
+        def run(desc, forward, metadata, _original=original, _name=name, _mgr=mgr):
+            used.append((_name, desc.mode if _mgr.has_graph(desc) else M.NONE))
+            return _original(desc, forward, metadata)
+
+        mgr.run = run
+    return llm, used
+
+
+def outputs(llm: LLM, prompts) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("mode", GRAPH_MODES, ids=lambda m: m.name)
+def test_graph_modes_keep_greedy_output_and_dispatch_as_designed(case, mode):
+    _, prompts, ref, _ = case
+    llm, used = graphed_llm(case, mode)
+    assert outputs(llm, prompts) == ref
+    target = {m for n, m in used if n == "target"}
+    decode = {m for n, m in used if n == "decode"}
+    prefill = {m for n, m in used if n == "prefill"}
+    assert M.PIECEWISE not in decode  # seed #39773
+    if mode.has_full:
+        assert M.FULL in target and M.FULL in prefill and M.FULL in decode
+    if mode.has_piecewise:
+        assert M.PIECEWISE in target and M.PIECEWISE in prefill
+    if mode is M.FULL_DECODE_ONLY:
+        assert M.NONE in target  # prefills run eagerly
+    assert llm.engine.spec_stats.num_drafted > 0
+
+
+def test_full_graphs_reuse_the_targets_metadata(case):
+    llm, _ = graphed_llm(case, M.FULL_AND_PIECEWISE)
+    runner = llm.engine.runner
+    prefill = runner.speculator.prefill_graphs
+    full_keys = [key for key in runner.graphs.metadata]
+    assert full_keys and all(prefill.metadata[key] is runner.graphs.metadata[key] for key in full_keys)
+
+
+def test_poisoned_buffers_change_nothing(case):
+    _, prompts, ref, _ = case
+    llm, _ = graphed_llm(case, M.FULL_AND_PIECEWISE)
+    runner = llm.engine.runner
+    spec = runner.speculator
+    b, s = runner.buffers, spec.step_buffers
+    for t in (b.input_ids, b.positions, b.slot_mapping, b.query_start_loc, b.seq_lens, b.block_table,
+              b.logits_indices, s.positions, s.seq_lens, s.query_start_loc, s.slot_mapping, s.last_token_indices,
+              spec.next_ids, spec.decode_tokens, runner.draft_block_table, runner.draft_base_positions):
+        t.fill_(987654)
+    spec.feedback.fill_(float("nan"))
+    assert outputs(llm, prompts) == ref
+
+
+def test_small_batch_after_large_batch_gets_its_own_outputs(case):
+    _, prompts, ref, _ = case
+    llm, used = graphed_llm(case, M.FULL_AND_PIECEWISE)
+    assert outputs(llm, prompts) == ref
+    used.clear()
+    assert outputs(llm, prompts[-1:]) == ref[-1:]
+    assert ("target", M.FULL) in used
+
+
+def test_debug_check_passes_then_catches_a_stale_replay(case):
+    _, prompts, ref, _ = case
+    llm, _ = graphed_llm(case, M.FULL_AND_PIECEWISE)
+    runner = llm.engine.runner
+    for mgr in (runner.graphs, runner.speculator.prefill_graphs, runner.speculator.decode_graphs):
+        mgr.debug = True
+    assert outputs(llm, prompts[:3]) == ref[:3]
+    # A graph that no longer reads its inputs (as after a buffer was reallocated) must be caught.
+    for graph in runner.graphs.graphs.values():
+        graph._replay = lambda _metadata: None
+    with pytest.raises(CUDAGraphMismatchError, match="graph replay differs from eager"):
+        llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+
+
+def test_debug_option_from_environment(monkeypatch):
+    from specserve.config import EngineConfig
+
+    monkeypatch.setenv("SPECSERVE_DEBUG_CUDAGRAPH", "1")
+    assert EngineConfig().debug_cudagraph
+    monkeypatch.setenv("SPECSERVE_DEBUG_CUDAGRAPH", "0")
+    assert not EngineConfig().debug_cudagraph
+
+
+def test_graph_config_errors_name_the_field():
+    from specserve.config import EngineConfig
+    from specserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cudagraph_mode.*one of"):
+        EngineConfig(cudagraph_mode="SOMETIMES")
+    with pytest.raises(ConfigError, match="cudagraph_mode.*GPU only"):
+        EngineConfig(device="cpu", cudagraph_mode="FULL")
+    with pytest.raises(ConfigError, match="cudagraph_capture_sizes"):
+        EngineConfig(cudagraph_capture_sizes=[0, 4])
+    assert EngineConfig(cudagraph_capture_sizes=[8, 1, 8]).cudagraph_capture_sizes == [1, 8]
+    assert torch.device(EngineConfig().device).type == "cpu" or EngineConfig().cudagraph_mode == "FULL_AND_PIECEWISE"
