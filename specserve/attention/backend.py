@@ -23,6 +23,17 @@ class AttentionBackend(Protocol):
         """Write k, v into the cache at slot_mapping, then attend causally over each request's cache."""
         ...
 
+    def attend(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # already holding this step's keys and values
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Attend causally over each request's cache, for a model that wrote the cache itself
+        (fused with its rotary embedding)."""
+        ...
+
 
 def get_attention_backend(name: str) -> AttentionBackend:
     if name == "torch":

@@ -64,6 +64,9 @@ class TorchAttentionBackend:
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        return self.attend(q, kv_cache, metadata, scale)
+
+    def attend(self, q, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         layout = metadata.backend_state.get("torch")
         if layout is None:
             layout = metadata.backend_state["torch"] = _step_layout(metadata, kv_cache.shape[2], q.device)

@@ -114,12 +114,15 @@ class TritonAttentionBackend:
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv_cache_triton(k, v, kv_cache, metadata.slot_mapping)
+        return self.attend(q, kv_cache, metadata, scale)
+
+    def attend(self, q, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         # Zeros, not empty: query tokens outside every request (graph padding) stay defined.
         out = torch.zeros_like(q)
         if metadata.num_reqs == 0 or metadata.max_query_len == 0:
             return out
         num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = k.shape[1]
+        num_kv_heads = kv_cache.shape[3]
         assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
         assert head_dim >= 16 and head_dim == triton.next_power_of_2(head_dim), "head_dim must be a power of two >= 16"
         assert q.stride(2) == 1 and out.stride(2) == 1 and kv_cache.stride(4) == 1

@@ -34,7 +34,8 @@ class EagleHead(nn.Module):
     def forward(self, input_ids, positions, hidden, kv_cache, metadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden state fed back to the next draft step, hidden state for the logits)."""
         x = self.fc(torch.cat((self.embed_tokens(input_ids), hidden), dim=-1))
-        h = self.layer(x, positions, self.rotary, kv_cache, metadata)
+        out, residual = self.layer(x, positions, self.rotary, kv_cache, metadata)
+        h = out + residual
         return h, h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:

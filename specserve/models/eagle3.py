@@ -34,9 +34,10 @@ class Eagle3Layer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, embeds, hidden, positions, rotary, kv_cache, metadata):
+        """(MLP output, residual stream before it), as DecoderLayer."""
         x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
-        h = hidden + self.self_attn(x, positions, rotary, kv_cache, metadata)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x, residual = self.post_attention_layernorm(self.self_attn(x, positions, rotary, kv_cache, metadata), hidden)
+        return self.mlp(x), residual
 
 
 class Eagle3Head(nn.Module):
@@ -58,8 +59,9 @@ class Eagle3Head(nn.Module):
         """(pre-norm hidden fed back to the next draft step, normed hidden for the logits)."""
         if hidden.shape[-1] != self.cfg.hidden_size:
             hidden = self.fc(hidden)  # draft position 0: the target's auxiliary hidden states
-        h = self.layer(self.embed_tokens(input_ids), hidden, positions, self.rotary, kv_cache, metadata)
-        return h, self.norm(h)
+        out, residual = self.layer(self.embed_tokens(input_ids), hidden, positions, self.rotary, kv_cache, metadata)
+        normed, h = self.norm(out, residual)
+        return h, normed
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the target vocabulary; tokens outside the draft vocabulary get -inf."""

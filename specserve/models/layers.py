@@ -1,4 +1,11 @@
-"""Building blocks shared by the decoder models: norm, rotary embedding, MLP."""
+"""Building blocks shared by the decoder models: norm, rotary embedding, MLP.
+
+Each block has two paths: plain torch, the exact reference the CPU tests
+compare with Hugging Face, and fused Triton kernels (specserve/kernels/) for
+the GPU. The kernel modules are imported only when the fused path first runs:
+importing one defines its Triton kernels, and CPU tests need Triton's
+interpreter switched on before that happens.
+"""
 from __future__ import annotations
 
 import math
@@ -8,13 +15,54 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class RMSNorm(nn.Module):
+class FusableModule(nn.Module):
+    """A module whose fused Triton path is on whenever its parameters live on a CUDA device.
+
+    A flag decided when the module is moved, not a device check per call, so
+    that tests can force the fused path on CPU tensors under Triton's
+    interpreter, and turn it off on a GPU for a same-device comparison.
+    """
+
+    fused = False
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.fused = next(self.parameters()).is_cuda
+        return self
+
+
+def set_fused_kernels(model: nn.Module, enabled: bool) -> None:
+    """Force the fused Triton path of every block of model on or off."""
+    for m in model.modules():
+        if isinstance(m, FusableModule):
+            m.fused = enabled
+
+
+class RMSNorm(FusableModule):
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); or, given the residual stream, (norm(x + residual), x + residual).
+
+        x is a sublayer's fresh output and the sum may be written over it; the
+        residual is never written, since the caller may still hold it (the
+        embedding, an auxiliary hidden state, an EAGLE head's input).
+        """
+        if self.fused:
+            from specserve.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(residual, x, self.weight, self.eps)
+        if residual is None:
+            return self._norm(x)
+        x = residual + x
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -69,18 +117,29 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
+    def rotate_and_cache(self, positions, q, k, v, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """The fused path: rotate q and k in place and write the rotated k and v into kv_cache."""
+        from specserve.kernels.rotary_cache import rotary_and_cache
+
+        rotary_and_cache(positions, q, k, v, self.cos, self.sin, kv_cache, slot_mapping)
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(FusableModule):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            from specserve.kernels.activation import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

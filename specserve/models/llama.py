@@ -2,6 +2,10 @@
 
 Parameter names follow Hugging Face's, except that q/k/v and gate/up are
 stored fused; `load_weights` takes Hugging Face names and does the fusing.
+
+Layers follow vLLM's form: the residual stream travels beside each layer's
+output and the next norm adds them, so that on the GPU the add and the norm
+are one kernel.
 """
 from __future__ import annotations
 
@@ -13,11 +17,11 @@ from torch import nn
 from specserve.attention.backend import AttentionBackend
 from specserve.attention.metadata import AttentionMetadata
 from specserve.models.arch_config import ArchConfig
-from specserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from specserve.models.layers import FusableModule, GatedMLP, RMSNorm, RotaryEmbedding
 from specserve.models.weight_loading import load_hf_weights
 
 
-class Attention(nn.Module):
+class Attention(FusableModule):
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend, input_size: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -39,8 +43,12 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        if self.fused:
+            rotary.rotate_and_cache(positions, q, k, v, kv_cache, metadata.slot_mapping)
+            out = self.backend.attend(q, kv_cache, metadata, self.scale)
+        else:
+            q, k = rotary(positions, q, k)
+            out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -52,9 +60,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, positions, rotary, kv_cache, metadata):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, positions, rotary, kv_cache, metadata, residual=None):
+        """(MLP output, residual stream before it): their sum is the layer's output.
+
+        x is the layer's input, or with residual given, the previous layer's MLP output.
+        """
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rotary, kv_cache, metadata)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -85,13 +102,16 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], metadata: AttentionMetadata
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Final-norm hidden states [num_tokens, hidden] and the auxiliary hidden states asked for."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         saved = {}
         for i, layer in enumerate(self.model.layers):
             if i in self.aux_hidden_layers:
-                saved[i] = x
-            x = layer(x, positions, self.model.rotary, kv_caches[i], metadata)
-        return self.model.norm(x), [saved[i] for i in self.aux_hidden_layers]
+                # The layer's input, as a tensor of its own: the layer's fused norm writes over x.
+                saved[i] = x if residual is None else x + residual
+            x, residual = layer(x, positions, self.model.rotary, kv_caches[i], metadata, residual)
+        # Added apart, not fused into the final norm, which so keeps returning one tensor (tests hook
+        # model.norm); the cost is one small add a forward.
+        return self.model.norm(x + residual), [saved[i] for i in self.aux_hidden_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,0 +1,196 @@
+"""The fused-kernel path of the models against their plain torch path, on the same device.
+
+On CPU the fused path is forced on and its kernels run in Triton's interpreter.
+Two steps run through both paths: a prefill of two requests, then a decode of
+one beside a draft verification of the other, with padded tokens and a
+padded request row as a full CUDA graph leaves them. Hidden states,
+auxiliary hidden states and KV caches must agree, and no input of the caller
+may be written.
+"""
+import copy
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from specserve.attention.backend import get_attention_backend
+from specserve.attention.metadata import PAD_SLOT_ID, AttentionMetadata
+from specserve.models.arch_config import ArchConfig
+from specserve.models.eagle import EagleHead
+from specserve.models.eagle3 import Eagle3Head
+from specserve.models.layers import FusableModule, set_fused_kernels
+from specserve.models.llama import LlamaForCausalLM
+
+from .util import DEVICE
+
+BLOCK_SIZE = 4
+VOCAB = 96
+# Relative error (by norm) allowed between the paths; bf16 is rounded differently by the
+# interpreter (truncation) than by torch.
+REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+def tiny_arch(**overrides) -> ArchConfig:
+    kw = dict(architecture="LlamaForCausalLM", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_layers=3,
+              num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+              max_position_embeddings=256, tie_word_embeddings=False)
+    return ArchConfig(**(kw | overrides))
+
+
+def randomize(module: torch.nn.Module, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.08 * noise if p.dim() == 2 else 0.02 * noise)
+
+
+def both_paths(module: torch.nn.Module, dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(plain, fused) copies of module on DEVICE in dtype."""
+    plain = copy.deepcopy(module).to(device=DEVICE, dtype=dtype)
+    set_fused_kernels(plain, False)
+    fused = copy.deepcopy(plain)
+    set_fused_kernels(fused, True)
+    return plain, fused
+
+
+@dataclass
+class Step:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    num_real_tokens: int
+
+
+# Request i owns the shuffled blocks BLOCK_TABLE[i] in every step of a run; the last row is for a padded request.
+MAX_REQS, BLOCKS_PER_REQ = 3, 16
+NUM_BLOCKS = MAX_REQS * BLOCKS_PER_REQ
+BLOCK_TABLE = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(0)).view(MAX_REQS, -1).tolist()
+
+
+def make_step(q_lens: list[int], seq_lens: list[int], pad_tokens: int = 0, pad_reqs: int = 0, seed: int = 0) -> Step:
+    gen = torch.Generator().manual_seed(seed)
+    positions, slots = [], []
+    for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        for pos in range(seq_len - q_len, seq_len):
+            positions.append(pos)
+            slots.append(BLOCK_TABLE[i][pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+    num_real = len(positions)
+    positions += [0] * pad_tokens
+    slots += [PAD_SLOT_ID] * pad_tokens
+    qsl = torch.tensor([0] + q_lens + [0] * pad_reqs, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    seq = torch.tensor(seq_lens + [0] * pad_reqs, dtype=torch.int32)
+    metadata = AttentionMetadata(
+        num_reqs=len(q_lens) + pad_reqs, num_tokens=num_real + pad_tokens, max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens), query_start_loc=qsl.to(DEVICE), seq_lens=seq.to(DEVICE),
+        block_table=torch.tensor(BLOCK_TABLE[: len(q_lens) + pad_reqs], dtype=torch.int32, device=DEVICE),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        query_start_loc_cpu=qsl, seq_lens_cpu=seq)
+    input_ids = torch.randint(0, VOCAB, (num_real + pad_tokens,), generator=gen)
+    return Step(input_ids.to(DEVICE), torch.tensor(positions, device=DEVICE), metadata, num_real)
+
+
+# A prefill of two requests, then a decode of the first beside a verification of three tokens of the second.
+STEPS = [dict(q_lens=[6, 3], seq_lens=[6, 3]), dict(q_lens=[1, 3], seq_lens=[7, 6], pad_tokens=2, pad_reqs=1)]
+
+
+def new_caches(arch: ArchConfig, num_layers: int, dtype) -> list[torch.Tensor]:
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, arch.num_kv_heads, arch.head_dim)
+    return [torch.full(shape, math.nan, dtype=dtype, device=DEVICE) for _ in range(num_layers)]
+
+
+def assert_near(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    rel = ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+    assert rel < REL_TOL[actual.dtype], f"relative error {rel:.2e}"
+
+
+def assert_caches_near(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    for a, e in zip(actual, expected):
+        assert torch.equal(a.isnan(), e.isnan()), "the paths wrote different cache slots"
+        assert_near(a.nan_to_num(), e.nan_to_num())
+
+
+def run_target(model, arch, dtype) -> tuple[list, list[torch.Tensor]]:
+    """[(hidden, aux) of each step], the final caches."""
+    caches = new_caches(arch, arch.num_layers, dtype)
+    outs = []
+    for kw in STEPS:
+        step = make_step(**kw)
+        with torch.no_grad():
+            hidden, aux = model(step.input_ids, step.positions, caches, step.metadata)
+        n = step.num_real_tokens
+        outs.append((hidden[:n], [a[:n] for a in aux]))
+    return outs, caches
+
+
+def check_target(arch: ArchConfig, dtype, backend: str) -> None:
+    model = LlamaForCausalLM(arch, get_attention_backend(backend), aux_hidden_layers=(0, 1, 2))
+    randomize(model)
+    plain, fused = both_paths(model, dtype)
+    expected, expected_caches = run_target(plain, arch, dtype)
+    actual, actual_caches = run_target(fused, arch, dtype)
+    for (h, aux), (h_ref, aux_ref) in zip(actual, expected):
+        assert_near(h, h_ref)
+        for a, a_ref in zip(aux, aux_ref):
+            assert_near(a, a_ref)
+    assert_caches_near(actual_caches, expected_caches)
+
+
+def check_head(head: torch.nn.Module, hidden_size: int, arch: ArchConfig, dtype) -> None:
+    randomize(head, seed=1)
+    plain, fused = both_paths(head, dtype)
+    results = []
+    for model in (plain, fused):
+        caches = new_caches(arch, 1, dtype)
+        outs = []
+        for kw in STEPS:
+            step = make_step(**kw)
+            hidden = torch.randn(step.input_ids.shape[0], hidden_size, generator=torch.Generator().manual_seed(2))
+            hidden = hidden.to(device=DEVICE, dtype=dtype)
+            hidden_before = hidden.clone()
+            with torch.no_grad():
+                outs.append([t[: step.num_real_tokens] for t in model(step.input_ids, step.positions, hidden,
+                                                                     caches[0], step.metadata)])
+            assert torch.equal(hidden, hidden_before), "the head wrote its input hidden states"
+        results.append((outs, caches))
+    (expected, expected_caches), (actual, actual_caches) = results
+    for step_out, step_ref in zip(actual, expected):
+        for a, e in zip(step_out, step_ref):
+            assert_near(a, e)
+    assert_caches_near(actual_caches, expected_caches)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_llama(backend, dtype):
+    check_target(tiny_arch(), dtype, backend)
+
+
+def test_qk_norm_and_qkv_bias():
+    check_target(tiny_arch(architecture="Qwen3ForCausalLM", qk_norm=True, attention_bias=True), torch.float32,
+                 "torch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_eagle_head(dtype):
+    arch = tiny_arch(num_layers=1)
+    check_head(EagleHead(arch, get_attention_backend("torch")), arch.hidden_size, arch, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_eagle3_head(dtype):
+    arch = tiny_arch(num_layers=1)
+    head = Eagle3Head(arch, get_attention_backend("torch"), draft_vocab_size=48, target_hidden_size=64,
+                      aux_hidden_layers=(0, 1, 2))
+    # Hidden states of the head's own size: a draft decode step's fed-back state.
+    check_head(head, arch.hidden_size, arch, dtype)
+
+
+def test_fused_path_follows_the_device():
+    model = LlamaForCausalLM(tiny_arch(), get_attention_backend("torch"))
+    fusable = [m for m in model.modules() if isinstance(m, FusableModule)]
+    assert {type(m).__name__ for m in fusable} == {"RMSNorm", "Attention", "GatedMLP"}
+    assert not any(m.fused for m in fusable)
+    model.to(DEVICE)
+    assert all(m.fused == (DEVICE == "cuda") for m in fusable)
