@@ -25,6 +25,7 @@ from specserve.attention.metadata import AttentionMetadata
 
 @dataclass
 class _AttentionCall:
+    method: str  # "forward" (writes the cache, then attends) or "attend" (the model wrote the cache)
     args: tuple
     kwargs: dict
     out: torch.Tensor  # static: the next piece reads it
@@ -42,13 +43,19 @@ class AttentionSplitter:
         self.live_metadata: AttentionMetadata | None = None
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
+        return self._call("forward", args, kwargs)
+
+    def attend(self, *args, **kwargs) -> torch.Tensor:
+        return self._call("attend", args, kwargs)
+
+    def _call(self, method: str, args: tuple, kwargs: dict) -> torch.Tensor:
         if self.live_metadata is not None:
             args, kwargs = self._with_live_metadata(args, kwargs)
         if self.hooks is not None:
             self.hooks[0]()
-        out = self.inner.forward(*args, **kwargs)
+        out = getattr(self.inner, method)(*args, **kwargs)
         if self.hooks is not None:
-            self.hooks[1](_AttentionCall(args, kwargs, out))
+            self.hooks[1](_AttentionCall(method, args, kwargs, out))
         return out
 
     def _with_live_metadata(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -63,7 +70,7 @@ class AttentionSplitter:
             args, kwargs = self._with_live_metadata(call.args, call.kwargs)
         finally:
             self.live_metadata = None
-        call.out.copy_(self.inner.forward(*args, **kwargs))
+        call.out.copy_(getattr(self.inner, call.method)(*args, **kwargs))
 
     def install(self, model: torch.nn.Module) -> None:
         """Route every attention module of `model` through this splitter."""
@@ -134,8 +141,11 @@ class CudaGraphRecorder:
         return RecordedGraph(replay, outputs, len(pieces))
 
     def memory_in_use(self) -> int:
-        free, total = torch.cuda.mem_get_info(self.device)
-        return total - free
+        # Cached blocks outside the graph pool are released first, so a difference of two readings
+        # counts what the graphs hold (their pool cannot be released while they live).
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved(self.device)
 
 
 class EagerRecorder:

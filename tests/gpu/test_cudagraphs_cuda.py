@@ -1,0 +1,105 @@
+"""Real CUDA graphs on the GPU, every mode, target and EAGLE drafter: replay equals eager (the debug
+check compares every replay bit for bit), greedy output with EAGLE equals output without it in float32,
+poisoned buffers change nothing, a small batch after a large one gets its own outputs."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from heads import save_eagle_head
+from specserve import LLM, SamplingParams
+from specserve.worker.cudagraph_mode import CUDAGraphMode as M
+
+pytestmark = pytest.mark.gpu
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+MODES = [m.name for m in M]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def exact_float32():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.fixture(scope="module")
+def case(tiny_llama, tmp_path_factory):
+    path, hf = tiny_llama
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, hf.config.vocab_size) for _ in range(rng.randint(2, 90))] for _ in range(12)]
+    cpu = LLM(str(path), max_model_len=256, device="cpu")
+    ref = [o.outputs[0].token_ids for o in cpu.generate(prompts, GREEDY, use_tqdm=False)]
+    head = save_eagle_head(tmp_path_factory.mktemp("cg") / "eagle3", hf.config, "eagle3", seed=6)
+    return path, prompts, ref, head
+
+
+def make_llm(case, mode: str, spec: bool) -> LLM:
+    path, _, _, head = case
+    cfg = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3} if spec else None
+    return LLM(str(path), max_model_len=256, device="cuda", dtype="float32", cudagraph_mode=mode,
+               debug_cudagraph=True, max_num_seqs=16, max_num_batched_tokens=128,
+               cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64, 128], speculative_config=cfg)
+
+
+def count_replays(llm: LLM) -> dict[str, int]:
+    runner = llm.engine.runner
+    if runner.graphs is None:  # mode NONE
+        return {}
+    managers = {"target": runner.graphs}
+    if runner.speculator is not None:
+        managers.update(prefill=runner.speculator.prefill_graphs, decode=runner.speculator.decode_graphs)
+    counts = dict.fromkeys(managers, 0)
+    for name, mgr in managers.items():
+        original = mgr.run
+
+        def run(desc, forward, metadata, _o=original, _n=name, _m=mgr):
+            counts[_n] += _m.has_graph(desc)
+            return _o(desc, forward, metadata)
+
+        mgr.run = run
+    return counts
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "eagle3"])
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_replays_equal_eager_and_greedy_is_lossless(case, mode, spec):
+    _, prompts, ref, _ = case
+    llm = make_llm(case, mode, spec)
+    counts = count_replays(llm)
+    # Large batches, then smaller ones: each batch must get its own outputs under the graphs.
+    for n in (12, 5, 1, 3):
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts[:n], GREEDY, use_tqdm=False)]
+        assert outs == ref[:n], f"mode {mode}, batch {n}"
+    if mode != "NONE":
+        assert counts["target"] > 0
+        if spec:
+            assert counts["prefill"] > 0
+            assert (counts["decode"] > 0) == M[mode].has_full
+    if spec:
+        assert llm.engine.spec_stats.num_drafted > 0
+
+
+def test_poisoned_buffers_change_nothing_on_the_gpu(case):
+    _, prompts, ref, _ = case
+    llm = make_llm(case, "FULL_AND_PIECEWISE", spec=True)
+    runner = llm.engine.runner
+    spec = runner.speculator
+    b, s = runner.buffers, spec.step_buffers
+    for t in (b.input_ids, b.positions, b.slot_mapping, b.query_start_loc, b.seq_lens, b.block_table,
+              s.positions, s.seq_lens, s.query_start_loc, s.slot_mapping, s.last_token_indices,
+              spec.next_ids, spec.decode_tokens, runner.draft_block_table, runner.draft_base_positions):
+        t.fill_(2**30)
+    spec.feedback.fill_(float("nan"))
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts[:7], GREEDY, use_tqdm=False)]
+    torch.cuda.synchronize()
+    assert outs == ref[:7]
+
+
+def test_graphs_are_captured_quickly_and_report_memory(case):
+    llm = make_llm(case, "FULL_AND_PIECEWISE", spec=True)
+    runner = llm.engine.runner
+    assert runner.capture_seconds is not None and runner.capture_seconds < 60
+    assert runner.graph_memory_bytes is not None and runner.graph_memory_bytes >= 0
