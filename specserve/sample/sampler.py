@@ -8,52 +8,63 @@ argmax(probs / Exponential(1)), which is an exact draw from probs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from specserve.engine.request import Request
 
 
-@dataclass
 class SamplingBatch:
-    """The sampling parameters of the rows of a logits tensor, as device tensors."""
+    """The sampling parameters of the rows of a logits tensor.
 
-    temperature: torch.Tensor  # [N] float32, 1.0 on greedy rows
-    greedy: torch.Tensor  # [N] bool
-    top_k: torch.Tensor  # [N] int64, 0 = off
-    top_p: torch.Tensor  # [N] float32
-    min_p: torch.Tensor  # [N] float32
-    generators: list[torch.Generator | None]
-    all_greedy: bool
-    needs_top_k: bool
-    needs_top_p: bool
-    needs_min_p: bool
-    max_logprobs: int | None  # largest logprobs asked for in the batch, None when none asked
-    requests: list[Request]
+    The per-row device tensors are made on first use: an all-greedy batch (the common decode step)
+    then uploads nothing, and `greedy` is a fill on the device rather than a copy from the host.
+    """
+
+    def __init__(self, requests: list[Request], device: torch.device):
+        ps = [r.params for r in requests]
+        self.requests = requests
+        self.device = device
+        self._params = ps
+        self._greedy = [p.greedy for p in ps]
+        asked = [p.logprobs for p in ps if p.logprobs is not None]
+        self.generators: list[torch.Generator | None] = [r.generator for r in requests]
+        self.all_greedy = all(self._greedy)
+        self.needs_top_k = any(p.top_k > 0 and not g for p, g in zip(ps, self._greedy))
+        self.needs_top_p = any(p.top_p < 1.0 and not g for p, g in zip(ps, self._greedy))
+        self.needs_min_p = any(p.min_p > 0.0 and not g for p, g in zip(ps, self._greedy))
+        # Largest logprobs asked for in the batch, None when none asked.
+        self.max_logprobs: int | None = max(asked) if asked else None
 
     @classmethod
     def build(cls, requests: list[Request], device: torch.device) -> "SamplingBatch":
-        ps = [r.params for r in requests]
-        greedy = [p.greedy for p in ps]
-        asked = [p.logprobs for p in ps if p.logprobs is not None]
+        return cls(requests, device)
 
-        def t(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
 
-        return cls(
-            temperature=t([1.0 if g else p.temperature for g, p in zip(greedy, ps)], torch.float32),
-            greedy=t(greedy, torch.bool),
-            top_k=t([p.top_k for p in ps], torch.int64),
-            top_p=t([p.top_p for p in ps], torch.float32),
-            min_p=t([p.min_p for p in ps], torch.float32),
-            generators=[r.generator for r in requests],
-            all_greedy=all(greedy),
-            needs_top_k=any(p.top_k > 0 and not g for p, g in zip(ps, greedy)),
-            needs_top_p=any(p.top_p < 1.0 and not g for p, g in zip(ps, greedy)),
-            needs_min_p=any(p.min_p > 0.0 and not g for p, g in zip(ps, greedy)),
-            max_logprobs=max(asked) if asked else None,
-            requests=requests,
-        )
+    @cached_property
+    def greedy(self) -> torch.Tensor:  # [N] bool
+        if self.all_greedy:
+            return torch.ones(len(self._greedy), dtype=torch.bool, device=self.device)
+        return self._tensor(self._greedy, torch.bool)
+
+    @cached_property
+    def temperature(self) -> torch.Tensor:  # [N] float32, 1.0 on greedy rows
+        return self._tensor([1.0 if g else p.temperature for g, p in zip(self._greedy, self._params)], torch.float32)
+
+    @cached_property
+    def top_k(self) -> torch.Tensor:  # [N] int64, 0 = off
+        return self._tensor([p.top_k for p in self._params], torch.int64)
+
+    @cached_property
+    def top_p(self) -> torch.Tensor:  # [N] float32
+        return self._tensor([p.top_p for p in self._params], torch.float32)
+
+    @cached_property
+    def min_p(self) -> torch.Tensor:  # [N] float32
+        return self._tensor([p.min_p for p in self._params], torch.float32)
 
 
 @dataclass
