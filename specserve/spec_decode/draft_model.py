@@ -11,6 +11,8 @@ from specserve.spec_decode.model_drafter import ModelDrafter
 
 
 class DraftModelSpeculator(ModelDrafter):
+    first_draft_from_prefill = False
+
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], **kw):
         super().__init__(**kw)
         self.model = model

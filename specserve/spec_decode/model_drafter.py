@@ -31,6 +31,9 @@ from specserve.worker.cudagraph_mode import CUDAGraphMode
 
 
 class ModelDrafter(Speculator):
+    # Whether the prefill yields draft 1 (EAGLE heads); a draft model's prefill only fills its cache.
+    first_draft_from_prefill = True
+
     def __init__(self, k: int, vocab_size: int, max_num_reqs: int, max_num_tokens: int, block_size: int,
                  max_position: int, device: torch.device, generator: torch.Generator,
                  target_input_ids: torch.Tensor, target_positions: torch.Tensor, feedback_size: int | None = None,
@@ -52,6 +55,9 @@ class ModelDrafter(Speculator):
                          if feedback_size else None)
         self.prefill_graphs: CUDAGraphManager | None = None
         self.decode_graphs: CUDAGraphManager | None = None
+        # Greedy batches run all decode steps, argmax included, as one graph per padded batch size.
+        self.greedy_loop_graphs: CUDAGraphManager | None = None
+        self._loop_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # (base positions, block table)
 
     # Subclasses. prefill_forward runs over the first num_tokens target tokens and returns
     # (hidden states for draft-1 logits, hidden states to feed back), either None for a drafter without them;
@@ -69,7 +75,7 @@ class ModelDrafter(Speculator):
 
     def capture_graphs(self, target_graphs: CUDAGraphManager, splitter, recorder, sizes: Sequence[int], debug: bool,
                        target_prepare: Callable[[BatchDescriptor], AttentionMetadata],
-                       block_table: torch.Tensor) -> None:
+                       base_positions: torch.Tensor, block_table: torch.Tensor) -> None:
         for model in self.models():
             splitter.install(model)
         max_reqs = self.step_buffers.max_num_reqs
@@ -99,6 +105,38 @@ class ModelDrafter(Speculator):
             return self._decode_metadata(desc, block_table, self.max_position)
 
         self.decode_graphs.capture(self._decode, decode_prepare)
+        if self.num_loop_steps > 0:
+            self._loop_inputs = (base_positions, block_table)
+            self.greedy_loop_graphs = CUDAGraphManager(
+                "draft greedy loop", self.decode_graphs.mode, sizes, max_reqs, max_reqs, (1,), recorder, debug)
+
+            def loop_prepare(desc: BatchDescriptor) -> AttentionMetadata:
+                self.step_buffers.num_reqs.zero_()
+                return decode_prepare(desc)
+
+            self.greedy_loop_graphs.capture(self._greedy_loop, loop_prepare)
+
+    @property
+    def num_loop_steps(self) -> int:
+        """Decode steps after the prefill: k - 1 when the prefill drafts, else k."""
+        return self.num_speculative_tokens - int(self.first_draft_from_prefill)
+
+    def _greedy_loop(self, desc: BatchDescriptor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Every decode step of a greedy batch, metadata rebuilt on the device before each (seed #38311):
+        [n, num_loop_steps] drafts. Reads num_reqs from its device buffer, so one recording serves every
+        batch padded to desc.num_reqs."""
+        n = desc.num_reqs
+        base_positions, block_table = self._loop_inputs
+        tokens = self.decode_tokens[:n]
+        feedback = self.feedback[:n] if self.feedback is not None else None
+        drafts = []
+        for step in range(1, self.num_loop_steps + 1):
+            prepare_draft_step(step, self.step_buffers.num_reqs, base_positions, block_table, self.block_size,
+                               self.max_position, self.step_buffers)
+            logits, feedback = self.decode_forward(tokens, feedback, self.step_buffers.positions[:n], metadata)
+            tokens = logits.argmax(dim=-1)
+            drafts.append(tokens)
+        return torch.stack(drafts, dim=1)
 
     def models(self) -> list[torch.nn.Module]:
         raise NotImplementedError
@@ -149,6 +187,15 @@ class ModelDrafter(Speculator):
             self.feedback[n:].zero_()
         # Rows past n are padding for a full decode graph: in-range token ids, finite hidden states.
         self.decode_tokens[n:].zero_()
+        loop = self.greedy_loop_graphs
+        if loop is not None and inp.sampling.all_greedy:
+            desc = loop.dispatch(n, n, 1)
+            if loop.has_graph(desc):
+                self.decode_tokens[:n].copy_(current)
+                self.step_buffers.num_reqs.fill_(n)
+                rest = loop.run(desc, self._greedy_loop, loop.metadata[desc.key])[:n]
+                table = (torch.cat([current.unsqueeze(1), rest], dim=1) if drafts else rest).tolist()
+                return [row[:m] for row, m in zip(table, inp.max_drafts)]
         step = 1
         while len(drafts) < k:
             self.decode_tokens[:n].copy_(current)

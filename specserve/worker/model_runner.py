@@ -97,7 +97,7 @@ class ModelRunner:
         self.graphs.capture(self._target_forward, self._prepare_capture)
         if self.speculator is not None and hasattr(self.speculator, "capture_graphs"):
             self.speculator.capture_graphs(self.graphs, splitter, recorder, sizes, cfg.debug_cudagraph,
-                                           self._prepare_capture, self.draft_block_table)
+                                           self._prepare_capture, self.draft_base_positions, self.draft_block_table)
         self.buffers.reset()
         self.capture_seconds = time.perf_counter() - start
         self.graph_memory_bytes = recorder.memory_in_use() - used_before

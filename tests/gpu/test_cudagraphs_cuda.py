@@ -50,7 +50,8 @@ def count_replays(llm: LLM) -> dict[str, int]:
         return {}
     managers = {"target": runner.graphs}
     if runner.speculator is not None:
-        managers.update(prefill=runner.speculator.prefill_graphs, decode=runner.speculator.decode_graphs)
+        spec = runner.speculator
+        managers.update(prefill=spec.prefill_graphs, decode=spec.decode_graphs, loop=spec.greedy_loop_graphs)
     counts = dict.fromkeys(managers, 0)
     for name, mgr in managers.items():
         original = mgr.run
@@ -77,9 +78,15 @@ def test_every_mode_replays_equal_eager_and_greedy_is_lossless(case, mode, spec)
         assert counts["target"] > 0
         if spec:
             assert counts["prefill"] > 0
-            assert (counts["decode"] > 0) == M[mode].has_full
+            # Greedy: all decode steps replay as one graph per batch.
+            assert (counts["loop"] > 0) == M[mode].has_full
     if spec:
         assert llm.engine.spec_stats.num_drafted > 0
+        # Sampled requests draft step by step (per-step decode graphs), still replay == eager under debug.
+        sampled = SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+        llm.generate(prompts[:4], sampled, use_tqdm=False)
+        if mode != "NONE":
+            assert (counts["decode"] > 0) == M[mode].has_full
 
 
 def test_poisoned_buffers_change_nothing_on_the_gpu(case):

@@ -38,7 +38,8 @@ def graphed_llm(case, mode: M, k: int = 3) -> tuple[LLM, list]:
     engine.runner.capture_graphs(mode, EagerRecorder(), engine.attention_backend)
     used = []
     runner, spec = engine.runner, engine.runner.speculator
-    for name, mgr in (("target", runner.graphs), ("prefill", spec.prefill_graphs), ("decode", spec.decode_graphs)):
+    for name, mgr in (("target", runner.graphs), ("prefill", spec.prefill_graphs), ("decode", spec.decode_graphs),
+                      ("loop", spec.greedy_loop_graphs)):
         original = mgr.run
 
         def run(desc, forward, metadata, _original=original, _name=name, _mgr=mgr):
@@ -59,16 +60,27 @@ def test_graph_modes_keep_greedy_output_and_dispatch_as_designed(case, mode):
     llm, used = graphed_llm(case, mode)
     assert outputs(llm, prompts) == ref
     target = {m for n, m in used if n == "target"}
-    decode = {m for n, m in used if n == "decode"}
+    # Greedy batches run every decode step in one graph (the loop); others step by step.
+    decode = {m for n, m in used if n in ("decode", "loop")}
     prefill = {m for n, m in used if n == "prefill"}
     assert M.PIECEWISE not in decode  # seed #39773
     if mode.has_full:
-        assert M.FULL in target and M.FULL in prefill and M.FULL in decode
+        assert M.FULL in target and M.FULL in prefill and ("loop", M.FULL) in used
     if mode.has_piecewise:
         assert M.PIECEWISE in target and M.PIECEWISE in prefill
     if mode is M.FULL_DECODE_ONLY:
         assert M.NONE in target  # prefills run eagerly
     assert llm.engine.spec_stats.num_drafted > 0
+
+
+def test_sampled_batches_run_decode_steps_one_graph_at_a_time(case):
+    _, prompts, _, _ = case
+    llm, used = graphed_llm(case, M.FULL_AND_PIECEWISE)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts[:3], params, use_tqdm=False)]
+    assert ("decode", M.FULL) in used and not any(n == "loop" for n, _ in used)
+    # Seeded sampling under graphs is reproducible.
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:3], params, use_tqdm=False)] == first
 
 
 def test_full_graphs_reuse_the_targets_metadata(case):
@@ -106,7 +118,8 @@ def test_debug_check_passes_then_catches_a_stale_replay(case):
     _, prompts, ref, _ = case
     llm, _ = graphed_llm(case, M.FULL_AND_PIECEWISE)
     runner = llm.engine.runner
-    for mgr in (runner.graphs, runner.speculator.prefill_graphs, runner.speculator.decode_graphs):
+    spec = runner.speculator
+    for mgr in (runner.graphs, spec.prefill_graphs, spec.decode_graphs, spec.greedy_loop_graphs):
         mgr.debug = True
     assert outputs(llm, prompts[:3]) == ref[:3]
     # A graph that no longer reads its inputs (as after a buffer was reallocated) must be caught.
