@@ -26,3 +26,7 @@ class ConfigError(SpecserveError, ValueError):
 
 class ModelLoadError(SpecserveError):
     """A model, tokenizer or weight file cannot be found or read."""
+
+
+class PromptFileError(SpecserveError, ValueError):
+    """A prompt file is missing or holds a line that is not a prompt; the message names file and line."""

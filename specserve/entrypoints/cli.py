@@ -1,4 +1,4 @@
-"""The `specserve` command line: generate, chat, serve, bench serve."""
+"""The `specserve` command line: generate, chat, serve, bench, train-eagle, eval-acceptance."""
 from __future__ import annotations
 
 import argparse
@@ -131,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
     add_bench_parser(sub)
+
+    from specserve.entrypoints.eval_acceptance import add_eval_parser
+    from specserve.train.cli import add_train_parser
+
+    add_train_parser(sub)
+    add_eval_parser(sub)
     return parser
 
 

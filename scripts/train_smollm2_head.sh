@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Train the EAGLE-3 head for SmolLM2-135M-Instruct on one GPU, then measure its acceptance.
+#
+#   scripts/train_smollm2_head.sh HEAD_DIR EVAL_PROMPTS.jsonl [more train-eagle flags]
+#
+# Training prompts are written by the target itself from built-in topics (never the evaluation set).
+# With the default budgets the training part takes about 7 minutes on an H100 (data <= 240 s,
+# training <= 150 s, plus model loads); the evaluation runs 7 engines (no speculation, k = 1..6) at
+# temperatures 0 and 1 over the evaluation prompts, a few minutes more. To split the two over
+# separate commands, keep HEAD_DIR inside the repository and run once with SKIP_EVAL=1, then with
+# SKIP_TRAIN=1.
+#
+# Beside HEAD_DIR (never inside it, so the head stays small enough to ship) it writes
+# HEAD_DIR.train.log, HEAD_DIR.eval.log and HEAD_DIR.acceptance.json, and prints a summary of
+# both at the end. Environment: WORK_DIR (data and checkpoints, default
+# /tmp/smollm2-eagle3.work), EVAL_MAX_TOKENS (default 128), DEVICE (default cuda).
+set -euo pipefail
+
+if [[ $# -lt 2 ]]; then
+    echo "usage: $0 HEAD_DIR EVAL_PROMPTS.jsonl [train-eagle flags]" >&2
+    exit 2
+fi
+head_dir=${1%/}
+eval_prompts=$2
+shift 2
+work_dir=${WORK_DIR:-/tmp/smollm2-eagle3.work}
+device=${DEVICE:-cuda}
+mkdir -p "$(dirname "$head_dir")"
+
+started=$SECONDS
+if [[ -z ${SKIP_TRAIN:-} ]]; then
+    python -m specserve.entrypoints.cli train-eagle --target smollm2-135m --out "$head_dir" \
+        --work-dir "$work_dir" --device "$device" --no-progress "$@" 2>&1 | tee "$head_dir.train.log"
+    echo "=== train-eagle: $((SECONDS - started)) s"
+fi
+if [[ -z ${SKIP_EVAL:-} ]]; then
+    eval_started=$SECONDS
+    python -m specserve.entrypoints.cli eval-acceptance --model smollm2-135m --device "$device" \
+        --speculative-config "{\"method\": \"eagle3\", \"model\": \"$head_dir\"}" \
+        --prompts "$eval_prompts" --temperature 0 1 --k 1 2 3 4 5 6 \
+        --max-tokens "${EVAL_MAX_TOKENS:-128}" --max-num-seqs 128 --json "$head_dir.acceptance.json" \
+        2>&1 | tee "$head_dir.eval.log"
+    echo "=== eval-acceptance: $((SECONDS - eval_started)) s"
+fi
+
+echo "=================== summary ==================="
+if [[ -f $head_dir.train.log ]]; then
+    # Progress bars end their lines with carriage returns.
+    tr '\r' '\n' < "$head_dir.train.log" \
+        | grep -E '^(===|data:|draft vocabulary|held-out|time per phase|epoch)|WARNING|steps fit in' || true
+fi
+if [[ -f $head_dir.eval.log ]]; then
+    tr '\r' '\n' < "$head_dir.eval.log" | sed -n '/^ temp /,$p'
+fi
+echo "=== total: $((SECONDS - started)) s"

@@ -1,0 +1,177 @@
+"""`specserve eval-acceptance`: how many tokens a speculator gets accepted, over temperatures and k.
+
+For each k one engine is built with the speculative config at
+num_speculative_tokens = k, and every temperature runs the prompts through
+it. Figures come from the engine's own acceptance statistics
+(LLMEngine.spec_stats), taken as the difference across each run: mean
+acceptance length (accepted drafts + the bonus token, per verification step),
+acceptance rate per draft position, and output tokens per second, beside
+the same prompts without speculation.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import sys
+import time
+from dataclasses import dataclass
+
+from specserve.spec_decode.metrics import SpecDecodeStats
+
+
+@dataclass
+class RunResult:
+    temperature: float
+    k: int | None  # None: no speculation
+    output_tokens: int
+    seconds: float
+    stats: SpecDecodeStats | None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds else 0.0
+
+    def as_dict(self, baseline: "RunResult | None") -> dict:
+        out = {"temperature": self.temperature, "k": self.k, "output_tokens": self.output_tokens,
+               "seconds": round(self.seconds, 3), "tokens_per_s": round(self.tokens_per_s, 1)}
+        if self.stats is not None:
+            out.update(self.stats.as_dict(), num_emitted=self.stats.num_emitted)
+        if baseline is not None and baseline.tokens_per_s:
+            out["speedup"] = round(self.tokens_per_s / baseline.tokens_per_s, 3)
+        return out
+
+
+def stats_between(before: SpecDecodeStats, after: SpecDecodeStats) -> SpecDecodeStats:
+    """The statistics of what happened between two snapshots of one engine's counters."""
+    def minus(a: list[int], b: list[int]) -> list[int]:
+        return [x - (b[i] if i < len(b) else 0) for i, x in enumerate(a)]
+
+    return SpecDecodeStats(
+        num_steps=after.num_steps - before.num_steps, num_drafted=after.num_drafted - before.num_drafted,
+        num_accepted=after.num_accepted - before.num_accepted, num_emitted=after.num_emitted - before.num_emitted,
+        accepted_per_position=minus(after.accepted_per_position, before.accepted_per_position),
+        drafted_per_position=minus(after.drafted_per_position, before.drafted_per_position),
+    )
+
+
+def run_prompts(llm, prompts: list[list[int]], temperature: float, max_tokens: int, k: int | None) -> RunResult:
+    from specserve.sampling_params import SamplingParams
+
+    before = copy.deepcopy(llm.engine.spec_stats)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=temperature, max_tokens=max_tokens), use_tqdm=False)
+    seconds = time.perf_counter() - start
+    stats = stats_between(before, llm.engine.spec_stats) if k is not None else None
+    return RunResult(temperature, k, sum(len(o.outputs[0].token_ids) for o in outs), seconds, stats)
+
+
+def _warm_up(llm, prompts: list[list[int]], temperatures: list[float]) -> None:
+    """A few short requests first, so one-time costs (kernel compilation, allocator growth) stay out of the timing."""
+    from specserve.sampling_params import SamplingParams
+
+    llm.generate(prompts[:2] * len(temperatures),
+                 [SamplingParams(temperature=t, max_tokens=8) for t in temperatures for _ in prompts[:2]],
+                 use_tqdm=False)
+
+
+def evaluate(model: str, spec_config: dict, prompt_file: str, temperatures: list[float], ks: list[int],
+             max_tokens: int, num_prompts: int | None, baseline: bool, engine_kwargs: dict) -> dict:
+    """Run every (k, temperature) and the baseline; returns the report as JSON-ready data."""
+    from specserve.llm import LLM
+    from specserve.prompt_files import load_prompt_file, prompt_token_ids
+
+    conversations = load_prompt_file(prompt_file, limit=num_prompts)
+    runs: list[RunResult] = []
+    for k in ([None] if baseline else []) + list(ks):
+        spec = None if k is None else {**spec_config, "num_speculative_tokens": k}
+        llm = LLM(model, speculative_config=spec, **engine_kwargs)
+        prompts = [prompt_token_ids(llm, c) for c in conversations]
+        _warm_up(llm, prompts, temperatures)
+        runs += [run_prompts(llm, prompts, t, max_tokens, k) for t in temperatures]
+        # Free this engine's KV cache and graphs before the next one allocates its own.
+        del llm
+        gc.collect()
+    base = {r.temperature: r for r in runs if r.k is None}
+    return {
+        "model": model, "speculative_config": spec_config, "prompts": prompt_file, "num_prompts": len(conversations),
+        "max_tokens": max_tokens,
+        "baseline": [r.as_dict(None) for r in runs if r.k is None],
+        "results": [r.as_dict(base.get(r.temperature)) for r in runs if r.k is not None],
+    }
+
+
+def format_table(report: dict) -> str:
+    ks = [r["k"] for r in report["results"]]
+    width = max(ks, default=1)
+    head = (f"{'temp':>5} {'k':>3} {'accept len':>10} {'accept rate':>11}  "
+            f"{'acceptance per position':<{6 * width}} {'tok/s':>8} {'speedup':>7}")
+    lines = [head, "-" * len(head)]
+    for r in report["baseline"]:
+        lines.append(f"{r['temperature']:>5.2f} {'-':>3} {'':>10} {'':>11}  {'(no speculation)':<{6 * width}} "
+                     f"{r['tokens_per_s']:>8.1f} {'1.00':>7}")
+    for r in report["results"]:
+        per_pos = " ".join(f"{p:.2f}" for p in r["acceptance_per_position"])
+        speedup = f"{r['speedup']:.2f}" if "speedup" in r else "-"
+        lines.append(f"{r['temperature']:>5.2f} {r['k']:>3} {r['mean_acceptance_length']:>10.2f} "
+                     f"{r['acceptance_rate']:>10.1%}  {per_pos:<{6 * width}} {r['tokens_per_s']:>8.1f} {speedup:>7}")
+    return "\n".join(lines)
+
+
+def add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    from specserve.entrypoints.cli import add_engine_args
+
+    p = sub.add_parser("eval-acceptance", help="measure a speculator's acceptance over temperatures and k")
+    p.add_argument("--prompts", required=True,
+                   help="JSONL prompts: {'prompt'}, MT-bench {'turns'} (first turn), ShareGPT {'conversations'}")
+    p.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0], help="temperatures to run")
+    p.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6], help="numbers of speculative tokens")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens generated per prompt at most")
+    p.add_argument("--num-prompts", type=int, help="use the first N prompts (default: all)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the run without speculation")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH ('-' for stdout)")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_eval_acceptance)
+
+
+def _parse_spec(text: str | None, ks: list[int]) -> dict:
+    """The speculative config as a dict, checked with every k so that a mistake fails before any model loads."""
+    from specserve.errors import ConfigError
+    from specserve.spec_decode.config import SpeculativeConfig
+
+    if not text:
+        raise ConfigError("speculative_config", 'is required, e.g. \'{"method": "eagle3", "model": "path/to/head"}\' '
+                          "(num_speculative_tokens comes from --k)")
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError("speculative_config", f"is not valid JSON ({e})") from e
+    if not isinstance(spec, dict):
+        raise ConfigError("speculative_config", f"must be a JSON object, got {type(spec).__name__}")
+    for k in ks:
+        SpeculativeConfig.parse({**spec, "num_speculative_tokens": k})
+    return spec
+
+
+def cmd_eval_acceptance(a: argparse.Namespace) -> None:
+    from specserve.entrypoints.cli import engine_kwargs
+    from specserve.errors import ConfigError
+
+    spec = _parse_spec(a.speculative_config, a.k)
+    if min(a.temperature) < 0:
+        raise ConfigError("temperature", f"got {a.temperature}; temperatures must be >= 0 (0 is greedy)")
+    for name, value in (("max_tokens", a.max_tokens), ("num_prompts", a.num_prompts)):
+        if value is not None and value < 1:
+            raise ConfigError(name, f"must be >= 1, got {value}")
+    kwargs = engine_kwargs(a)
+    del kwargs["speculative_config"]
+    report = evaluate(a.model, spec, a.prompts, a.temperature, a.k, a.max_tokens, a.num_prompts,
+                      not a.no_baseline, kwargs)
+    print(format_table(report))
+    if a.json == "-":
+        json.dump(report, sys.stdout, indent=2)
+        print()
+    elif a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=2)

@@ -1,0 +1,58 @@
+"""Splitting the sequences and grouping them into padded batches.
+
+Batches group sequences of similar length (sorted within random windows of
+many batches), so little compute goes to padding, while the order of batches
+and their make-up still change every epoch. Everything is a function of
+(seed, epoch), so a resumed run sees exactly the batches it would have seen.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from specserve.train.data import Sequence
+
+# Batches per window that is sorted by length before being cut into batches.
+_WINDOW = 16
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor  # [B, L] int64, right-padded with 0
+    lengths: torch.Tensor  # [B] int64
+    prompt_lengths: torch.Tensor  # [B] int64
+
+    def to(self, device) -> "Batch":
+        return Batch(self.ids.to(device), self.lengths.to(device), self.prompt_lengths.to(device))
+
+
+def split(sequences: list[Sequence], val_fraction: float, seed: int) -> tuple[list[Sequence], list[Sequence]]:
+    """(train, validation); the validation share is drawn by seed, and stays empty for a zero fraction."""
+    order = list(range(len(sequences)))
+    random.Random(seed).shuffle(order)
+    n_val = int(val_fraction * len(sequences))
+    return [sequences[i] for i in sorted(order[n_val:])], [sequences[i] for i in sorted(order[:n_val])]
+
+
+def epoch_batches(sequences: list[Sequence], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """Indices of each batch of one epoch, in the order they are trained on."""
+    rng = random.Random(f"{seed}:{epoch}")
+    order = list(range(len(sequences)))
+    rng.shuffle(order)
+    batches = []
+    for w in range(0, len(order), batch_size * _WINDOW):
+        window = sorted(order[w:w + batch_size * _WINDOW], key=lambda i: len(sequences[i].ids))
+        batches += [window[b:b + batch_size] for b in range(0, len(window), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(sequences: list[Sequence]) -> Batch:
+    lengths = [len(s.ids) for s in sequences]
+    ids = torch.zeros(len(sequences), max(lengths), dtype=torch.int64)
+    for row, s in enumerate(sequences):
+        ids[row, : lengths[row]] = torch.tensor(s.ids)
+    return Batch(ids, torch.tensor(lengths), torch.tensor([len(s.prompt_ids) for s in sequences]))
+

@@ -1,0 +1,130 @@
+"""TrainConfig: everything `specserve train-eagle` can be told, validated at construction.
+
+The defaults are sized for SmolLM2-135M on one H100 within about seven
+minutes: at most four for the data (the target writing ~1000 prompts and
+answering ~1500 requests, a few hundred thousand tokens) and two and a half
+for training (20 epochs, or fewer when they would not fit: the time budgets
+cut a phase short rather than let a slower machine overrun).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specserve.errors import ConfigError
+
+
+@dataclass
+class TrainConfig:
+    target: str
+    out: str
+    # JSONL prompts (see prompt_files.py); None: the target writes its own from built-in topics.
+    prompts: str | None = None
+    # Data and checkpoints; default OUT.work beside the head, so the head directory stays small enough to ship.
+    work_dir: str | None = None
+    # Reuse the work directory's data and continue from its checkpoint.
+    resume: bool = False
+
+    # ---- data ----
+    num_prompts: int = 1024
+    max_new_tokens: int = 384
+    max_seq_len: int = 1024
+    # Every prompt is answered greedily; this fraction is answered again at sampled_temperature,
+    # so the data resembles both greedy and sampled serving.
+    sampled_fraction: float = 0.5
+    sampled_temperature: float = 0.7
+    question_temperature: float = 0.9
+    max_num_seqs: int = 256
+    # KV cache of the generating engine; None: 8 GB on CUDA (256 SmolLM2 sequences of 1024 tokens fit),
+    # the engine's default on CPU.
+    kv_cache_memory_gb: float | None = None
+    # Stop generating after this many seconds and keep what finished (None: no limit).
+    data_seconds: float | None = 240.0
+
+    # ---- head ----
+    draft_vocab_size: int = 8192
+    # Target layers whose inputs the head reads; None: EAGLE-3's early, middle and late layers.
+    aux_layers: tuple[int, ...] | None = None
+    # Largest weight file of the exported head, in MB of tensor data (15 keeps files under 16 MB to ship in a repo).
+    max_shard_mb: float = 15.0
+
+    # ---- training ----
+    epochs: int = 20
+    # Total optimizer steps; None: epochs over the training data.
+    steps: int | None = None
+    batch_size: int = 32
+    lr: float = 1e-3
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    # Unrolled draft steps per position (training-time test); the head then drafts this many tokens well.
+    ttt_steps: int = 6
+    # Weight of unrolled step j's loss is step_weight_decay ** j: early drafts gate the later ones.
+    step_weight_decay: float = 0.8
+    # Share of sequences held out to report accuracy on data the head did not train on.
+    val_fraction: float = 0.05
+    # Shrink the planned steps, after timing the first ones, so training ends within this (None: no limit).
+    train_seconds: float | None = 150.0
+    save_every: int = 100
+    device: str | None = None
+    dtype: str | None = None
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, field: str, message: str) -> None:
+            if not ok:
+                raise ConfigError(field, message)
+
+        check(bool(self.target), "target", "give the target model: a built-in name, Hugging Face directory or .gguf")
+        check(bool(self.out), "out", "give the directory to write the head to")
+        for name in ("num_prompts", "max_new_tokens", "max_num_seqs", "draft_vocab_size", "epochs", "batch_size",
+                     "ttt_steps", "save_every"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
+        check(self.steps is None or self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
+        check(self.max_seq_len >= 16, "max_seq_len", f"must be >= 16 tokens, got {self.max_seq_len}")
+        check(0.0 <= self.sampled_fraction <= 1.0, "sampled_fraction", f"must be in [0, 1], got {self.sampled_fraction}")
+        for name in ("sampled_temperature", "question_temperature", "lr", "grad_clip", "step_weight_decay",
+                     "max_shard_mb"):
+            check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        check(0.0 <= self.val_fraction < 0.5, "val_fraction", f"must be in [0, 0.5), got {self.val_fraction}")
+        for name in ("data_seconds", "train_seconds", "kv_cache_memory_gb"):
+            value = getattr(self, name)
+            check(value is None or value > 0, name, f"must be > 0 (or unset), got {value}")
+        if self.prompts is not None:
+            check(Path(self.prompts).expanduser().is_file(), "prompts", f"{self.prompts} is not a file; give a JSONL "
+                  "prompt file, or leave it out to let the target write its own prompts")
+        if self.aux_layers is not None:
+            self.aux_layers = tuple(self.aux_layers)
+            check(len(self.aux_layers) >= 1 and all(isinstance(i, int) and i >= 0 for i in self.aux_layers),
+                  "aux_layers", f"must be layer indices >= 0, got {self.aux_layers}")
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        check(self.device.split(":")[0] in ("cpu", "cuda"), "device", f"must be 'cpu' or 'cuda', got {self.device!r}")
+        check(not self.device.startswith("cuda") or torch.cuda.is_available(), "device",
+              "CUDA was asked for but torch sees no GPU; use --device cpu or a CUDA build of torch")
+        check(self.dtype in (None, "float32", "bfloat16", "float16"), "dtype",
+              f"must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype is None:
+            self.dtype = "bfloat16" if self.on_cuda else "float32"
+        if self.kv_cache_memory_gb is None and self.on_cuda:
+            self.kv_cache_memory_gb = 8.0
+        if self.work_dir is None:
+            self.work_dir = str(Path(self.out).expanduser()) + ".work"
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def max_shard_bytes(self) -> int:
+        return int(self.max_shard_mb * 1e6)

@@ -1,0 +1,198 @@
+"""The training loop: AdamW on the head, warm-up and cosine decay, bf16 autocast on CUDA, gradient
+clipping, a progress bar with the loss and each unrolled step's accuracy, and checkpoints to resume from.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specserve.models.arch_config import ArchConfig
+from specserve.models.eagle3 import Eagle3Head
+from specserve.train.attention import UnrolledAttention
+from specserve.train.batches import collate, epoch_batches
+from specserve.train.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from specserve.train.config import TrainConfig
+from specserve.train.data import Sequence
+from specserve.train.features import TargetFeatures, plain_torch
+from specserve.train.schedule import WarmupCosine
+from specserve.train.ttt import unrolled_loss
+from specserve.train.vocab import DraftVocab
+
+logger = logging.getLogger(__name__)
+
+# Steps timed to fit the run into train_seconds: after the first few (allocation, kernel selection).
+_TIMING_START, _TIMING_END = 3, 23
+# Share of the measured pace the fitted plan relies on, for slower batches and validation passes.
+_TIME_MARGIN = 0.9
+_EVAL_BATCH_SIZE = 32
+
+
+@dataclass
+class Evaluation:
+    loss: float
+    accuracy: list[float]  # per unrolled step
+
+    def describe(self) -> str:
+        return f"loss {self.loss:.3f}, accuracy per draft step {'/'.join(f'{a:.2f}' for a in self.accuracy)}"
+
+
+def build_head(target: ArchConfig, head_arch: ArchConfig, vocab: DraftVocab, aux_layers: tuple[int, ...],
+               embed_tokens: torch.nn.Embedding, device: str, seed: int) -> Eagle3Head:
+    """A fresh EAGLE-3 head, initialised from seed, over the target's (frozen, shared) token embedding."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = Eagle3Head(head_arch, UnrolledAttention(), vocab.size, target.hidden_size, aux_layers)
+    head.d2t.copy_(vocab.d2t)
+    head = head.to(device)
+    # Not trained and not exported: both loaders give the head the target's embedding when serving.
+    head.embed_tokens = embed_tokens
+    plain_torch(head)
+    return head
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, features: TargetFeatures, head: Eagle3Head, vocab: DraftVocab,
+                 train: list[Sequence], val: list[Sequence], identity: dict):
+        self.cfg = cfg
+        self.features = features
+        self.head = head
+        self.train_set, self.val_set = train, val
+        self.identity = identity
+        self.device = torch.device(cfg.device)
+        self.target_to_draft = vocab.target_to_draft.to(self.device)
+        self.draft_to_target = vocab.draft_to_target.to(self.device)
+        self.params = [p for p in head.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.batches_per_epoch = len(epoch_batches(train, cfg.batch_size, cfg.seed, 0))
+        total = cfg.steps or cfg.epochs * self.batches_per_epoch
+        # A short run still spends most of its steps at the full rate.
+        self.schedule = WarmupCosine(cfg.lr, min(cfg.warmup_steps, total // 4), total)
+        self.step = 0
+        self.checkpoint_path = Path(cfg.work_dir) / CHECKPOINT_NAME
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+
+    def save(self) -> None:
+        head_state = {k: v for k, v in self.head.state_dict().items() if not k.startswith("embed_tokens.")}
+        save_checkpoint(self.checkpoint_path, {
+            "step": self.step, "schedule": self.schedule.state_dict(), "head": head_state,
+            "optimizer": self.optimizer.state_dict(), "identity": self.identity,
+        })
+
+    def resume(self) -> bool:
+        """Continue from the work directory's checkpoint, if there is one."""
+        if not self.checkpoint_path.is_file():
+            return False
+        state = load_checkpoint(self.checkpoint_path, self.identity)
+        missing, unexpected = self.head.load_state_dict(state["head"], strict=False)
+        assert not unexpected and all(k.startswith("embed_tokens.") for k in missing), (missing, unexpected)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule = WarmupCosine(**state["schedule"])
+        self.step = state["step"]
+        logger.info("Resumed from %s at step %d of %d", self.checkpoint_path, self.step, self.schedule.total_steps)
+        return True
+
+    # ---- training -------------------------------------------------------------------------------
+
+    def _autocast(self):
+        if self.cfg.on_cuda:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _loss(self, sequences: list[Sequence]):
+        batch = collate(sequences).to(self.device)
+        aux = self.features(batch)
+        with self._autocast():
+            return unrolled_loss(self.head, aux, batch, self.target_to_draft, self.draft_to_target,
+                                 self.cfg.ttt_steps, self.cfg.step_weight_decay)
+
+    def train_step(self, sequences: list[Sequence]) -> tuple[float, list[float]]:
+        """One optimizer step; (loss, accuracy of each unrolled step) on the batch."""
+        result = self._loss(sequences)
+        self.optimizer.zero_grad(set_to_none=True)
+        result.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.schedule.lr(self.step)
+        self.optimizer.step()
+        self.step += 1
+        loss, *counts = torch.cat((result.loss.detach()[None], result.correct, result.counted)).tolist()
+        steps = self.cfg.ttt_steps
+        return loss, [c / max(n, 1) for c, n in zip(counts[:steps], counts[steps:])]
+
+    @torch.no_grad()
+    def evaluate(self, sequences: list[Sequence]) -> Evaluation | None:
+        """Mean loss and per-step accuracy over sequences (None for none)."""
+        if not sequences:
+            return None
+        ordered = sorted(sequences, key=lambda s: len(s.ids))
+        loss, correct, counted = 0.0, 0, 0
+        for start in range(0, len(ordered), _EVAL_BATCH_SIZE):
+            chunk = ordered[start:start + _EVAL_BATCH_SIZE]
+            result = self._loss(chunk)
+            loss += float(result.loss) * len(chunk)
+            correct, counted = correct + result.correct.cpu(), counted + result.counted.cpu()
+        accuracy = (correct / counted.clamp(min=1)).tolist()
+        return Evaluation(loss / len(ordered), accuracy)
+
+    def run(self, max_steps: int | None = None) -> None:
+        """Train until the schedule ends (or for at most max_steps more), checkpointing on the way."""
+        cfg = self.cfg
+        stop = self.step + max_steps if max_steps is not None else None
+
+        def finished() -> bool:
+            return self.step >= self.schedule.total_steps or (stop is not None and self.step >= stop)
+
+        started, first_step, timing_from = time.monotonic(), self.step, 0.0
+        bar = tqdm(total=self.schedule.total_steps, initial=self.step, desc="Training", unit="step",
+                   disable=not cfg.progress)
+        try:
+            while not finished():
+                epoch, offset = divmod(self.step, self.batches_per_epoch)
+                for indices in epoch_batches(self.train_set, cfg.batch_size, cfg.seed, epoch)[offset:]:
+                    loss, accuracy = self.train_step([self.train_set[i] for i in indices])
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.3f}", acc="/".join(f"{a:.2f}" for a in accuracy),
+                                    lr=f"{self.schedule.lr(self.step - 1):.1e}", refresh=False)
+                    done = self.step - first_step
+                    if done == _TIMING_START:
+                        timing_from = time.monotonic()
+                    elif done == _TIMING_END:
+                        self._fit_to_time(started, (time.monotonic() - timing_from) / (_TIMING_END - _TIMING_START))
+                        bar.total = self.schedule.total_steps
+                    if self.step % cfg.save_every == 0:
+                        self.save()
+                    if finished():
+                        break
+                if self.step % self.batches_per_epoch == 0:
+                    self._end_of_epoch(self.step // self.batches_per_epoch, bar)
+        except KeyboardInterrupt:
+            self.save()
+            logger.warning("Interrupted at step %d; saved %s (resume with --resume)", self.step, self.checkpoint_path)
+            raise
+        finally:
+            bar.close()
+        self.save()
+
+    def _fit_to_time(self, started: float, seconds_per_step: float) -> None:
+        """Shrink the planned steps to what fits in train_seconds, once, so the schedule still completes."""
+        if self.cfg.train_seconds is None or self.schedule.fitted:
+            return
+        self.schedule.fitted = True
+        remaining = self.cfg.train_seconds - (time.monotonic() - started)
+        fits = self.step + int(_TIME_MARGIN * remaining / seconds_per_step)
+        if fits < self.schedule.total_steps:
+            logger.info("At %.0f ms per step, %d of the %d planned steps fit in --train-seconds %.0f",
+                        1000 * seconds_per_step, fits, self.schedule.total_steps, self.cfg.train_seconds)
+            self.schedule.total_steps = max(fits, self.step + 1)
+
+    def _end_of_epoch(self, epoch: int, bar: tqdm) -> None:
+        result = self.evaluate(self.val_set)
+        if result is not None:
+            bar.write(f"epoch {epoch} (step {self.step}): held-out {result.describe()}")

@@ -1,0 +1,67 @@
+"""The training-time-test loss: the head's draft steps unrolled over every position at once.
+
+Row i of unrolled step j plays draft step j for a request whose last accepted
+token is token i (see attention.py for why its attention matches the
+drafter's). With tokens x_0..x_{n-1}, that step is fed token x_{i+j+1} (the
+bonus token at j = 0, then the earlier drafts, which are only kept when they
+equal the target's tokens), sits at position i + j, and must predict
+x_{i+j+2}. Step 0 reads the target's hidden states at i; step j > 0 the
+head's own output of step j - 1 in the same row, as when drafting.
+
+A row counts where the drafter could stand there: its first token x_{i+1}
+is one the target generated (i >= prompt length - 1) and the token to
+predict exists. Tokens outside the draft vocabulary cannot be proposed: they
+are left out of the loss and counted as misses in the accuracy.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specserve.train.attention import DenseBatch, UnrolledKV
+from specserve.train.batches import Batch
+
+
+@dataclass
+class UnrolledResult:
+    loss: torch.Tensor  # scalar, the weighted sum of the steps' mean cross-entropies
+    correct: torch.Tensor  # [steps] counted rows whose argmax draft is the target's token
+    counted: torch.Tensor  # [steps] rows that count
+
+
+def unroll(head, aux: torch.Tensor, ids: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
+    """For j = 0..steps-1, the normed hidden states [B * L, H] of unrolled step j (ids: [B, L], right-padded)."""
+    b, n = ids.shape
+    padded = F.pad(ids, (0, steps))
+    row = torch.arange(n, device=ids.device)
+    max_position = head.cfg.max_position_embeddings - 1
+    shape, cache = DenseBatch(b, n), UnrolledKV()
+    hidden = aux
+    for j in range(steps):
+        positions = (row + j).clamp(max=max_position).expand(b, n)
+        hidden, normed = head(padded[:, j + 1: j + 1 + n].flatten(), positions.flatten(), hidden, cache, shape)
+        yield normed
+
+
+def unrolled_loss(head, aux: torch.Tensor, batch: Batch, target_to_draft: torch.Tensor,
+                  draft_to_target: torch.Tensor, steps: int, step_weight_decay: float) -> UnrolledResult:
+    n = batch.ids.shape[1]
+    targets_of = F.pad(batch.ids, (0, steps + 1))
+    row = torch.arange(n, device=batch.ids.device)[None, :]
+    loss = aux.new_zeros((), dtype=torch.float32)
+    correct, counted = [], []
+    for j, normed in enumerate(unroll(head, aux, batch.ids, steps)):
+        counts = (row >= batch.prompt_lengths[:, None] - 1) & (row + j + 2 < batch.lengths[:, None])
+        rows = counts.flatten().nonzero().squeeze(1)
+        targets = targets_of[:, j + 2: j + 2 + n].flatten()[rows]
+        logits = head.lm_head(normed[rows]).float()
+        labels = target_to_draft[targets]
+        in_vocab = labels >= 0
+        ce = F.cross_entropy(logits, labels.clamp(min=0), reduction="none")
+        loss = loss + step_weight_decay**j * (ce * in_vocab).sum() / in_vocab.sum().clamp(min=1)
+        correct.append((draft_to_target[logits.argmax(dim=-1)] == targets).sum())
+        counted.append(counts.sum())
+    return UnrolledResult(loss, torch.stack(correct), torch.stack(counted))

@@ -1,0 +1,97 @@
+"""eval-acceptance: its figures are the engine's own acceptance statistics, per (k, temperature)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from heads import save_eagle_head
+from single_thread import one_thread  # noqa: F401  (autouse)
+from specserve import LLM, SamplingParams
+from specserve.entrypoints.cli import main
+from specserve.entrypoints.eval_acceptance import evaluate, stats_between
+from specserve.prompt_files import load_prompt_file, prompt_token_ids
+from specserve.spec_decode.metrics import SpecDecodeStats
+
+# A KV pool sized for these tests rather than the default 2 GB, which takes seconds to allocate.
+ENGINE = {"max_model_len": 256, "num_kv_blocks": 128}
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama, tmp_path_factory):
+    path, hf = tiny_llama
+    root = tmp_path_factory.mktemp("eval")
+    head = save_eagle_head(root / "head", hf.config, "eagle3", seed=5)
+    prompts = root / "mt_bench.jsonl"
+    rows = [{"question_id": i, "category": "writing", "turns": [t, "Shorter."]}
+            for i, t in enumerate(["The quick brown fox", "Paged attention stores keys", "Numbers: 0 1 2 3"])]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path), {"method": "eagle3", "model": str(head)}, str(prompts)
+
+
+def test_figures_are_the_engines_own_statistics(setup):
+    model, spec, prompts = setup
+    report = evaluate(model, spec, prompts, [0.0], [2], max_tokens=16, num_prompts=None, baseline=True,
+                      engine_kwargs=ENGINE)
+    (result,) = report["results"]
+    llm = LLM(model, **ENGINE, speculative_config={**spec, "num_speculative_tokens": 2})
+    ids = [prompt_token_ids(llm, c) for c in load_prompt_file(prompts)]
+    outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    want = llm.engine.spec_stats.as_dict()
+    for key in ("num_steps", "num_drafted", "num_accepted", "mean_acceptance_length", "acceptance_per_position"):
+        assert result[key] == want[key], key
+    assert result["output_tokens"] == sum(len(o.outputs[0].token_ids) for o in outs)
+    assert result["num_drafted"] > 0 and result["k"] == 2 and result["temperature"] == 0.0
+    (base,) = report["baseline"]
+    assert base["output_tokens"] == result["output_tokens"], "greedy output is the same without speculation"
+    assert result["speedup"] == pytest.approx(result["tokens_per_s"] / base["tokens_per_s"], rel=1e-2)
+
+
+def test_stats_between_two_snapshots():
+    before, after = SpecDecodeStats(), SpecDecodeStats()
+    before.record(3, 1)
+    after.record(3, 1)
+    after.record(4, 4)
+    after.record(2, 0)
+    d = stats_between(before, after)
+    assert (d.num_steps, d.num_drafted, d.num_accepted, d.num_emitted) == (2, 6, 4, 6)
+    assert d.drafted_per_position == [2, 2, 1, 1] and d.accepted_per_position == [1, 1, 1, 1]
+
+
+def test_command_prints_a_table_and_writes_json(setup, tmp_path, capsys):
+    model, spec, prompts = setup
+    out = tmp_path / "report.json"
+    rc = main(["eval-acceptance", "--model", model, "--speculative-config", json.dumps(spec), "--prompts", prompts,
+               "--k", "1", "3", "--temperature", "0", "1", "--max-tokens", "8", "--num-prompts", "2",
+               "--max-model-len", "256", "--json", str(out)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "accept len" in table and "(no speculation)" in table
+    report = json.loads(out.read_text())
+    assert report["num_prompts"] == 2
+    assert [(r["k"], r["temperature"]) for r in report["results"]] == [(1, 0.0), (1, 1.0), (3, 0.0), (3, 1.0)]
+    for r in report["results"]:
+        assert len(r["acceptance_per_position"]) == r["k"]
+        assert r["mean_acceptance_length"] == pytest.approx(1 + r["num_accepted"] / r["num_steps"])
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "speculative_config: is required"),
+    (["--speculative-config", "{oops"], "speculative_config: is not valid JSON"),
+    (["--speculative-config", '{"method": "eagle3", "model": "/no/head"}'], "speculative_config.model"),
+    (["--speculative-config", '{"method": "ngram"}', "--k", "0"], "speculative_config.num_speculative_tokens"),
+    (["--speculative-config", '{"method": "ngram"}', "--temperature", "-1"], "temperature: got [-1.0]"),
+])
+def test_bad_arguments_fail_before_loading_anything(setup, capsys, args, message):
+    model, _, prompts = setup
+    assert main(["eval-acceptance", "--model", model, "--prompts", prompts] + args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_prompt_file_names_the_line(setup, tmp_path, capsys):
+    model, spec, _ = setup
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"text": "no prompt field"}\n')
+    assert main(["eval-acceptance", "--model", model, "--speculative-config", json.dumps(spec),
+                 "--prompts", str(bad)]) == 2
+    assert "bad.jsonl:2: has fields ['text']" in capsys.readouterr().err

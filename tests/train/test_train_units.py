@@ -1,0 +1,64 @@
+"""Small pieces of the trainer: learning-rate schedule, self-written prompt instructions, batching."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from specserve.train.batches import collate, epoch_batches, split
+from specserve.train.data import Sequence
+from specserve.train.questions import TASK_OPENERS, TOPICS, QuestionSeed, question_seeds
+from specserve.train.schedule import FLOOR, WarmupCosine
+
+
+def test_schedule_warms_up_linearly_then_decays_by_cosine_to_the_floor():
+    s = WarmupCosine(peak=1.0, warmup_steps=4, total_steps=14)
+    assert [s.lr(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert s.lr(4) == 1.0
+    assert s.lr(9) == pytest.approx(FLOOR + (1 - FLOOR) * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert s.lr(14) == pytest.approx(FLOOR) and s.lr(100) == pytest.approx(FLOOR)
+    decay = [s.lr(i) for i in range(4, 15)]
+    assert decay == sorted(decay, reverse=True)
+
+
+def test_seeds_cover_every_topic_and_kind_before_repeating():
+    pairs = len(TASK_OPENERS) * len(TOPICS)
+    first = question_seeds(pairs, seed=1)
+    assert len(set(first)) == pairs
+    assert question_seeds(pairs + 3, seed=1)[pairs:] == first[:3]
+    assert question_seeds(5, seed=1) == first[:5] != question_seeds(5, seed=2)
+    assert first[0].topic in first[0].instruction and first[0].reply_start.endswith('"' + first[0].opener)
+
+
+def test_a_question_is_the_opener_and_what_the_target_wrote():
+    seed = QuestionSeed("chess", "How do I")
+    assert seed.question(" get better at endgames?  ") == "How do I get better at endgames?"
+    assert QuestionSeed("poetry", "Summarize").question(" it.") is None  # too short to be a request
+
+
+def seqs(lengths):
+    return [Sequence(list(range(2)), list(range(n - 2)), 0.0) for n in lengths]
+
+
+def test_batches_cover_every_sequence_once_per_epoch_reproducibly():
+    data = seqs([5 + (i * 7) % 40 for i in range(70)])
+    for epoch in range(3):
+        batches = epoch_batches(data, 8, seed=0, epoch=epoch)
+        assert sorted(i for b in batches for i in b) == list(range(70))
+        assert batches == epoch_batches(data, 8, seed=0, epoch=epoch)
+    assert epoch_batches(data, 8, 0, 0) != epoch_batches(data, 8, 0, 1)
+
+
+def test_collate_pads_right_and_keeps_lengths():
+    batch = collate([Sequence([1, 2], [3], 0.0), Sequence([4], [5, 6, 7], 0.7)])
+    assert batch.ids.tolist() == [[1, 2, 3, 0], [4, 5, 6, 7]]
+    assert batch.lengths.tolist() == [3, 4] and batch.prompt_lengths.tolist() == [2, 1]
+
+
+def test_split_holds_out_a_seeded_share():
+    data = seqs(range(10, 30))
+    train, val = split(data, 0.25, seed=3)
+    assert len(val) == 5 and len(train) == 15
+    assert sorted(map(id, train + val)) == sorted(map(id, data))
+    assert split(data, 0.25, seed=3) == (train, val)
+    assert split(data, 0.0, seed=3) == (data, [])

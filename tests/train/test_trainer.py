@@ -1,0 +1,240 @@
+"""train-eagle end to end on a tiny random target: the loss falls, the head it writes serves losslessly
+through our loader with far better acceptance than an untrained one, and resuming equals not stopping."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import CORPUS, make_hf_model
+from single_thread import one_thread  # noqa: F401  (autouse)
+from specserve import LLM, SamplingParams
+from specserve.entrypoints.cli import main
+from specserve.errors import ConfigError
+from specserve.models.arch_config import ArchConfig
+from specserve.models.loader import open_model_source
+from specserve.prompt_files import load_prompt_file, prompt_token_ids
+from specserve.train.batches import collate
+from specserve.train.config import TrainConfig
+from specserve.train.data import generate_data, load_sequences, run_requests
+from specserve.train.export import export_head
+from specserve.train.pipeline import SEQUENCES_NAME, make_trainer, train_eagle3
+from specserve.train.ttt import unroll
+from specserve.train.vocab import build_draft_vocab
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+# A KV pool sized for these tests rather than the default 2 GB, which takes seconds to allocate.
+ENGINE = {"max_model_len": 96, "num_kv_blocks": 256}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, tokenizer_dir):
+    path = tmp_path_factory.mktemp("target")
+    make_hf_model(path, tokenizer_dir, "llama", seed=3, num_hidden_layers=4)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    sentences = sorted(set(CORPUS))
+    rows = [{"prompt": " ".join(s.split()[: 2 + i % 4])} for i, s in enumerate(sentences * 3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def config(target, out, **kw) -> TrainConfig:
+    base = dict(target=str(target), out=str(out), num_prompts=18, max_new_tokens=24, max_seq_len=96,
+                max_num_seqs=32, kv_cache_memory_gb=0.01, data_seconds=None, draft_vocab_size=200, epochs=12,
+                batch_size=4, lr=5e-3, ttt_steps=3, val_fraction=0.2, train_seconds=None, save_every=5, device="cpu",
+                progress=False)
+    return TrainConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, target, prompt_file):
+    out = tmp_path_factory.mktemp("run") / "head"
+    cfg = config(target, out, prompts=str(prompt_file))
+    return cfg, train_eagle3(cfg)
+
+
+def trainer_for(cfg: TrainConfig, data_dir: str | None = None):
+    """(trainer for a fresh head, head config, draft vocabulary) over the data a run wrote to data_dir
+    (default cfg.work_dir), built as the pipeline builds them."""
+    sequences_path = Path(data_dir or cfg.work_dir) / SEQUENCES_NAME
+    sequences = load_sequences(sequences_path)
+    arch = ArchConfig.from_hf_config(open_model_source(cfg.target).hf_config)
+    vocab = build_draft_vocab([s.response_ids for s in sequences], arch.vocab_size, cfg.draft_vocab_size)
+    digest = hashlib.sha256(sequences_path.read_bytes()).hexdigest()
+    trainer, head_config = make_trainer(cfg, arch, (2, 2, 1), sequences, vocab, digest)
+    return trainer, head_config, vocab
+
+
+def test_run_writes_a_loadable_head_and_reports_each_phase(trained):
+    cfg, summary = trained
+    assert [f.name for f in summary.files] == ["model.safetensors"]
+    assert set(summary.seconds) == {"data", "vocab", "training", "export"}
+    assert summary.data.prompts == 18 and summary.data.sequences == 18 + 9
+    assert summary.steps == 12 * -(-(27 - 5) // 4)
+    head_cfg = json.loads((summary.out / "config.json").read_text())
+    assert head_cfg["specserve_training"]["steps"] == summary.steps
+    assert len(summary.validation.accuracy) == cfg.ttt_steps
+
+
+def test_loss_falls(trained, tmp_path):
+    cfg, _ = trained
+    trainer = trainer_for(config(cfg.target, tmp_path / "head", steps=40), data_dir=cfg.work_dir)[0]
+    losses = [trainer.train_step([trainer.train_set[i] for i in range(k % 5, k % 5 + 4)])[0] for k in range(40)]
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.5 * first, losses
+
+
+def test_trained_head_is_lossless_and_accepts_far_more_than_an_untrained_one(trained, tmp_path):
+    cfg, summary = trained
+    untrained, head_config, vocab = trainer_for(config(cfg.target, tmp_path / "x"), data_dir=cfg.work_dir)
+    export_head(tmp_path / "untrained", untrained.head, vocab, head_config, cfg.max_shard_bytes)
+    plain = LLM(cfg.target, **ENGINE)
+    # The prompts as the data saw them: through the chat template.
+    prompts = [prompt_token_ids(plain, c) for c in load_prompt_file(cfg.prompts)]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    lengths = {}
+    for name, path in (("trained", summary.out), ("untrained", tmp_path / "untrained")):
+        llm = LLM(cfg.target, **ENGINE,
+                  speculative_config={"method": "eagle3", "model": str(path), "num_speculative_tokens": 3})
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == want, name
+        lengths[name] = llm.engine.spec_stats.mean_acceptance_length
+    assert lengths["trained"] > lengths["untrained"] + 0.5, lengths
+
+
+def test_engine_accepts_exactly_what_the_training_forward_predicts(trained):
+    """Walk each greedy answer as the drafter does (a chain at the last accepted token, drafts kept while they
+    equal the target's tokens) using the training forward's predictions: the engine's counts must be the same."""
+    cfg, summary = trained
+    trainer, _, _ = trainer_for(cfg)
+    assert trainer.resume()
+    with torch.no_grad():
+        for name, p in trainer.head.named_parameters():  # the exported weights are bfloat16
+            p.copy_(p.to(torch.bfloat16).float())
+    greedy = [s for s in load_sequences(Path(cfg.work_dir) / SEQUENCES_NAME) if s.temperature == 0]
+    k, steps, accepted = 3, 0, [0, 0, 0]
+    for seq in greedy:
+        batch = collate([seq])
+        with torch.no_grad():
+            normed = list(unroll(trainer.head, trainer.features(batch), batch.ids, k))
+        drafts = [trainer.draft_to_target[trainer.head.lm_head(h).argmax(-1)].tolist() for h in normed]
+        ids, p = seq.ids, len(seq.prompt_ids) - 1
+        while p + 2 < len(ids):
+            steps += 1
+            a = 0
+            while a < k and p + a + 2 < len(ids) and drafts[a][p] == ids[p + a + 2]:
+                accepted[a] += 1
+                a += 1
+            p += a + 1
+    llm = LLM(cfg.target, **ENGINE,
+              speculative_config={"method": "eagle3", "model": str(summary.out), "num_speculative_tokens": k})
+    outs = llm.generate([s.prompt_ids for s in greedy], SamplingParams(temperature=0, max_tokens=cfg.max_new_tokens),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [s.response_ids for s in greedy]
+    stats = llm.engine.spec_stats
+    assert sum(accepted) > 0
+    assert (stats.num_steps, stats.accepted_per_position) == (steps, accepted)
+
+
+def test_resuming_from_a_checkpoint_equals_training_without_a_stop(trained, tmp_path):
+    cfg, _ = trained
+
+    def fresh(name: str, **kw):
+        return trainer_for(config(cfg.target, tmp_path / name, steps=12, **kw), data_dir=cfg.work_dir)[0]
+
+    straight = fresh("a")
+    straight.run()
+    stopped = fresh("b")
+    stopped.run(max_steps=7)
+    resumed = fresh("b")
+    assert resumed.resume() and resumed.step == 7
+    resumed.run()
+    assert resumed.step == straight.step == 12
+    assert resumed.schedule == straight.schedule
+    for (name, a), b in zip(straight.head.named_parameters(), resumed.head.parameters()):
+        assert torch.equal(a, b), name
+    assert torch.equal(straight.optimizer.state_dict()["state"][1]["exp_avg"],
+                       resumed.optimizer.state_dict()["state"][1]["exp_avg"])
+
+
+def test_command_with_resume_reuses_the_data_and_the_finished_checkpoint(trained, capsys):
+    cfg, summary = trained
+    weights = (summary.out / "model.safetensors").read_bytes()
+    args = ["train-eagle", "--resume", "--no-progress"]
+    for f in fields(TrainConfig):
+        value = getattr(cfg, f.name)
+        if value is not None and not isinstance(value, bool):
+            args += ["--" + f.name.replace("_", "-"), str(value)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"data: reused {summary.num_sequences} answers" in out and f"; {summary.steps} steps" in out
+    assert (summary.out / "model.safetensors").read_bytes() == weights
+
+
+def test_resume_refuses_a_checkpoint_of_other_settings(trained, tmp_path):
+    cfg, _ = trained
+    first = trainer_for(config(cfg.target, tmp_path / "a", steps=4), data_dir=cfg.work_dir)[0]
+    first.run()
+    other = trainer_for(config(cfg.target, tmp_path / "a", steps=4, lr=1e-3), data_dir=cfg.work_dir)[0]
+    with pytest.raises(ConfigError, match=r"resume: .* made with lr=0.005, this run has 0.001"):
+        other.resume()
+
+
+def test_a_time_budget_shrinks_the_plan_once_the_pace_is_known(trained, tmp_path):
+    cfg, _ = trained
+    tight = trainer_for(config(cfg.target, tmp_path / "a", steps=100, train_seconds=1e-3), data_dir=cfg.work_dir)[0]
+    tight.run()
+    # The pace is measured over steps 3..23; nothing more fits, so the plan ends one step later.
+    assert tight.schedule.fitted and tight.step == tight.schedule.total_steps == 24
+    roomy = trainer_for(config(cfg.target, tmp_path / "b", steps=30, train_seconds=1e6), data_dir=cfg.work_dir)[0]
+    roomy.run()
+    assert roomy.schedule.fitted and roomy.step == roomy.schedule.total_steps == 30
+
+
+def test_the_target_writes_its_own_prompts(target, tmp_path):
+    cfg = config(target, tmp_path / "head", num_prompts=6, max_new_tokens=8, max_seq_len=320, sampled_fraction=0.0)
+    sequences, stats = generate_data(cfg, tmp_path / "work")
+    written = load_prompt_file(tmp_path / "work" / "prompts.jsonl")
+    assert stats.prompts == len(written) == len(sequences) > 0
+    assert all(len(c[0]["content"].split()) >= 4 for c in written)
+    assert all(0 < len(s.response_ids) <= 8 and s.temperature == 0.0 for s in sequences)
+    with pytest.raises(ConfigError, match="max_seq_len: 64 tokens leave no room to ask the target for prompts"):
+        generate_data(config(target, tmp_path / "head", max_seq_len=64), tmp_path / "work")
+
+
+def test_data_budget_spent_aborts_what_is_unfinished(target):
+    llm = LLM(str(target), **ENGINE)
+    outs = run_requests(llm, [[5, 6, 7]] * 3, [GREEDY] * 3, deadline=0.0, desc="test", progress=False)
+    assert outs == [None, None, None]
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(lr=0), "lr"), (dict(batch_size=0), "batch_size"), (dict(sampled_fraction=1.5), "sampled_fraction"),
+    (dict(val_fraction=0.5), "val_fraction"), (dict(ttt_steps=0), "ttt_steps"), (dict(data_seconds=-1), "data_seconds"),
+    (dict(prompts="/no/such.jsonl"), "prompts"), (dict(dtype="int8"), "dtype"), (dict(aux_layers=(-1,)), "aux_layers"),
+])
+def test_bad_settings_name_their_field(tmp_path, kw, field):
+    with pytest.raises(ConfigError) as e:
+        config("smollm2-135m", tmp_path / "head", **kw)
+    assert e.value.field == field
+
+
+def test_settings_the_target_rules_out_fail_before_any_work(target, tmp_path, capsys):
+    args = ["train-eagle", "--target", str(target), "--out", str(tmp_path / "h"), "--device", "cpu"]
+    assert main(args + ["--aux-layers", "1", "9"]) == 2
+    assert "aux_layers: (1, 9) are not all layers of the 4-layer target" in capsys.readouterr().err
+    assert main(args + ["--draft-vocab-size", "100000"]) == 2
+    assert "exceeds the target's vocabulary" in capsys.readouterr().err
+    assert main(args + ["--prompts", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl is not a file" in capsys.readouterr().err
+    assert not (tmp_path / "h.work").exists()
