@@ -37,10 +37,14 @@ class SpeculativeConfig:
                 bad("prompt_lookup_min", f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
                     f"prompt_lookup_max ({self.prompt_lookup_max})")
         else:
+            from specserve.heads import BUILTIN_HEADS, resolve_head
+
+            self.model = resolve_head(self.model) if self.model else self.model
             if not self.model:
                 bad("model", f"method {self.method!r} needs the path of its {'draft model' if self.method == 'draft_model' else 'head'}")
             if not Path(self.model).expanduser().exists() and self.model != "smollm2-135m":
-                bad("model", f"{self.model!r} does not exist; give a Hugging Face directory")
+                bad("model", f"{self.model!r} does not exist; give a Hugging Face directory or a shipped head "
+                    f"({', '.join(BUILTIN_HEADS)})")
         p = self.forced_acceptance_prob
         if p is not None and not 0.0 <= p <= 1.0:
             bad("forced_acceptance_prob", f"must be in [0, 1], got {p}")

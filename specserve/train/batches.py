@@ -49,9 +49,12 @@ def epoch_batches(sequences: list[Sequence], batch_size: int, seed: int, epoch: 
     return batches
 
 
-def collate(sequences: list[Sequence]) -> Batch:
+def collate(sequences: list[Sequence], length_multiple: int = 1) -> Batch:
+    """Right-padded to the longest sequence, rounded up to length_multiple (GPU kernels that plan
+    per shape then see a few dozen shapes rather than one per batch)."""
     lengths = [len(s.ids) for s in sequences]
-    ids = torch.zeros(len(sequences), max(lengths), dtype=torch.int64)
+    width = -(-max(lengths) // length_multiple) * length_multiple
+    ids = torch.zeros(len(sequences), width, dtype=torch.int64)
     for row, s in enumerate(sequences):
         ids[row, : lengths[row]] = torch.tensor(s.ids)
     return Batch(ids, torch.tensor(lengths), torch.tensor([len(s.prompt_ids) for s in sequences]))

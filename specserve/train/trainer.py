@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
 from specserve.models.arch_config import ArchConfig
@@ -106,7 +107,13 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _loss(self, sequences: list[Sequence]):
-        batch = collate(sequences).to(self.device)
+        batch = collate(sequences, 64 if self.cfg.on_cuda else 1).to(self.device)
+        # cuDNN's attention builds an execution plan for every new shape, a second each: batches
+        # of varying length made that most of a step. Flash and memory-efficient kernels need none.
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            return self._unrolled_loss(batch)
+
+    def _unrolled_loss(self, batch):
         aux = self.features(batch)
         with self._autocast():
             return unrolled_loss(self.head, aux, batch, self.target_to_draft, self.draft_to_target,
