@@ -97,3 +97,12 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
                       eos_token_id=None, pad_token_id=0)
     return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def cuda_float32():
+    """For GPU tests: a CUDA device, with float32 matmuls exact (TF32 off) so they match the CPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False

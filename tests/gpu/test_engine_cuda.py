@@ -9,16 +9,9 @@ import torch
 from heads import save_eagle_head
 from specserve import LLM, SamplingParams
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_float32")]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def exact_float32():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
 
 
 @pytest.fixture(scope="module")

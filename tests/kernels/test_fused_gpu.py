@@ -20,18 +20,11 @@ from .test_fused_model import assert_near, check_head, check_target, make_step, 
 from .test_rmsnorm import check_fused_add, check_rms_norm
 from .test_rotary_cache import check_rotary_and_cache
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_float32")]
 
 # name: (hidden, intermediate, num_heads, num_kv_heads, head_dim)
 SHAPES = {"smollm2-135m": (576, 1536, 9, 3, 64), "llama3-8b": (4096, 14336, 32, 8, 128)}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def exact_float32():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
