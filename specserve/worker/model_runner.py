@@ -212,7 +212,9 @@ class ModelRunner:
         tokens, accepted = rejection_sample(
             drafts, torch.tensor(num_drafts, device=self.device), draft_probs, target_probs, batch.greedy,
             logits.argmax(dim=-1), uniform, noise, self.forced_acceptance_prob)
-        tokens, accepted = tokens.tolist(), accepted.tolist()
+        # One device-to-host copy for both (each copy is a host sync).
+        packed = torch.cat((tokens, accepted.unsqueeze(1)), dim=1).tolist()
+        tokens, accepted = [row[:-1] for row in packed], [row[-1] for row in packed]
         for req, row, a in zip(reqs, tokens, accepted):
             out.sampled[req.request_id] = row[:a + 1]
         if batch.max_logprobs is not None:
