@@ -207,8 +207,14 @@ class ModelRunner:
         if self.speculator.draft_probs is not None and not batch.all_greedy:
             rows = torch.tensor([self._row(r.request_id) for r in reqs], device=self.device)
             draft_probs = self.speculator.draft_probs[rows, :k]
-        uniform, noise = draw_randomness(len(reqs), k, logits.shape[-1], batch.generators, self.device,
-                                         self.sampler.default_generator)
+        if batch.all_greedy and self.forced_acceptance_prob is None:
+            # Greedy rows read no randomness: skip drawing [N, k+1, V] exponentials (an expanded view
+            # of one value costs no memory).
+            uniform = torch.zeros(len(reqs), k, device=self.device)
+            noise = torch.ones(1, 1, 1, device=self.device).expand(len(reqs), k + 1, logits.shape[-1])
+        else:
+            uniform, noise = draw_randomness(len(reqs), k, logits.shape[-1], batch.generators, self.device,
+                                             self.sampler.default_generator)
         tokens, accepted = rejection_sample(
             drafts, torch.tensor(num_drafts, device=self.device), draft_probs, target_probs, batch.greedy,
             logits.argmax(dim=-1), uniform, noise, self.forced_acceptance_prob)
