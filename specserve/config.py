@@ -1,9 +1,8 @@
 """Engine configuration: typed dataclasses validated at construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import os
+from dataclasses import dataclass
 
 import torch
 

@@ -100,7 +100,7 @@ class ModelDrafter(Speculator):
             self.decode_tokens.zero_()
             if self.feedback is not None:
                 self.feedback.zero_()
-            prepare_draft_step(1, 0, self.step_buffers.positions, block_table, self.block_size, self.max_position,
+            prepare_draft_step(1, 0, base_positions, block_table, self.block_size, self.max_position,
                                self.step_buffers)
             return self._decode_metadata(desc, block_table, self.max_position)
 

@@ -18,11 +18,10 @@ class DraftInput:
     the n requests to draft for (those that produced tokens this step).
     """
 
-    # The target ran T real tokens padded to descriptor.num_tokens (T_pad) for its CUDA graph;
-    # tensors below cover T_pad tokens, padded ones being token 0 at position 0 writing nowhere.
-    input_ids: torch.Tensor  # [T_pad] the target's input ids (a persistent buffer)
+    # The target ran T real tokens padded to descriptor.num_tokens (T_pad) for its CUDA graph; padded
+    # tokens are token 0 at position 0 writing nowhere. Its input ids and positions stay in the runner's
+    # persistent buffers, which drafters are given once at construction.
     next_ids: torch.Tensor  # [T] the token after each position (the new token at each last accepted one)
-    positions: torch.Tensor  # [T_pad] (a persistent buffer)
     # (final hidden states [T_pad, H], auxiliary hidden states [T_pad, H] each): a graph's static outputs
     # when the target replayed one
     target_out: tuple

@@ -6,6 +6,8 @@ live batch are reset to values that are always safe to read (design.md 4.5).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -67,18 +69,10 @@ class InputBuffers:
         self.upload("seq_lens", seq_lens.astype(np.int32))
         self.upload("block_table", table)
         self._pad_rows(num_reqs, num_tokens, int(qsl[-1]))
-        return AttentionMetadata(
-            num_reqs=num_reqs,
-            num_tokens=num_tokens,
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=self.query_start_loc[: num_reqs + 1],
-            seq_lens=self.seq_lens[:num_reqs],
-            block_table=self.block_table[:num_reqs],
-            slot_mapping=self.slot_mapping[:num_tokens],
-            query_start_loc_cpu=torch.from_numpy(qsl),
-            seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)),
-        )
+        metadata = self.padded_metadata(num_reqs, num_tokens, int(query_lens.max()), int(seq_lens.max()))
+        # The host copies this step already has, for the reference backend's per-request loop.
+        return replace(metadata, query_start_loc_cpu=torch.from_numpy(qsl),
+                       seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)))
 
     def _pad_rows(self, num_reqs: int, num_tokens: int, last_end: int) -> None:
         # Padded requests are empty (start = end = last real end, no cached tokens) and padded
@@ -97,7 +91,7 @@ class InputBuffers:
 
     def padded_metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int) -> AttentionMetadata:
         """Metadata over the first num_reqs rows and num_tokens tokens of the buffers, whatever they hold:
-        a full CUDA graph records it once and keeps reading these views."""
+        each step's own, and what a full CUDA graph records once and keeps reading."""
         return AttentionMetadata(
             num_reqs=num_reqs, num_tokens=num_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
             query_start_loc=self.query_start_loc[: num_reqs + 1], seq_lens=self.seq_lens[:num_reqs],

@@ -269,9 +269,7 @@ class ModelRunner:
         table_rows = torch.tensor([req_index[id(r)] for r in drafting], device=self.device)
         self.draft_block_table[:n].copy_(metadata.block_table.index_select(0, table_rows))
         inp = DraftInput(
-            input_ids=self.buffers.input_ids[: desc.num_tokens],
             next_ids=torch.from_numpy(next_ids).to(self.device),
-            positions=self.buffers.positions[: desc.num_tokens],
             target_out=target_out,
             descriptor=desc,
             metadata=metadata,
