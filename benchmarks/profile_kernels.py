@@ -1,0 +1,145 @@
+"""Which kernels a decode step runs and how long each takes: the target's full decode graph under the
+torch profiler (kernels inside the replay), the GPU's idle time between engine steps, and cuBLAS
+GEMM efficiency at the model's decode shapes against the measured bandwidth.
+
+    python benchmarks/profile_kernels.py [--models llama3-8b smollm2-shape] [--batch 1]
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from specserve.bench.decode import make_prompts, measure_bandwidth, time_engine
+from specserve.bench.models import SHAPES, prepare_model
+from specserve.config import EngineConfig
+from specserve.engine.engine import LLMEngine
+from specserve.sampling_params import SamplingParams
+from specserve.worker.cudagraph_mode import CUDAGraphMode
+
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                     rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+
+
+def kernel_table(prof, per: int, top: int) -> str:
+    """Kernels aggregated by name: calls and microseconds per `per` (replays or steps)."""
+    totals, counts = defaultdict(float), defaultdict(int)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            totals[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            counts[e.name] += 1
+    rows = sorted(totals.items(), key=lambda kv: -kv[1])
+    total = sum(totals.values()) / per
+    lines = [f"  kernel time per unit: {total:.1f} us over {sum(counts.values()) / per:.0f} kernels"]
+    for name, t in rows[:top]:
+        lines.append(f"  {t / per:9.1f} us  {counts[name] / per:6.1f}x  {t / counts[name]:7.2f} us/call  {name[:90]}")
+    return "\n".join(lines)
+
+
+def replay_ms(graph, iters: int = 100) -> float:
+    for _ in range(5):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def profile_model(name: str, batch: int, top: int) -> None:
+    root = Path(tempfile.mkdtemp())
+    model = prepare_model(name, root, torch.bfloat16)
+    engine = LLMEngine(EngineConfig(model=model.path, load_format=model.load_format, device="cuda", dtype="bfloat16",
+                                    max_model_len=1024, max_num_seqs=8, enable_prefix_caching=False,
+                                    cudagraph_capture_sizes=[1, 2, 4, 8]))
+    prompts = make_prompts(batch, 64, engine.arch.vocab_size, 0)
+    t = time_engine(engine, prompts, 64)
+    print(f"\n=== {name} batch {batch}: engine {1e3 * batch / t.tok_s:.3f} ms/step ({t.tok_s:.0f} tok/s)")
+    graphs = engine.runner.graphs
+    desc = graphs.dispatch(batch, batch, 1)
+    assert desc.mode is CUDAGraphMode.FULL, desc
+    graph = graphs.graphs[desc.key]
+    print(f"target full decode graph replay: {replay_ms(graph):.3f} ms (events, back to back)")
+    n = 10
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            graph.replay()
+        torch.cuda.synchronize()
+    print("kernels of one replay:")
+    print(kernel_table(prof, n, top))
+    # Engine steps: GPU busy time against wall time per step.
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    for _ in range(8):
+        engine.step()
+    steps = 20
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            engine.step()
+        end.record()
+        torch.cuda.synchronize()
+    wall = start.elapsed_time(end) / steps
+    print(f"engine steps: {wall:.3f} ms per step (events); kernels per step:")
+    print(kernel_table(prof, steps, top))
+    while engine.has_unfinished_requests():
+        engine.step()
+    del engine
+    torch.cuda.empty_cache()
+
+
+def gemm_table(shapes: dict[str, tuple[int, int]], ms: list[int], bandwidth: float) -> None:
+    """cuBLAS (F.linear) for x[M, K] @ W[N, K]^T, weights rotated past the L2 cache."""
+    print(f"\n=== cuBLAS GEMM at decode shapes (bandwidth {bandwidth / 1e12:.2f} TB/s)")
+    print(f"  {'shape':28s} {'M':>4s} {'us':>8s} {'TB/s':>6s} {'floor us':>8s}")
+    for label, (k, n) in shapes.items():
+        nbytes = k * n * 2
+        copies = max(1, -(-(256 << 20) // nbytes))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            reps = max(copies, 8)
+            graph = torch.cuda.CUDAGraph()
+            F.linear(x, weights[0])
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                for i in range(reps):
+                    F.linear(x, weights[i % copies])
+            t_us = replay_ms(graph, 20) * 1e3 / reps
+            print(f"  {label:28s} {m:4d} {t_us:8.2f} {nbytes / t_us / 1e6:6.2f} {nbytes / bandwidth * 1e6:8.2f}")
+        del weights
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--models", nargs="+", default=["llama3-8b", "smollm2-shape"])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args()
+    SHAPES.setdefault("smollm2-shape", SMOLLM2_SHAPE)
+    bandwidth = measure_bandwidth("cuda")
+    for name in a.models:
+        profile_model(name, a.batch, a.top)
+    shapes = {}
+    for name in a.models:
+        s = SHAPES[name]
+        h, i = s["hidden_size"], s["intermediate_size"]
+        kv = s["num_key_value_heads"] * h // s["num_attention_heads"]
+        shapes |= {f"{name} qkv {h}x{h + 2 * kv}": (h, h + 2 * kv), f"{name} o {h}x{h}": (h, h),
+                   f"{name} gate_up {h}x{2 * i}": (h, 2 * i), f"{name} down {i}x{h}": (i, h),
+                   f"{name} lm_head {h}x{s['vocab_size']}": (h, s["vocab_size"])}
+    gemm_table(shapes, [1, 4, 8], bandwidth)
+
+
+if __name__ == "__main__":
+    main()
