@@ -50,9 +50,9 @@ def prompt_file(tmp_path_factory):
 def config(target, out, **kw) -> TrainConfig:
     # Follow-ups only where a test asks for them: at max_seq_len 96 few would fit, and counts would blur.
     base = dict(target=str(target), out=str(out), num_prompts=18, max_new_tokens=24, max_seq_len=96,
-                follow_up_fraction=0.0, max_num_seqs=32, kv_cache_memory_gb=0.01, data_seconds=None, draft_vocab_size=200, epochs=12,
-                batch_size=4, lr=5e-3, ttt_steps=3, val_fraction=0.2, train_seconds=None, save_every=5, device="cpu",
-                progress=False)
+                follow_up_fraction=0.0, max_num_seqs=32, kv_cache_memory_gb=0.01, data_seconds=None,
+                draft_vocab_size=200, epochs=12, batch_size=4, lr=5e-3, ttt_steps=3, val_fraction=0.2,
+                train_seconds=None, save_every=5, device="cpu", progress=False)
     return TrainConfig(**{**base, **kw})
 
 
@@ -216,7 +216,8 @@ def test_the_target_writes_its_own_prompts_then_follows_up_on_its_answers(target
     tokenizer = load_tokenizer(open_model_source(str(target)))
 
     def text(ids: list[int]) -> str:
-        return "".join(ch for ch in tokenizer.decode(ids, skip_special_tokens=True) if ch.isascii() and ch.isprintable() and not ch.isspace())
+        decoded = tokenizer.decode(ids, skip_special_tokens=True)
+        return "".join(ch for ch in decoded if ch.isascii() and ch.isprintable() and not ch.isspace())
 
     answers = [text(s.response_ids) for s in first]
     assert all(any(a and a in text(s.prompt_ids) for a in answers) for s in second)
