@@ -19,6 +19,8 @@ _HELP = {
     "sampled_fraction": "share of prompts answered a second time by sampling",
     "sampled_temperature": "temperature of those sampled answers",
     "question_temperature": "temperature at which the target writes its prompts",
+    "follow_up_fraction": "share of greedy answers followed up in a second round (another turn, or the answer "
+                          "as a passage to summarise or extract from)",
     "max_num_seqs": "concurrent requests while generating",
     "kv_cache_memory_gb": "KV cache of the generating engine in GB (default: 8 on CUDA)",
     "data_seconds": "time budget of data generation; what finished is kept (0: no limit)",
@@ -76,9 +78,9 @@ def cmd_train_eagle(a: argparse.Namespace) -> None:
               "from the work directory")
     else:
         d = summary.data
-        print(f"data: {d.prompts} prompts, {d.sequences} answers, {d.tokens} answer tokens; engine loaded in "
-              f"{d.load_seconds:.1f} s, prompts written in {d.question_seconds:.1f} s, answers in "
-              f"{d.answer_seconds:.1f} s ({d.tokens / max(d.answer_seconds, 1e-9):.0f} tokens/s)")
+        print(f"data: {d.prompts} prompts, {d.follow_ups} follow-ups, {d.sequences} answers, {d.tokens} answer "
+              f"tokens; engine loaded in {d.load_seconds:.1f} s, prompts written in {d.question_seconds:.1f} s, "
+              f"answers in {d.answer_seconds:.1f} s ({d.tokens / max(d.answer_seconds, 1e-9):.0f} tokens/s)")
     print(f"draft vocabulary covers {100 * summary.vocab_coverage:.1f}% of answer tokens; {summary.steps} steps")
     if summary.validation is not None:
         print(f"held-out {summary.validation.describe()}")

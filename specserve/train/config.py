@@ -36,6 +36,8 @@ class TrainConfig:
     sampled_fraction: float = 0.5
     sampled_temperature: float = 0.7
     question_temperature: float = 0.9
+    # Share of the greedy first answers that get a follow-up request, answered in a second round.
+    follow_up_fraction: float = 1.0
     max_num_seqs: int = 256
     # KV cache of the generating engine; None: 8 GB on CUDA (256 SmolLM2 sequences of 1024 tokens fit),
     # the engine's default on CPU.
@@ -86,7 +88,8 @@ class TrainConfig:
             check(isinstance(value, int) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
         check(self.steps is None or self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
         check(self.max_seq_len >= 16, "max_seq_len", f"must be >= 16 tokens, got {self.max_seq_len}")
-        check(0.0 <= self.sampled_fraction <= 1.0, "sampled_fraction", f"must be in [0, 1], got {self.sampled_fraction}")
+        for name in ("sampled_fraction", "follow_up_fraction"):
+            check(0.0 <= getattr(self, name) <= 1.0, name, f"must be in [0, 1], got {getattr(self, name)}")
         for name in ("sampled_temperature", "question_temperature", "lr", "grad_clip", "step_weight_decay",
                      "max_shard_mb"):
             check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")

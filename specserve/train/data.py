@@ -2,9 +2,11 @@
 
 A head is trained to predict what the target will say, so the target writes
 the data: with a prompt file it answers those prompts; without one it first
-writes the prompts itself (questions.py). Every prompt is answered greedily
-and a share of them again by sampling, so the data resembles both the
-greedy and the sampled serving the head will draft for. Only token ids are
+writes the prompts itself (questions.py); a second round then follows up on
+its greedy answers (another turn, or the answer as a passage to work on).
+Every prompt is answered greedily and a share of them again by sampling, so
+the data resembles both the greedy and the sampled serving the head will
+draft for. Only token ids are
 kept; hidden states are recomputed during training (a few GB per minute of
 data would otherwise have to be stored).
 """
@@ -24,7 +26,7 @@ from specserve.outputs import RequestOutput
 from specserve.prompt_files import load_prompt_file, prompt_token_ids
 from specserve.sampling_params import SamplingParams
 from specserve.train.config import TrainConfig
-from specserve.train.questions import STOP, question_seeds
+from specserve.train.questions import STOP, follow_up_conversations, question_seeds
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,8 @@ QUESTION_MAX_TOKENS = 96
 MIN_ANSWER_ROOM = 16
 # Share of the data time budget the target may spend writing its prompts, so answers always get the rest.
 QUESTION_TIME_SHARE = 0.3
+# Share of what is left after that for the first round of answers, so follow-ups on them get the rest.
+FIRST_ROUND_TIME_SHARE = 0.55
 
 
 @dataclass
@@ -49,6 +53,7 @@ class Sequence:
 @dataclass
 class DataStats:
     prompts: int = 0
+    follow_ups: int = 0  # second-round prompts built on the target's first answers
     sequences: int = 0
     tokens: int = 0
     load_seconds: float = 0.0  # building the engine
@@ -102,23 +107,25 @@ def write_questions(llm, cfg: TrainConfig, deadline: float | None) -> list[list[
     return [[{"role": "user", "content": q}] for q in sorted(questions)]
 
 
-def answer(llm, conversations: list[list[dict]], cfg: TrainConfig, deadline: float | None) -> list[Sequence]:
-    """Greedy answers to every conversation, plus sampled ones to a seeded share of them."""
-    prompts = [prompt_token_ids(llm, c) for c in conversations]
-    fitting = [p for p in prompts if cfg.max_seq_len - len(p) >= MIN_ANSWER_ROOM]
+def answer(llm, conversations: list[list[dict]], cfg: TrainConfig, deadline: float | None,
+           desc: str = "Answering") -> list[tuple[list[dict], Sequence, str]]:
+    """(conversation, answer, its text): greedy answers to every conversation, plus sampled ones to a
+    seeded share of them."""
+    prompts = [(c, prompt_token_ids(llm, c)) for c in conversations]
+    fitting = [(c, p) for c, p in prompts if cfg.max_seq_len - len(p) >= MIN_ANSWER_ROOM]
     if len(fitting) < len(prompts):
         logger.warning("Skipping %d prompts that leave fewer than %d tokens of room below --max-seq-len %d",
                        len(prompts) - len(fitting), MIN_ANSWER_ROOM, cfg.max_seq_len)
     rng = random.Random(cfg.seed)
     sampled = rng.sample(range(len(fitting)), round(cfg.sampled_fraction * len(fitting)))
-    jobs = [(p, 0.0) for p in fitting] + [(fitting[i], cfg.sampled_temperature) for i in sampled]
+    jobs = [(c, p, 0.0) for c, p in fitting] + [(*fitting[i], cfg.sampled_temperature) for i in sampled]
 
     def params(prompt: list[int], temperature: float) -> SamplingParams:
         return SamplingParams(temperature=temperature, max_tokens=min(cfg.max_new_tokens, cfg.max_seq_len - len(prompt)))
 
-    outs = run_requests(llm, [p for p, _ in jobs], [params(p, t) for p, t in jobs], deadline, "Answering",
+    outs = run_requests(llm, [p for _, p, _ in jobs], [params(p, t) for _, p, t in jobs], deadline, desc,
                         cfg.progress)
-    return [Sequence(p, o.outputs[0].token_ids, t) for (p, t), o in zip(jobs, outs)
+    return [(c, Sequence(p, o.outputs[0].token_ids, t), o.outputs[0].text) for (c, p, t), o in zip(jobs, outs)
             if o is not None and o.outputs[0].token_ids]
 
 
@@ -139,9 +146,18 @@ def generate_data(cfg: TrainConfig, work: Path) -> tuple[list[Sequence], DataSta
         conversations = write_questions(llm, cfg, question_deadline)
         save_prompts(work / "prompts.jsonl", conversations)
     stats.question_seconds = time.monotonic() - start - stats.load_seconds
-    sequences = answer(llm, conversations, cfg, deadline)
+    first_deadline = None
+    if deadline is not None and cfg.follow_up_fraction > 0:
+        first_deadline = time.monotonic() + FIRST_ROUND_TIME_SHARE * max(deadline - time.monotonic(), 0.0)
+    answered = answer(llm, conversations, cfg, first_deadline or deadline)
+    # Follow up on greedy answers only: a sampled one repeats its prompt's greedy conversation.
+    follow_ups = follow_up_conversations([(c, text) for c, s, text in answered if s.temperature == 0],
+                                         cfg.follow_up_fraction, cfg.seed)
+    if follow_ups:
+        answered += answer(llm, follow_ups, cfg, deadline, "Answering follow-ups")
+    sequences = [s for _, s, _ in answered]
     stats.answer_seconds = time.monotonic() - start - stats.load_seconds - stats.question_seconds
-    stats.prompts, stats.sequences = len(conversations), len(sequences)
+    stats.prompts, stats.follow_ups, stats.sequences = len(conversations), len(follow_ups), len(sequences)
     stats.tokens = sum(len(s.response_ids) for s in sequences)
     save_sequences(work / "sequences.jsonl", sequences)
     return sequences, stats

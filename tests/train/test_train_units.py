@@ -7,7 +7,8 @@ import pytest
 
 from specserve.train.batches import collate, epoch_batches, split
 from specserve.train.data import Sequence
-from specserve.train.questions import TASK_OPENERS, TOPICS, QuestionSeed, question_seeds
+from specserve.train.questions import (FOLLOW_UPS, PASSAGE_TASKS, TASK_OPENERS, TOPICS, QuestionSeed,
+                                       follow_up_conversations, is_repetitive, question_seeds)
 from specserve.train.schedule import FLOOR, WarmupCosine
 
 
@@ -34,6 +35,37 @@ def test_a_question_is_the_opener_and_what_the_target_wrote():
     seed = QuestionSeed("chess", "How do I")
     assert seed.question(" get better at endgames?  ") == "How do I get better at endgames?"
     assert QuestionSeed("poetry", "Summarize").question(" it.") is None  # too short to be a request
+
+
+PROSE = ("Volcanoes form where magma rises through the crust. Pressure builds in a chamber below the surface "
+         "until gas and molten rock force their way out, and each eruption leaves layers of ash and lava that "
+         "slowly build the mountain higher over thousands of years.")
+
+
+def test_a_reply_caught_in_a_loop_is_repetitive_and_prose_is_not():
+    loop = "Question: What is the answer to the question: " * 8
+    assert is_repetitive(loop)
+    assert not is_repetitive(PROSE)
+    assert not is_repetitive("yes yes yes yes yes yes")  # too short to judge
+
+
+def test_follow_ups_build_on_a_seeded_share_of_the_usable_replies():
+    answered = [([{"role": "user", "content": f"Question {i}?"}], f"{PROSE} ({i})") for i in range(40)]
+    answered += [([{"role": "user", "content": "Loop?"}], "a b c d " * 20), ([{"role": "user", "content": "x"}], " ")]
+    out = follow_up_conversations(answered, 0.5, seed=3)
+    assert out == follow_up_conversations(answered, 0.5, seed=3) != follow_up_conversations(answered, 0.5, seed=4)
+    assert len(out) == 20 and len(follow_up_conversations(answered, 1.0, seed=3)) == 40
+    turns = [c for c in out if len(c) == 3]
+    passages = [c for c in out if len(c) == 1]
+    assert turns and passages and len(turns) + len(passages) == len(out)
+    for c in turns:  # the earlier exchange, the reply as the assistant's turn, then one of the follow-ups
+        assert c[0]["content"].startswith("Question ") and c[1]["role"] == "assistant"
+        assert c[1]["content"].startswith(PROSE) and c[2]["role"] == "user" and c[2]["content"] in FOLLOW_UPS
+    replies = [r for _, r in answered[:40]]
+    for (m,) in passages:  # one request that quotes a reply whole
+        assert m["role"] == "user" and any(m["content"] == t.format(text=r) for t in PASSAGE_TASKS for r in replies)
+    assert all("a b c d" not in str(c) and c[0]["content"] != "x" for c in out)
+    assert follow_up_conversations(answered, 0.0, seed=3) == []
 
 
 def seqs(lengths):

@@ -16,7 +16,7 @@ from specserve import LLM, SamplingParams
 from specserve.entrypoints.cli import main
 from specserve.errors import ConfigError
 from specserve.models.arch_config import ArchConfig
-from specserve.models.loader import open_model_source
+from specserve.models.loader import load_tokenizer, open_model_source
 from specserve.prompt_files import load_prompt_file, prompt_token_ids
 from specserve.train.batches import collate
 from specserve.train.config import TrainConfig
@@ -48,10 +48,11 @@ def prompt_file(tmp_path_factory):
 
 
 def config(target, out, **kw) -> TrainConfig:
+    # Follow-ups only where a test asks for them: at max_seq_len 96 few would fit, and counts would blur.
     base = dict(target=str(target), out=str(out), num_prompts=18, max_new_tokens=24, max_seq_len=96,
-                max_num_seqs=32, kv_cache_memory_gb=0.01, data_seconds=None, draft_vocab_size=200, epochs=12,
-                batch_size=4, lr=5e-3, ttt_steps=3, val_fraction=0.2, train_seconds=None, save_every=5, device="cpu",
-                progress=False)
+                follow_up_fraction=0.0, max_num_seqs=32, kv_cache_memory_gb=0.01, data_seconds=None,
+                draft_vocab_size=200, epochs=12, batch_size=4, lr=5e-3, ttt_steps=3, val_fraction=0.2,
+                train_seconds=None, save_every=5, device="cpu", progress=False)
     return TrainConfig(**{**base, **kw})
 
 
@@ -200,13 +201,29 @@ def test_a_time_budget_shrinks_the_plan_once_the_pace_is_known(trained, tmp_path
     assert roomy.schedule.fitted and roomy.step == roomy.schedule.total_steps == 30
 
 
-def test_the_target_writes_its_own_prompts(target, tmp_path):
-    cfg = config(target, tmp_path / "head", num_prompts=6, max_new_tokens=8, max_seq_len=320, sampled_fraction=0.0)
+def test_the_target_writes_its_own_prompts_then_follows_up_on_its_answers(target, tmp_path):
+    cfg = config(target, tmp_path / "head", num_prompts=6, max_new_tokens=8, max_seq_len=320, sampled_fraction=0.0,
+                 follow_up_fraction=1.0)
     sequences, stats = generate_data(cfg, tmp_path / "work")
     written = load_prompt_file(tmp_path / "work" / "prompts.jsonl")
-    assert stats.prompts == len(written) == len(sequences) > 0
+    assert stats.prompts == len(written) > 0
     assert all(len(c[0]["content"].split()) >= 4 for c in written)
     assert all(0 < len(s.response_ids) <= 8 and s.temperature == 0.0 for s in sequences)
+    first, second = sequences[:stats.prompts], sequences[stats.prompts:]
+    assert 0 < stats.follow_ups == len(second) <= len(first) and stats.sequences == len(sequences)
+    # Every second-round prompt quotes a first-round answer (as the assistant's turn or as a passage).
+    # The random target writes stray bytes, which decode and re-encode differently: compare their printable ASCII.
+    tokenizer = load_tokenizer(open_model_source(str(target)))
+
+    def text(ids: list[int]) -> str:
+        decoded = tokenizer.decode(ids, skip_special_tokens=True)
+        return "".join(ch for ch in decoded if ch.isascii() and ch.isprintable() and not ch.isspace())
+
+    answers = [text(s.response_ids) for s in first]
+    assert all(any(a and a in text(s.prompt_ids) for a in answers) for s in second)
+    plain, _ = generate_data(config(target, tmp_path / "head", num_prompts=6, max_new_tokens=8, max_seq_len=320,
+                                    sampled_fraction=0.0), tmp_path / "plain")
+    assert len(plain) == stats.prompts
     with pytest.raises(ConfigError, match="max_seq_len: 64 tokens leave no room to ask the target for prompts"):
         generate_data(config(target, tmp_path / "head", max_seq_len=64), tmp_path / "work")
 
@@ -220,6 +237,7 @@ def test_data_budget_spent_aborts_what_is_unfinished(target):
 
 @pytest.mark.parametrize("kw,field", [
     (dict(lr=0), "lr"), (dict(batch_size=0), "batch_size"), (dict(sampled_fraction=1.5), "sampled_fraction"),
+    (dict(follow_up_fraction=-0.1), "follow_up_fraction"),
     (dict(val_fraction=0.5), "val_fraction"), (dict(ttt_steps=0), "ttt_steps"), (dict(data_seconds=-1), "data_seconds"),
     (dict(prompts="/no/such.jsonl"), "prompts"), (dict(dtype="int8"), "dtype"), (dict(aux_layers=(-1,)), "aux_layers"),
 ])
