@@ -13,6 +13,7 @@ from functools import cached_property
 import torch
 
 from specserve.engine.request import Request
+from specserve.transfer import to_device
 
 
 class SamplingBatch:
@@ -42,7 +43,7 @@ class SamplingBatch:
         return cls(requests, device)
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+        return to_device(values, self.device, dtype)
 
     @cached_property
     def greedy(self) -> torch.Tensor:  # [N] bool
@@ -86,9 +87,9 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     logits = logits.clone()
     for i in rows:
         p = requests[i].params
-        out = torch.tensor(requests[i].output_token_ids, dtype=torch.int64, device=logits.device)
+        out = to_device(requests[i].output_token_ids, logits.device)
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(requests[i].all_token_ids)), dtype=torch.int64, device=logits.device)
+            seen = to_device(sorted(set(requests[i].all_token_ids)), logits.device)
             vals = logits[i, seen]
             logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if out.numel():
