@@ -55,6 +55,10 @@ class EngineConfig:
     # Re-run every replayed step eagerly and raise on any difference (slow; for debugging). Also set by
     # the environment variable SPECSERVE_DEBUG_CUDAGRAPH=1.
     debug_cudagraph: bool = False
+    # Schedule step N+1 while step N runs on the device, so that host work (scheduling, input preparation,
+    # detokenization) overlaps the GPU instead of idling it, as vLLM's --async-scheduling. None: on with
+    # CUDA and the triton backend, unless the speculator drafts on the host (n-gram).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         from specserve.spec_decode.config import SpeculativeConfig
@@ -86,6 +90,23 @@ class EngineConfig:
         _check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                f"must be >= 1, got {self.max_num_batched_tokens}")
         self._check_cudagraph_fields()
+        self._check_async_scheduling()
+
+    def _check_async_scheduling(self) -> None:
+        spec = self.speculative_config
+        host_drafts = spec is not None and spec.method == "ngram"
+        reads_host_metadata = self.device.startswith("cuda") and self.attention_backend == "torch"
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device.startswith("cuda") and not host_drafts and not reads_host_metadata
+        _check(isinstance(self.async_scheduling, bool), "async_scheduling",
+               f"must be True, False or None, got {self.async_scheduling!r}")
+        if self.async_scheduling:
+            _check(not host_drafts, "async_scheduling",
+                   "n-gram speculation drafts from the tokens on the host, which asynchronous scheduling has not "
+                   "read yet when it schedules the next step; set async_scheduling=False or use an EAGLE head")
+            _check(not reads_host_metadata, "async_scheduling",
+                   "the 'torch' reference attention backend reads host copies of the sequence lengths, which "
+                   "asynchronous scheduling corrects on the device; use the 'triton' backend or async_scheduling=False")
 
     def _check_cudagraph_fields(self) -> None:
         from specserve.worker.cudagraph_mode import CUDAGraphMode

@@ -8,6 +8,10 @@ import pytest
 import torch
 
 torch.set_num_threads(min(4, os.cpu_count() or 1))
+# Without a GPU, Triton kernels run in Triton's interpreter, which is chosen when a kernel is defined (when
+# its module is first imported): switched on here, before any test module imports one.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

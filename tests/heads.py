@@ -58,3 +58,22 @@ def save_eagle_head(path: Path, target_cfg, method: str, seed: int = 0, hidden: 
     (path / "config.json").write_text(json.dumps(cfg))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
     return path
+
+
+def save_perturbed_copy(path: Path, model_dir: Path, noise: float = 0.35, seed: int = 3) -> Path:
+    """The Hugging Face model at model_dir with every weight moved by noise x its std: a draft model whose
+    drafts the target accepts often but not always."""
+    import shutil
+
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(noise * p.std() * torch.randn(p.shape, generator=g))
+    model.save_pretrained(str(path), safe_serialization=True)
+    for f in model_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copy(f, path / f.name)
+    return path

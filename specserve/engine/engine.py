@@ -21,6 +21,7 @@ from specserve.spec_decode.metrics import SpecDecodeStats
 from specserve.worker.cudagraph_mode import CUDAGraphMode
 from specserve.worker.graph_recorder import CudaGraphRecorder
 from specserve.worker.model_runner import ModelRunner
+from specserve.worker.step_handle import StepHandle
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,13 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, num_lookahead_tokens=spec.num_speculative_tokens if spec else 0)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._counter = itertools.count()
-        logger.info("specserve ready: %s (%s, %s, %d layers), max_model_len=%d", source.name, self.arch.architecture,
-                    config.torch_dtype, self.arch.num_layers, config.max_model_len)
+        # Asynchronous scheduling: the step launched but not yet completed, and whether the next call must
+        # complete it before scheduling again.
+        self._inflight: StepHandle | None = None
+        self._drain = False
+        logger.info("specserve ready: %s (%s, %s, %d layers), max_model_len=%d%s", source.name, self.arch.architecture,
+                    config.torch_dtype, self.arch.num_layers, config.max_model_len,
+                    ", asynchronous scheduling" if config.async_scheduling else "")
 
     def _eos_ids(self, source) -> set[int]:
         ids = set(self.arch.eos_token_ids)
@@ -114,7 +120,7 @@ class LLMEngine:
         return self.scheduler.spec_stats
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._inflight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -123,10 +129,26 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch a step, and return the outputs of the step that completes: this one, or
+        with asynchronous scheduling the one launched by the previous call, whose results the host reads
+        while the device runs this one."""
+        if self._inflight is not None and self._drain:
+            # The scheduler stopped short of preempting requests the step in flight still uses.
+            self._drain = False
+            done, self._inflight = self._inflight, None
+            return self._complete(done)
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
-        result = self.runner.execute_model(sched)
+        launched = None if sched.is_empty else self.runner.launch(sched)
+        self._drain = sched.stalled
+        if self.config.async_scheduling:
+            done, self._inflight = self._inflight, launched
+        else:
+            done = launched
+        return [] if done is None else self._complete(done)
+
+    def _complete(self, handle: StepHandle) -> list[RequestOutput]:
+        result = self.runner.resolve(handle)
+        sched = handle.sched
         before = {s.request.request_id: s.request.num_output_tokens for s in sched.scheduled}
         updated = self.scheduler.update(sched, result)
         outputs = []

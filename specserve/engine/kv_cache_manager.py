@@ -124,11 +124,13 @@ class KVCacheManager:
         return hits
 
     def allocate_slots(
-        self, req: Request, num_new_tokens: int, new_computed_blocks: list[Block] = (), num_lookahead: int = 0
+        self, req: Request, num_new_tokens: int, num_computed_tokens: int, new_computed_blocks: list[Block] = (),
+        num_lookahead: int = 0,
     ) -> bool:
-        """Reserve blocks for num_new_tokens (plus lookahead slots for drafts); False if the pool is short."""
+        """Reserve blocks for num_new_tokens after num_computed_tokens (plus lookahead slots for drafts);
+        False if the pool is short."""
         blocks = self.req_blocks.setdefault(req.request_id, [])
-        num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_computed = num_computed_tokens + len(new_computed_blocks) * self.block_size
         total = min(num_computed + num_new_tokens + num_lookahead, self.max_model_len + num_lookahead)
         need = -(-total // self.block_size) - len(blocks) - len(new_computed_blocks)
         evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)

@@ -53,8 +53,12 @@ class Request:
         self.num_preemptions = 0
         # Every token the model ran for this request, prompt and output, recomputation included.
         self.num_model_tokens = 0
-        # Draft tokens proposed for verification in the next step.
+        # Draft tokens proposed for verification in the next step (known on the host).
         self.spec_token_ids: list[int] = []
+        # Asynchronous scheduling: tokens scheduled in a step still running on the device, and whether that
+        # step samples new tokens for this request (it reaches the end of the known tokens).
+        self.num_inflight_tokens = 0
+        self.inflight_samples = False
         self.spec_stats = SpecDecodeStats()
         self.stop_reason: int | str | None = None
         # Seeded requests draw all their randomness from their own generator, on the model's device.
@@ -86,6 +90,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Whether sampling this request reads its generated tokens on the host (penalties, min_tokens), so
+        its next step cannot be scheduled before the current one's tokens are back."""
+        return self.params.uses_penalties or self.params.min_tokens > 0
 
     def append_token(self, token_id: int) -> bool:
         """Append one generated token; True when it ends the request."""

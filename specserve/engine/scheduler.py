@@ -6,6 +6,14 @@ while prefilling), then waiting requests are admitted while the budget, the
 sequence limit and the KV pool allow. When the pool runs out, the most
 recently admitted request is preempted: its blocks are freed and it is
 recomputed later from its tokens (which the prefix cache often still holds).
+
+Asynchronous scheduling: step N+1 may be scheduled while step N still runs on
+the device. A request whose step N samples then gets 1 + k tokens whose ids
+(the token step N samples, and its drafts) and positions (step N may reject
+drafts) the runner takes from step N's device outputs; the host counts are
+optimistic (every draft accepted) and are corrected when step N's results
+arrive. A request whose blocks the device is still using is never preempted:
+scheduling stops there and the engine waits for the step in flight.
 """
 from __future__ import annotations
 
@@ -18,20 +26,25 @@ from specserve.engine.request import Request, RequestStatus
 from specserve.spec_decode.metrics import SpecDecodeStats
 
 
+# Stands for a token the device supplies (asynchronous scheduling): never read on the host.
+PLACEHOLDER_TOKEN_ID = -1
+
+
 @dataclass
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # including the draft tokens below
+    # Drafts to verify: their ids, or PLACEHOLDER_TOKEN_ID each where from_device.
     spec_token_ids: list[int]
     block_ids: list[int]
     # Whether this step reaches the request's last known token and so yields new tokens
     # (false for a prompt chunk that stops short of the prompt's end).
     samples: bool
-
-    @classmethod
-    def of(cls, req: Request, num_new_tokens: int, block_ids: list[int]) -> "ScheduledRequest":
-        samples = req.num_computed_tokens + num_new_tokens >= req.num_tokens_with_spec
-        return cls(req, num_new_tokens, list(req.spec_token_ids), block_ids, samples)
+    # Position of the first new token (optimistic where from_device).
+    start: int
+    # The first token and the drafts come from the previous step's device outputs, and the positions
+    # move back by the drafts that step rejects.
+    from_device: bool = False
 
 
 @dataclass
@@ -40,6 +53,9 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     # Requests that finished since the last step: the runner drops their per-request state.
     finished: list[str] = field(default_factory=list)
+    # Scheduling stopped early: the pool is full and the only requests left to preempt are still in use by
+    # the step in flight. Wait for that step before scheduling again.
+    stalled: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +70,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, num_lookahead_tokens: int = 0):
         self.config = config
         self.kv = kv
+        # Drafts per step (k) when speculating; blocks are reserved for them ahead.
         self.num_lookahead = num_lookahead_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -88,25 +105,31 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
-            if num_new <= 0:
-                i += 1
-                continue
-            while not self.kv.allocate_slots(req, num_new, num_lookahead=self.num_lookahead):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            if req.status is RequestStatus.PREEMPTED:
-                break
-            # Drafts past the budget are dropped rather than verified partially out of order.
-            num_spec = max(0, min(len(req.spec_token_ids), req.num_computed_tokens + num_new - req.num_tokens))
-            req.spec_token_ids = req.spec_token_ids[:num_spec]
-            scheduled.append(ScheduledRequest.of(req, num_new, self.kv.block_ids(req.request_id)))
-            budget -= num_new
             i += 1
+            computed = req.num_computed_tokens + req.num_inflight_tokens
+            if req.num_inflight_tokens and req.inflight_samples:
+                # Its next tokens are still on the device. Skip it when sampling needs them on the host, or
+                # when the step in flight ends it even if every draft is rejected.
+                if req.needs_host_tokens or req.num_output_tokens + 1 >= req.max_tokens:
+                    continue
+                spec = [PLACEHOLDER_TOKEN_ID] * min(self._num_drafts(req, computed + 1), budget - 1)
+                num_new, from_device = 1 + len(spec), True
+            else:
+                num_new = min(req.num_tokens_with_spec - computed, budget)
+                if num_new <= 0:
+                    continue
+                # Drafts past the budget are dropped rather than verified partially out of order.
+                spec = req.spec_token_ids[:max(0, computed + num_new - req.num_tokens)]
+                from_device = False
+            if not self._allocate(req, num_new, computed, self.num_lookahead, out):
+                break
+            req.spec_token_ids = [] if from_device else spec
+            samples = from_device or computed + num_new >= req.num_tokens + len(spec)
+            scheduled.append(self._scheduled(req, num_new, spec, samples, computed, from_device))
+            budget -= num_new
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted
+               and not out.stalled):
             req = self.waiting[0]
             hits = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
             num_computed = req.num_computed_tokens + len(hits) * self.kv.block_size
@@ -117,7 +140,7 @@ class Scheduler:
                 num_new = budget
             # Reserve room for drafts only once the prompt is done, as that is when they start.
             lookahead = self.num_lookahead if num_computed + num_new >= req.num_tokens else 0
-            if not self.kv.allocate_slots(req, num_new, hits, num_lookahead=lookahead):
+            if not self.kv.allocate_slots(req, num_new, req.num_computed_tokens, hits, num_lookahead=lookahead):
                 break
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
@@ -125,11 +148,44 @@ class Scheduler:
             req.num_computed_tokens = num_computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled.append(ScheduledRequest.of(req, num_new, self.kv.block_ids(req.request_id)))
+            spec = req.spec_token_ids
+            samples = num_computed + num_new >= req.num_tokens + len(spec)
+            scheduled.append(self._scheduled(req, num_new, list(spec), samples, num_computed, False))
             budget -= num_new
 
         out.scheduled = scheduled
+        if not scheduled:
+            # No step runs, so the runner hears of these requests with the next one that does.
+            self._finished_ids[:0] = out.finished
+            out.finished = []
         return out
+
+    def _allocate(self, req: Request, num_new: int, computed: int, lookahead: int, out: SchedulerOutput) -> bool:
+        """Blocks for a running request's step, preempting the newest requests while the pool is short.
+        False when req itself was preempted, or when the next victim is still in use on the device
+        (out.stalled)."""
+        while not self.kv.allocate_slots(req, num_new, computed, num_lookahead=lookahead):
+            victim = self.running[-1]
+            if victim.num_inflight_tokens:
+                out.stalled = True
+                return False
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def _scheduled(self, req: Request, num_new: int, spec: list[int], samples: bool, start: int,
+                   from_device: bool) -> ScheduledRequest:
+        req.num_inflight_tokens += num_new
+        req.inflight_samples = samples
+        return ScheduledRequest(req, num_new, spec, self.kv.block_ids(req.request_id), samples, start, from_device)
+
+    def _num_drafts(self, req: Request, num_tokens: int) -> int:
+        """Drafts the request may verify in a step after it has num_tokens tokens: none while penalties
+        or min_tokens depend on each earlier token, else up to k within the context."""
+        if not self.num_lookahead or req.params.uses_penalties or req.num_output_tokens < req.params.min_tokens:
+            return 0
+        return max(0, min(self.num_lookahead, self.config.max_model_len - num_tokens))
 
     def update(self, out: SchedulerOutput, result) -> list[Request]:
         """Advance each request past the tokens computed this step (result: the runner's output);
@@ -137,14 +193,14 @@ class Scheduler:
         updated = []
         for s in out.scheduled:
             req = s.request
-            if req.is_finished:
-                continue
+            req.num_inflight_tokens -= s.num_new_tokens
+            if req.status is not RequestStatus.RUNNING:
+                continue  # finished or aborted while the step ran
             new_tokens = result.sampled.get(req.request_id, [])
             # Of the verified drafts only the accepted ones (len(new_tokens) - 1) count as computed.
             num_rejected = len(s.spec_token_ids) - max(len(new_tokens) - 1, 0) if s.samples else 0
             req.num_computed_tokens += s.num_new_tokens - num_rejected
             req.num_model_tokens += s.num_new_tokens
-            req.spec_token_ids = []
             if not s.samples:
                 continue
             if s.spec_token_ids:
@@ -153,8 +209,9 @@ class Scheduler:
             for t in new_tokens:
                 if req.append_token(t):
                     break
-            if not req.is_finished:
-                req.spec_token_ids = result.drafts.get(req.request_id, [])
+            # A request already scheduled again verifies these drafts from the device.
+            if not req.is_finished and not req.num_inflight_tokens:
+                req.spec_token_ids = result.drafts.get(req.request_id, [])[: self._num_drafts(req, req.num_tokens)]
             updated.append(req)
         return updated
 

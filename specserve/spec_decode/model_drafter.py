@@ -164,7 +164,7 @@ class ModelDrafter(Speculator):
     # ---- proposing ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def propose(self, inp: DraftInput) -> list[list[int]]:
+    def propose(self, inp: DraftInput) -> torch.Tensor:
         n, k = len(inp.requests), self.num_speculative_tokens
         desc = inp.descriptor
         real_tokens = inp.next_ids.shape[0]
@@ -194,8 +194,7 @@ class ModelDrafter(Speculator):
                 self.decode_tokens[:n].copy_(current)
                 self.step_buffers.num_reqs.fill_(n)
                 rest = loop.run(desc, self._greedy_loop, loop.metadata[desc.key])[:n]
-                table = (torch.cat([current.unsqueeze(1), rest], dim=1) if drafts else rest).tolist()
-                return [row[:m] for row, m in zip(table, inp.max_drafts)]
+                return torch.cat([current.unsqueeze(1), rest], dim=1) if drafts else rest
         step = 1
         while len(drafts) < k:
             self.decode_tokens[:n].copy_(current)
@@ -207,8 +206,7 @@ class ModelDrafter(Speculator):
             current = self._pick(logits[:n], inp, len(drafts))
             drafts.append(current)
             step += 1
-        table = torch.stack(drafts, dim=1).tolist()
-        return [row[:m] for row, m in zip(table, inp.max_drafts)]
+        return torch.stack(drafts, dim=1)
 
     def _run_decode_step(self, n: int, step: int, inp: DraftInput) -> tuple[torch.Tensor, torch.Tensor | None]:
         graphs = self.decode_graphs
@@ -216,7 +214,7 @@ class ModelDrafter(Speculator):
         if desc.mode is CUDAGraphMode.FULL:
             metadata = graphs.metadata[desc.key]
         else:
-            max_seq = min(max(inp.base_positions_cpu) + step, self.max_position - 1) + 1
+            max_seq = min(inp.max_base_position + step, self.max_position - 1) + 1
             metadata = self._decode_metadata(desc, inp.block_table, max_seq)
         return graphs.run(desc, self._decode, metadata) if graphs else self._decode(desc, metadata)
 

@@ -12,7 +12,8 @@ from specserve.sample.sampler import SamplingBatch
 
 @dataclass
 class DraftInput:
-    """The target step just run, seen by a speculator proposing the next drafts.
+    """The target step just run, seen by a device speculator proposing the next drafts; everything
+    per request is on the device, so proposing needs no host sync (the accepted counts stay there).
 
     The first group of fields covers all T tokens the target ran; the second
     the n requests to draft for (those that produced tokens this step).
@@ -29,28 +30,34 @@ class DraftInput:
     metadata: AttentionMetadata  # the target's, reused by the draft prefill
 
     requests: list[Request]
-    contexts: list[list[int]]  # each request's tokens including this step's new ones
     last_token_indices: torch.Tensor  # [n] index into T of each request's last accepted token
     # Persistent [max_num_reqs] buffer; rows < n hold the position of each last accepted token.
     base_positions: torch.Tensor
-    base_positions_cpu: list[int]
+    max_base_position: int  # an upper bound of those positions, known on the host
     last_tokens: torch.Tensor  # [n] the newest token of each request
     # Persistent [max_num_reqs, max_blocks] buffer; rows < n are the drafting requests' block tables.
     block_table: torch.Tensor
     rows: torch.Tensor  # [n] each request's row in the draft-probability buffer
     sampling: SamplingBatch
-    max_drafts: list[int]  # per request: at most this many drafts fit before the context ends
 
 
 class Speculator:
-    """Base of the proposers. `draft_probs` is None for proposers without a distribution (n-gram)."""
+    """Base of the proposers. `draft_probs` is None for proposers without a distribution (n-gram).
+
+    A device speculator (on_device) drafts in the same launch as the target step, from device
+    tensors: propose() returns [n, k] draft ids. A host speculator drafts from the tokens once they are
+    back on the host: propose_from_contexts() returns up to k drafts per context."""
 
     num_speculative_tokens: int
+    on_device: bool = True
     draft_probs: torch.Tensor | None = None
     aux_hidden_layers: tuple[int, ...] = ()
     uses_hidden_states: bool = False
 
-    def propose(self, inp: DraftInput) -> list[list[int]]:
+    def propose(self, inp: DraftInput) -> torch.Tensor:
+        raise NotImplementedError
+
+    def propose_from_contexts(self, contexts: list[list[int]]) -> list[list[int]]:
         raise NotImplementedError
 
     def forget(self, request_id: str) -> None:

@@ -27,17 +27,22 @@ class InputBuffers:
         self.seq_lens = torch.zeros(max_num_reqs, dtype=i32, device=device)
         self.block_table = torch.zeros(max_num_reqs, max_blocks_per_req, dtype=i32, device=device)
         self.logits_indices = torch.zeros(max_num_tokens, dtype=i64, device=device)
+        # One row per request whose inputs follow from the previous step's device outputs (inflight_inputs.py).
+        self.inflight = torch.zeros(max_num_reqs, 5, dtype=i32, device=device)
         pin = device.type == "cuda"
-        # Host staging copies; pinned on CUDA so the uploads are asynchronous.
-        self._host = {
+        # Host staging copies, pinned on CUDA so the uploads are asynchronous. Two sets, one per step in
+        # turn: with asynchronous scheduling the host fills step N+1's while step N's copies may still be
+        # queued (step N-1 is done by then, so its set is free).
+        self._host = [{
             name: torch.zeros_like(buf, device="cpu").pin_memory() if pin else torch.zeros_like(buf, device="cpu")
             for name, buf in self.__dict__.items() if isinstance(buf, torch.Tensor)
-        }
+        } for _ in range(2)]
+        self._staging = 0
 
     def upload(self, name: str, values: np.ndarray) -> torch.Tensor:
         """Copy values into the front of buffer `name`; returns the view holding them."""
         n = values.shape[0]
-        host = self._host[name][:n]
+        host = self._host[self._staging][name][:n]
         host.numpy()[...] = values
         dev = getattr(self, name)[:n]
         dev.copy_(host, non_blocking=True)
@@ -52,6 +57,7 @@ class InputBuffers:
         block_rows: list[list[int]],
         block_size: int,
     ) -> AttentionMetadata:
+        self._staging ^= 1
         num_reqs, num_tokens = len(query_lens), len(input_ids)
         qsl = np.zeros(num_reqs + 1, dtype=np.int32)
         np.cumsum(query_lens, out=qsl[1:])
@@ -70,6 +76,10 @@ class InputBuffers:
         self.upload("block_table", table)
         self._pad_rows(num_reqs, num_tokens, int(qsl[-1]))
         metadata = self.padded_metadata(num_reqs, num_tokens, int(query_lens.max()), int(seq_lens.max()))
+        if self.device.type == "cpu":
+            # The buffers are host memory: the reference backend reads them as corrected in place for
+            # requests whose inputs come from the previous step (asynchronous scheduling).
+            return metadata
         # The host copies this step already has, for the reference backend's per-request loop.
         return replace(metadata, query_start_loc_cpu=torch.from_numpy(qsl),
                        seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)))

@@ -16,10 +16,14 @@ from specserve.sample.sampler import Sampler, SamplingBatch, filtered_probs, tok
 from specserve.spec_decode.config import MAX_SPECULATIVE_TOKENS
 from specserve.spec_decode.rejection_sampler import draw_randomness, rejection_sample
 from specserve.spec_decode.speculator import DraftInput, Speculator
+from specserve.transfer import to_device
 from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager, default_capture_sizes
 from specserve.worker.cudagraph_mode import CUDAGraphMode
 from specserve.worker.graph_recorder import AttentionSplitter
+from specserve.worker.inflight_inputs import take_inflight_inputs
 from specserve.worker.input_buffers import InputBuffers
+from specserve.worker.step_handle import PendingLogprobs, StepHandle
+from specserve.worker.step_outputs import StepOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,11 @@ class ModelRunner:
         # Room for the context plus draft lookahead slots.
         max_blocks_per_req = -(-(config.max_model_len + MAX_SPECULATIVE_TOKENS) // self.block_size) + 1
         self.buffers = InputBuffers(config.max_num_seqs, config.max_num_batched_tokens, max_blocks_per_req, self.device)
+        spec = config.speculative_config
+        self.outputs = StepOutputs(config.max_num_seqs, spec.num_speculative_tokens if spec else 0, self.device)
+        # Request id -> (its batch row, drafts verified) in the last launched step, for a step scheduled
+        # before that one's results were back.
+        self._previous: dict[str, tuple[int, int]] = {}
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
@@ -143,57 +152,113 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
+        """One step, start to finish (launch, then wait for its results)."""
+        return self.resolve(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        """Enqueue the whole step on the device (inputs, forward, sampling, drafts, the copy of the results to
+        the host) without waiting for it; resolve() reads the results."""
         self._release_rows(sched.finished + sched.preempted)
-        ids, pos, qlens, slens, rows, sample_ends, sampling = [], [], [], [], [], [], []
+        ids, pos, qlens, slens, rows, sample_ends, sampling, inflight = [], [], [], [], [], [], [], []
+        # (index of the last token, the prompt token after it) of each prompt chunk that does not sample
+        chunk_ends = []
         offset = 0
         for i, s in enumerate(sched.scheduled):
-            req = s.request
-            start = req.num_computed_tokens
-            ids.append((req.all_token_ids + s.spec_token_ids)[start:start + s.num_new_tokens])
-            pos.append(np.arange(start, start + s.num_new_tokens))
-            qlens.append(s.num_new_tokens)
-            slens.append(start + s.num_new_tokens)
+            req, start, n = s.request, s.start, s.num_new_tokens
+            if s.from_device:
+                prev_row, prev_drafts = self._previous[req.request_id]
+                inflight.append((i, prev_row, offset, n, prev_drafts))
+                ids.append([0] * n)
+            else:
+                known = req.all_token_ids
+                ids.append(known[start:start + n] if start + n <= len(known)
+                           else (known + s.spec_token_ids)[start:start + n])
+            pos.append(np.arange(start, start + n))
+            qlens.append(n)
+            slens.append(start + n)
             rows.append(s.block_ids)
-            offset += s.num_new_tokens
+            offset += n
             if s.samples:
                 sample_ends.append(offset)
                 sampling.append(i)
+            else:
+                chunk_ends.append((offset - 1, req.all_token_ids[start + n]))
         input_ids = np.fromiter((t for chunk in ids for t in chunk), dtype=np.int64, count=offset)
         metadata = self.buffers.prepare(input_ids, np.concatenate(pos).astype(np.int64), np.array(qlens, dtype=np.int64),
                                         np.array(slens, dtype=np.int64), rows, self.block_size)
+        if inflight:
+            b = self.buffers
+            take_inflight_inputs(b.upload("inflight", np.array(inflight, dtype=np.int32)), self.outputs.accepted,
+                                 self.outputs.tokens, self.outputs.drafts, b.input_ids, b.positions, b.seq_lens,
+                                 b.slot_mapping, b.block_table, self.block_size)
         desc, (padded_hidden, padded_aux), metadata = self._run_target(offset, qlens, metadata)
         hidden = padded_hidden[:offset]
-        out = RunnerOutput()
+        handle = StepHandle(sched, sampling)
+        self._previous = {sched.scheduled[i].request.request_id: (i, len(sched.scheduled[i].spec_token_ids))
+                          for i in sampling}
         if not sampling:
-            return out
+            return handle
         # Requests without drafts take the plain sampler, which also applies penalties and min_tokens.
         for verify in (False, True):
-            chosen = [(sched.scheduled[i], end) for i, end in zip(sampling, sample_ends)
-                      if bool(sched.scheduled[i].spec_token_ids) == verify]
+            chosen = [(i, end) for i, end in zip(sampling, sample_ends) if bool(sched.scheduled[i].spec_token_ids) == verify]
             if chosen:
-                (self._verify if verify else self._sample)(hidden, *map(list, zip(*chosen)), out)
-        if self.speculator is not None:
-            self._propose(sched, sampling, sample_ends, input_ids, desc, (padded_hidden, padded_aux), metadata, out)
+                batch_rows, ends = map(list, zip(*chosen))
+                (self._verify if verify else self._sample)(hidden, sched, batch_rows, ends, handle)
+        if self.speculator is not None and self.speculator.on_device:
+            self._propose(sched, sampling, sample_ends, chunk_ends, offset, desc, (padded_hidden, padded_aux), metadata)
+        handle.host, handle.event = self.outputs.copy_to_host(len(sched.scheduled))
+        return handle
+
+    def resolve(self, handle: StepHandle) -> RunnerOutput:
+        """Wait for a launched step and return its tokens (and drafts) on the host."""
+        out = RunnerOutput()
+        if not handle.sampling:
+            return out
+        if handle.event is not None:
+            handle.event.synchronize()
+        table = handle.host.tolist()
+        k = self.outputs.num_drafts
+        scheduled = handle.sched.scheduled
+        for i in handle.sampling:
+            row = table[i]
+            rid = scheduled[i].request.request_id
+            out.sampled[rid] = row[1:row[0] + 2]
+            if self.speculator is not None and self.speculator.on_device:
+                out.drafts[rid] = row[k + 2:]
+        for logprobs in handle.logprobs:
+            logprobs.collect(table, handle.sched, out.logprobs)
+        if self.speculator is not None and not self.speculator.on_device:
+            reqs = [scheduled[i].request for i in handle.sampling]
+            contexts = [r.all_token_ids + out.sampled[r.request_id] for r in reqs]
+            for req, d in zip(reqs, self.speculator.propose_from_contexts(contexts)):
+                out.drafts[req.request_id] = d
         return out
 
-    def _sample(self, hidden, scheduled, sample_ends, out: RunnerOutput) -> None:
-        reqs = [s.request for s in scheduled]
+    def _sample(self, hidden, sched: SchedulerOutput, batch_rows: list[int], sample_ends: list[int],
+                handle: StepHandle) -> None:
+        reqs = [sched.scheduled[i].request for i in batch_rows]
         idx = self.buffers.upload("logits_indices", np.array(sample_ends, dtype=np.int64) - 1)
         result = self.sampler(self.model.compute_logits(hidden[idx]), SamplingBatch.build(reqs, self.device))
-        tokens = result.token_ids.tolist()
-        for req, t in zip(reqs, tokens):
-            out.sampled[req.request_id] = [t]
+        where = to_device(batch_rows, self.device)
+        self.outputs.accepted.index_fill_(0, where, 0)
+        self.outputs.tokens[:, 0].index_copy_(0, where, result.token_ids)
         if result.sampled_logprobs is not None:
-            self._collect_logprobs(result, [[r] for r in reqs], out)
+            handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=1))
 
-    def _verify(self, hidden, scheduled, sample_ends, out: RunnerOutput) -> None:
-        """Rejection-sample each request's drafts against the target's logits at the verified positions."""
+    def _verify(self, hidden, sched: SchedulerOutput, batch_rows: list[int], sample_ends: list[int],
+                handle: StepHandle) -> None:
+        """Rejection-sample each request's drafts against the target's logits at the verified positions.
+        The drafts are read from the step's input ids on the device, where the host or the previous
+        step (asynchronous scheduling) put them."""
+        scheduled = [sched.scheduled[i] for i in batch_rows]
         reqs = [s.request for s in scheduled]
         num_drafts = [len(s.spec_token_ids) for s in scheduled]
         k = max(num_drafts)
-        # Row j of request i is the target's prediction after its j-th draft (clamped for padding).
+        # Row j of request i is the target's prediction after its j-th draft (clamped for padding); its
+        # draft j sits at token end - n + j.
         index = np.array([[end - 1 - n + min(j, n) for j in range(k + 1)] for end, n in zip(sample_ends, num_drafts)])
-        idx = torch.from_numpy(index.reshape(-1)).to(self.device)
+        idx = to_device(index.reshape(-1), self.device)
         logits = self.model.compute_logits(hidden[idx]).view(len(reqs), k + 1, -1)
         batch = SamplingBatch.build(reqs, self.device)
         if batch.all_greedy:
@@ -201,11 +266,12 @@ class ModelRunner:
         else:
             expanded = SamplingBatch.build([r for r in reqs for _ in range(k + 1)], self.device)
             target_probs = filtered_probs(logits.flatten(0, 1), expanded).view_as(logits)
-        drafts = torch.tensor([s.spec_token_ids + [-1] * (k - len(s.spec_token_ids)) for s in scheduled],
-                              dtype=torch.int64, device=self.device)
+        num = to_device(num_drafts, self.device)
+        slots = torch.arange(k, device=self.device)
+        drafts = torch.where(slots < num[:, None], self.buffers.input_ids[idx.view(len(reqs), k + 1)[:, 1:]], -1)
         draft_probs = None
         if self.speculator.draft_probs is not None and not batch.all_greedy:
-            rows = torch.tensor([self._row(r.request_id) for r in reqs], device=self.device)
+            rows = to_device([self._row(r.request_id) for r in reqs], self.device)
             draft_probs = self.speculator.draft_probs[rows, :k]
         if batch.all_greedy and self.forced_acceptance_prob is None:
             # Greedy rows read no randomness: skip drawing [N, k+1, V] exponentials (an expanded view
@@ -215,93 +281,49 @@ class ModelRunner:
         else:
             uniform, noise = draw_randomness(len(reqs), k, logits.shape[-1], batch.generators, self.device,
                                              self.sampler.default_generator)
-        tokens, accepted = rejection_sample(
-            drafts, torch.tensor(num_drafts, device=self.device), draft_probs, target_probs, batch.greedy,
-            logits.argmax(dim=-1), uniform, noise, self.forced_acceptance_prob)
-        # One device-to-host copy for both (each copy is a host sync).
-        packed = torch.cat((tokens, accepted.unsqueeze(1)), dim=1).tolist()
-        tokens, accepted = [row[:-1] for row in packed], [row[-1] for row in packed]
-        for req, row, a in zip(reqs, tokens, accepted):
-            out.sampled[req.request_id] = row[:a + 1]
+        tokens, accepted = rejection_sample(drafts, num, draft_probs, target_probs, batch.greedy,
+                                            logits.argmax(dim=-1), uniform, noise, self.forced_acceptance_prob)
+        where = to_device(batch_rows, self.device)
+        self.outputs.accepted.index_copy_(0, where, accepted)
+        self.outputs.tokens[:, :k + 1].index_copy_(0, where, tokens)
         if batch.max_logprobs is not None:
-            emitted = [(i, j) for i, a in enumerate(accepted) for j in range(a + 1)]
-            sel = torch.tensor(emitted, device=self.device)
-            raw = logits[sel[:, 0], sel[:, 1]].log_softmax(dim=-1)
-            chosen = torch.tensor([tokens[i][j] for i, j in emitted], device=self.device)
-            per_req = [[reqs[i] for i, _ in emitted if i == r] for r in range(len(reqs))]
-            self._collect_logprobs(token_logprobs(raw, chosen, batch.max_logprobs), per_req, out)
+            raw = logits.flatten(0, 1).log_softmax(dim=-1)
+            result = token_logprobs(raw, tokens.flatten().clamp(min=0), batch.max_logprobs)
+            handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=k + 1))
 
-    def _propose(self, sched, sampling, sample_ends, input_ids, desc, target_out, metadata, out: RunnerOutput) -> None:
-        """Draft the next tokens of every request that produced tokens this step."""
-        spec = self.speculator
-        drafting, last_idx, base, contexts, max_drafts = [], [], [], [], []
-        next_ids = np.roll(input_ids, -1)
-        for i, end in zip(sampling, sample_ends):
-            s = sched.scheduled[i]
-            req = s.request
-            new = out.sampled[req.request_id]
-            last = end - 1 - len(s.spec_token_ids) + (len(new) - 1)
-            next_ids[last] = new[-1]
-            # Penalties and min_tokens depend on every earlier token, so such requests decode one token at a time.
-            if req.params.uses_penalties or req.num_output_tokens + len(new) < req.params.min_tokens:
-                continue
-            context = req.all_token_ids + new
-            room = self.config.max_model_len - len(context)
-            if room <= 0:
-                continue
-            drafting.append(req)
-            last_idx.append(last)
-            base.append(req.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids) - 1 + len(new) - 1)
-            contexts.append(context)
-            max_drafts.append(min(spec.num_speculative_tokens, room))
-        # Positions whose next token is still a prompt token (prompt chunks) keep the rolled value;
-        # a request's last position otherwise got its new token above.
-        for i, s in enumerate(sched.scheduled):
-            if not s.samples:
-                end = int(metadata.query_start_loc_cpu[i + 1])
-                req = s.request
-                next_ids[end - 1] = req.all_token_ids[req.num_computed_tokens + s.num_new_tokens]
-        if not drafting:
-            return
-        n = len(drafting)
-        self.draft_base_positions[:n].copy_(torch.tensor(base))
-        req_index = {id(s.request): i for i, s in enumerate(sched.scheduled)}
-        table_rows = torch.tensor([req_index[id(r)] for r in drafting], device=self.device)
-        self.draft_block_table[:n].copy_(metadata.block_table.index_select(0, table_rows))
+    def _propose(self, sched, sampling, sample_ends, chunk_ends, num_tokens, desc, target_out, metadata) -> None:
+        """Draft the next tokens of every request that produced tokens this step, on the device: each
+        request's last accepted token and its position follow from the accepted counts just written."""
+        spec, dev = self.speculator, self.device
+        n = len(sampling)
+        scheduled = [sched.scheduled[i] for i in sampling]
+        where = to_device(sampling, dev)
+        accepted = self.outputs.accepted.index_select(0, where)
+        # The last accepted token of request i is at index end - 1 - drafts + accepted.
+        last_idx = to_device([end - 1 - len(s.spec_token_ids) for s, end in zip(scheduled, sample_ends)], dev) + accepted
+        emitted = self.outputs.tokens.index_select(0, where).gather(1, accepted.unsqueeze(1)).squeeze(1)
+        # Each position's next token: the following input, the prompt's next token at the end of a prompt
+        # chunk, the newly emitted token at a request's last accepted position.
+        next_ids = torch.roll(self.buffers.input_ids[:num_tokens], -1)
+        if chunk_ends:
+            at, values = zip(*chunk_ends)
+            next_ids[to_device(at, dev)] = to_device(values, dev)
+        next_ids[last_idx] = emitted
+        self.draft_base_positions[:n].copy_(self.buffers.positions[last_idx])
+        self.draft_block_table[:n].copy_(metadata.block_table.index_select(0, where))
+        drafting = [s.request for s in scheduled]
         inp = DraftInput(
-            next_ids=torch.from_numpy(next_ids).to(self.device),
+            next_ids=next_ids,
             target_out=target_out,
             descriptor=desc,
             metadata=metadata,
             requests=drafting,
-            contexts=contexts,
-            last_token_indices=torch.tensor(last_idx, device=self.device),
+            last_token_indices=last_idx,
             base_positions=self.draft_base_positions,
-            base_positions_cpu=base,
-            last_tokens=torch.tensor([c[-1] for c in contexts], device=self.device),
+            max_base_position=max(s.start + s.num_new_tokens - 1 for s in scheduled),
+            last_tokens=emitted,
             block_table=self.draft_block_table,
-            rows=torch.tensor([self._row(r.request_id) for r in drafting], device=self.device),
-            sampling=SamplingBatch.build(drafting, self.device),
-            max_drafts=max_drafts,
+            rows=to_device([self._row(r.request_id) for r in drafting], dev),
+            sampling=SamplingBatch.build(drafting, dev),
         )
-        for req, d in zip(drafting, spec.propose(inp)):
-            out.drafts[req.request_id] = d
-
-    @staticmethod
-    def _collect_logprobs(result, reqs_per_row: list[list], out: RunnerOutput) -> None:
-        """result rows are emitted tokens in order; reqs_per_row[i] lists request i once per emitted token."""
-        lp = result.sampled_logprobs.tolist()
-        ranks = result.sampled_ranks.tolist()
-        tokens = result.token_ids.tolist()
-        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
-        top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-        row = 0
-        for reqs in reqs_per_row:
-            for req in reqs:
-                n = req.params.logprobs
-                if n is not None:
-                    entry = {tokens[row]: Logprob(lp[row], ranks[row])}
-                    for r in range(n):
-                        entry.setdefault(top_ids[row][r], Logprob(top_lp[row][r], r + 1))
-                    out.logprobs.setdefault(req.request_id, []).append(entry)
-                row += 1
+        self.outputs.drafts.index_copy_(0, where, spec.propose(inp))

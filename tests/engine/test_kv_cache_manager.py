@@ -12,7 +12,7 @@ def req(rid: str, tokens: list[int]) -> Request:
 
 def admit(kv: KVCacheManager, r: Request) -> list:
     hits = kv.get_computed_blocks(r)
-    assert kv.allocate_slots(r, r.num_tokens - len(hits) * kv.block_size, hits)
+    assert kv.allocate_slots(r, r.num_tokens - len(hits) * kv.block_size, r.num_computed_tokens, hits)
     r.num_computed_tokens = r.num_tokens
     return hits
 
@@ -56,5 +56,5 @@ def test_full_prompt_hit_leaves_one_token_to_compute():
 def test_allocation_fails_cleanly_when_the_pool_is_short():
     kv = KVCacheManager(num_blocks=3, block_size=4, enable_caching=False, max_model_len=100)
     r = req("a", list(range(16)))
-    assert not kv.allocate_slots(r, 16)
+    assert not kv.allocate_slots(r, 16, r.num_computed_tokens)
     assert kv.pool.num_free == 3 and kv.block_ids("a") == []

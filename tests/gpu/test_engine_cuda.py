@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from heads import save_eagle_head
+from heads import save_eagle_head, save_perturbed_copy
 from specserve import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_float32")]
@@ -48,3 +48,31 @@ def test_cuda_bf16_agrees_mostly(case):
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     # bf16 rounding may flip near-ties; most first tokens must still agree with float32.
     assert sum(o[0] == r[0] for o, r in zip(outs, ref)) >= len(ref) * 3 // 4
+
+
+@pytest.mark.parametrize("spec", [None, "near", "self"])
+def test_cuda_async_scheduling_equals_cpu(case, tmp_path, spec):
+    """Asynchronous scheduling under CUDA graphs (every replay checked against eager): the CPU reference's
+    greedy output with drafts partly accepted (a perturbed copy of the target), all accepted (the target
+    itself) or none, with chunked prefill and preemption, and the steps really overlap."""
+    path, _, prompts, ref = case
+    cfg = None
+    if spec is not None:
+        draft = save_perturbed_copy(tmp_path / "near", path) if spec == "near" else path
+        cfg = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    llm = LLM(str(path), max_model_len=256, device="cuda", dtype="float32", speculative_config=cfg,
+              max_num_batched_tokens=64, num_kv_blocks=40, block_size=16, debug_cudagraph=True,
+              cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64])
+    assert llm.engine.config.async_scheduling
+    runner, launched, overlapped = llm.engine.runner, [], []
+    launch, resolve = runner.launch, runner.resolve
+    runner.launch = lambda sched: launched.append(launch(sched)) or launched[-1]
+    runner.resolve = lambda handle: overlapped.append(launched[-1] is not handle) or resolve(handle)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    if spec != "self":  # accepting every draft, requests finish before the pool runs short
+        assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert sum(overlapped) > len(overlapped) // 2
+    if spec is not None:
+        stats = llm.engine.spec_stats
+        assert stats.num_accepted > 0 and (stats.num_accepted < stats.num_drafted) == (spec == "near")

@@ -46,8 +46,9 @@ def test_logits_match_transformers(variant):
     sched = SchedulerOutput()
     for i, t in enumerate(ids):
         req = Request(str(i), t, SamplingParams(temperature=0), set(), 256)
-        assert engine.kv.allocate_slots(req, len(t))
-        sched.scheduled.append(ScheduledRequest.of(req, len(t), engine.kv.block_ids(req.request_id)))
+        assert engine.kv.allocate_slots(req, len(t), req.num_computed_tokens)
+        sched.scheduled.append(ScheduledRequest(req, len(t), [], engine.kv.block_ids(req.request_id), samples=True,
+                                                start=0))
     hidden = capture_hidden(engine, sched)
     ours = engine.model.compute_logits(hidden)
     offset = 0

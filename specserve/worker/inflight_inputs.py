@@ -1,0 +1,111 @@
+"""Inputs of requests whose previous step is still running on the device (asynchronous scheduling).
+
+The host scheduled such a request for 1 + s tokens before learning what its
+previous step produced: the host wrote placeholder ids and optimistic
+positions (as if every draft of that step was accepted). On the device, from
+the previous step's outputs, each such request gets:
+
+    input_ids[first]         = the token the previous step emitted last (its bonus or recovered token)
+    input_ids[first + 1 + t] = the previous step's draft t                (t < s)
+    positions, seq_len       moved back by R = drafts verified - drafts accepted in the previous step
+    slot_mapping             recomputed from the block table at the moved positions
+
+Rows and tokens of other requests are left alone, so this runs after the
+ordinary upload and before the forward, all on one stream, without a host
+sync. Per in-flight request the host passes one row of `meta`:
+(row in this batch, row in the previous step's outputs, index of its first token, number of
+tokens, drafts the previous step verified for it).
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional on CPU installs; the torch path serves there.
+    triton = None
+
+META_COLUMNS = 5
+
+
+def take_inflight_inputs_torch(meta: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
+                               drafts: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                               seq_lens: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                               block_size: int) -> None:
+    """The update in torch ops (the CPU path and the kernel's reference)."""
+    row, prev, first, count, verified = meta.to(torch.int64).unbind(1)
+    acc = accepted[prev]
+    rejected = verified - acc
+    last = tokens[prev, acc]
+    # Token t of in-flight request m sits at first[m] + t.
+    which = torch.repeat_interleave(torch.arange(meta.shape[0], device=meta.device), count)
+    offset = torch.arange(which.shape[0], device=meta.device) - torch.repeat_interleave(
+        torch.cumsum(count, 0) - count, count)
+    index = first[which] + offset
+    draft = drafts[prev[which], (offset - 1).clamp(min=0)] if drafts.shape[1] else last[which]
+    input_ids[index] = torch.where(offset == 0, last[which], draft)
+    pos = positions[index] - rejected[which]
+    positions[index] = pos
+    block = block_table[row[which], pos // block_size].to(torch.int64)
+    slot_mapping[index] = block * block_size + pos % block_size
+    seq_lens[row] -= rejected.to(seq_lens.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _take_inflight_inputs_kernel(
+        meta_ptr, accepted_ptr, accepted_stride, tokens_ptr, tokens_stride, drafts_ptr, drafts_stride,
+        input_ids_ptr, positions_ptr, seq_lens_ptr, slot_mapping_ptr, block_table_ptr, block_table_stride,
+        block_size, NUM_DRAFT_COLS: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        m = tl.program_id(0)
+        row = tl.load(meta_ptr + m * 5)
+        prev = tl.load(meta_ptr + m * 5 + 1)
+        first = tl.load(meta_ptr + m * 5 + 2)
+        count = tl.load(meta_ptr + m * 5 + 3)
+        verified = tl.load(meta_ptr + m * 5 + 4)
+        acc = tl.load(accepted_ptr + prev * accepted_stride)
+        rejected = verified - acc
+        last = tl.load(tokens_ptr + prev * tokens_stride + acc)
+        t = tl.arange(0, BLOCK)
+        live = t < count
+        if NUM_DRAFT_COLS > 0:
+            draft = tl.load(drafts_ptr + prev * drafts_stride + tl.maximum(t - 1, 0), mask=live & (t > 0), other=0)
+        else:
+            draft = last
+        tl.store(input_ids_ptr + first + t, tl.where(t == 0, last, draft), mask=live)
+        pos = tl.load(positions_ptr + first + t, mask=live, other=0) - rejected
+        tl.store(positions_ptr + first + t, pos, mask=live)
+        block = tl.load(block_table_ptr + row * block_table_stride + pos // block_size, mask=live, other=0)
+        tl.store(slot_mapping_ptr + first + t, block.to(tl.int64) * block_size + pos % block_size, mask=live)
+        seq_len = tl.load(seq_lens_ptr + row)
+        tl.store(seq_lens_ptr + row, (seq_len - rejected).to(tl.int32))
+
+
+def take_inflight_inputs(meta: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, drafts: torch.Tensor,
+                         input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
+                         slot_mapping: torch.Tensor, block_table: torch.Tensor, block_size: int,
+                         *, use_triton: bool | None = None) -> None:
+    """Fill in the inputs of in-flight requests (see the module docstring). meta: [m, 5] int32 on the
+    device; accepted [R], tokens [R, k + 1], drafts [R, k]: the previous step's outputs by its batch row;
+    the rest: the runner's persistent input buffers. One Triton launch on CUDA, torch ops elsewhere
+    (use_triton forces either; tests run the kernel under TRITON_INTERPRET=1)."""
+    assert meta.dim() == 2 and meta.shape[1] == META_COLUMNS, f"meta must be [m, {META_COLUMNS}], got {tuple(meta.shape)}"
+    if meta.shape[0] == 0:
+        return
+    if use_triton is None:
+        use_triton = triton is not None and input_ids.is_cuda
+    if not use_triton:
+        take_inflight_inputs_torch(meta, accepted, tokens, drafts, input_ids, positions, seq_lens, slot_mapping,
+                                   block_table, block_size)
+        return
+    assert meta.dtype == torch.int32 and meta.is_contiguous()
+    assert tokens.stride(1) == 1 and block_table.stride(1) == 1 and seq_lens.dtype == torch.int32
+    k = drafts.shape[1]
+    _take_inflight_inputs_kernel[(meta.shape[0],)](
+        meta, accepted, accepted.stride(0), tokens, tokens.stride(0), drafts, drafts.stride(0) if k else 0,
+        input_ids, positions, seq_lens, slot_mapping, block_table, block_table.stride(0), block_size,
+        NUM_DRAFT_COLS=k, BLOCK=triton.next_power_of_2(k + 1),
+    )

@@ -1,0 +1,77 @@
+"""Inputs of requests scheduled before their previous step's results were back: the Triton kernel and
+the torch path against a plain-Python reference, with other tokens and rows left untouched."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specserve.worker.inflight_inputs import take_inflight_inputs
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCK_SIZE = 4
+
+
+def scenario(k: int, seed: int):
+    """A batch of 6 requests, 3 of them in flight, over poisoned buffers; returns (meta, previous step's
+    outputs, buffers, expected buffers)."""
+    rng = random.Random(seed)
+    prev_rows, rows, max_blocks = 7, 6, 16
+    accepted = torch.tensor([rng.randint(0, k) for _ in range(prev_rows)])
+    tokens = torch.tensor([[rng.randrange(100, 200) for _ in range(k + 1)] for _ in range(prev_rows)])
+    drafts = torch.tensor([[rng.randrange(200, 300) for _ in range(k)] for _ in range(prev_rows)],
+                          dtype=torch.int64).reshape(prev_rows, k)
+    block_table = torch.tensor([[rng.randrange(0, 50) for _ in range(max_blocks)] for _ in range(rows)], dtype=torch.int32)
+    counts = [rng.randint(1, 5) for _ in range(rows)]
+    in_flight = sorted(rng.sample(range(rows), 3))
+    meta, first = [], 0
+    input_ids, positions, seq_lens = [], [], []
+    for i, n in enumerate(counts):
+        if i in in_flight:
+            n = counts[i] = 1 + rng.randint(0, k)
+            prev = rng.randrange(prev_rows)
+            meta.append([i, prev, first, n, rng.randint(int(accepted[prev]), k)])
+        start = rng.randint(8, 40)
+        input_ids += [rng.randrange(1, 99) for _ in range(n)]
+        positions += list(range(start, start + n))
+        seq_lens.append(start + n)
+        first += n
+    slots = [int(block_table[r, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+             for r, n in enumerate(counts) for p in positions[sum(counts[:r]):sum(counts[:r]) + n]]
+    buffers = dict(input_ids=torch.tensor(input_ids + [-5] * 3), positions=torch.tensor(positions + [-5] * 3),
+                   seq_lens=torch.tensor(seq_lens + [-5], dtype=torch.int32), slot_mapping=torch.tensor(slots + [-5] * 3))
+    expected = {name: t.clone() for name, t in buffers.items()}
+    for row, prev, start, n, verified in meta:
+        rejected = verified - int(accepted[prev])
+        expected["seq_lens"][row] -= rejected
+        for t in range(n):
+            expected["input_ids"][start + t] = tokens[prev, accepted[prev]] if t == 0 else drafts[prev, t - 1]
+            pos = int(expected["positions"][start + t]) - rejected
+            expected["positions"][start + t] = pos
+            expected["slot_mapping"][start + t] = int(block_table[row, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE
+    # The previous step's outputs as the runner keeps them: columns of one packed buffer.
+    packed = torch.cat([accepted[:, None], tokens, drafts], dim=1)
+    outputs = (packed[:, 0], packed[:, 1:k + 2], packed[:, k + 2:])
+    meta = torch.tensor(meta, dtype=torch.int32)
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    return to(meta), tuple(map(to, outputs)), {n: to(t) for n, t in buffers.items()}, expected, to(block_table)
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("k", [0, 1, 3])
+@pytest.mark.parametrize("seed", range(3))
+def test_inflight_inputs_match_the_reference(use_triton, k, seed):
+    meta, (accepted, tokens, drafts), buf, expected, block_table = scenario(k, seed)
+    take_inflight_inputs(meta, accepted, tokens, drafts, buf["input_ids"], buf["positions"], buf["seq_lens"],
+                         buf["slot_mapping"], block_table, BLOCK_SIZE, use_triton=use_triton)
+    for name, want in expected.items():
+        assert torch.equal(buf[name].cpu(), want), name
+
+
+def test_no_inflight_request_changes_nothing():
+    meta, (accepted, tokens, drafts), buf, _, block_table = scenario(2, 0)
+    before = {n: t.clone() for n, t in buf.items()}
+    take_inflight_inputs(meta[:0], accepted, tokens, drafts, buf["input_ids"], buf["positions"], buf["seq_lens"],
+                         buf["slot_mapping"], block_table, BLOCK_SIZE)
+    assert all(torch.equal(before[n], buf[n]) for n in buf)
