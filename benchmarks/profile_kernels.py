@@ -22,11 +22,6 @@ from specserve.engine.engine import LLMEngine
 from specserve.sampling_params import SamplingParams
 from specserve.worker.cudagraph_mode import CUDAGraphMode
 
-SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                     num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                     rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-
-
 def kernel_table(prof, per: int, top: int) -> str:
     """Kernels aggregated by name: calls and microseconds per `per` (replays or steps)."""
     totals, counts = defaultdict(float), defaultdict(int)
@@ -126,7 +121,6 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
-    SHAPES.setdefault("smollm2-shape", SMOLLM2_SHAPE)
     bandwidth = measure_bandwidth("cuda")
     for name in a.models:
         profile_model(name, a.batch, a.top)

@@ -16,15 +16,10 @@ from pathlib import Path
 import torch
 
 from specserve.bench.decode import make_prompts, time_engine
-from specserve.bench.models import SHAPES, prepare_model
+from specserve.bench.models import prepare_model
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
 from specserve.worker.cudagraph_mode import CUDAGraphMode
-
-SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                     num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                     rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-
 
 def graph_gpu_ms(engine, batch: int, iters: int = 200) -> float:
     """GPU time of one replay of the target's full decode graph for `batch` requests."""
@@ -50,7 +45,6 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--top", type=int, default=30)
     a = ap.parse_args()
-    SHAPES.setdefault("smollm2-shape", SMOLLM2_SHAPE)
     root = Path(tempfile.mkdtemp())
     model = prepare_model(a.model, root, torch.bfloat16)
     engine = LLMEngine(EngineConfig(model=model.path, load_format=model.load_format, device="cuda", dtype="bfloat16",

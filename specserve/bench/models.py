@@ -16,6 +16,10 @@ SHAPES: dict[str, dict] = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
                       rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001),
+    # SmolLM2-135M's shape, for speed without its GGUF at hand (the real model is `smollm2-135m`).
+    "smollm2-shape": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                          num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                          rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
     # Four layers: the fewest that leave EAGLE-3's default auxiliary layers (2, L/2, L-3) inside the model.
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-5,
