@@ -40,9 +40,12 @@ LARGE_WIDE = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
 QKV_SMALL = SmallMConfig(block_n=16, block_k=128, num_warps=4, num_stages=4)
 QKV_LARGE = SmallMConfig(block_n=16, block_k=256, num_warps=4, num_stages=4)
 
-# Triton's interpreter on CPU: small blocks so that test shapes of ~100 span several blocks and exercise
-# the masks; num_warps and num_stages mean nothing there.
-INTERPRETER = SmallMConfig(block_n=16, block_k=32, num_warps=1, num_stages=1)
+# Triton's interpreter on CPU, where every program and every loop iteration costs Python time: blocks
+# large enough for tiny test models, small enough that test shapes of ~100 still span several blocks
+# and exercise the masks. num_warps and num_stages mean nothing there.
+INTERPRETER = SmallMConfig(block_n=32, block_k=64, num_warps=1, num_stages=1)
+# The qkv kernel's block_n counts rotary pairs: 16, tl.dot's minimum, also splits heads wider than 32.
+INTERPRETER_QKV = SmallMConfig(block_n=16, block_k=64, num_warps=1, num_stages=1)
 
 # What the benchmark sweeps: (block_n, block_k, num_warps, num_stages).
 CANDIDATES = [SmallMConfig(*c) for c in [
@@ -63,5 +66,5 @@ def linear_config(weight: torch.Tensor, wide: bool) -> SmallMConfig:
 
 def qkv_config(weight: torch.Tensor) -> SmallMConfig:
     if weight.device.type == "cpu":
-        return INTERPRETER
+        return INTERPRETER_QKV
     return QKV_SMALL if weight.numel() * weight.element_size() <= SMALL_WEIGHT_BYTES else QKV_LARGE

@@ -29,14 +29,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
-def check_qkv(m, num_heads, num_kv_heads, head_dim, dtype, prologue="add_norm", bias=False, num_slots=None):
+def check_qkv(m, num_heads, num_kv_heads, head_dim, dtype, prologue="add_norm", bias=False, num_slots=None, k=K):
     gen = torch.Generator().manual_seed(3)
     rows = (num_heads + 2 * num_kv_heads) * head_dim
-    x = poisoned_view(m, K, dtype, seed=0)
-    residual = poisoned_view(m, K, dtype, seed=1) if prologue == "add_norm" else None
-    weight = poisoned_view(rows, K, dtype, seed=2)
-    weight.mul_(K**-0.5)
-    norm_weight = norm_weight_of(K, dtype) if prologue != "none" else None
+    x = poisoned_view(m, k, dtype, seed=0)
+    residual = poisoned_view(m, k, dtype, seed=1) if prologue == "add_norm" else None
+    weight = poisoned_view(rows, k, dtype, seed=2)
+    weight.mul_(k**-0.5)
+    norm_weight = norm_weight_of(k, dtype) if prologue != "none" else None
     bias_t = (0.5 * torch.randn(rows, generator=gen)).to(DEVICE, dtype) if bias else None
     rotary = RotaryEmbedding(head_dim, MAX_POSITIONS, 10000.0, {}).to(DEVICE)
     positions = torch.randint(0, MAX_POSITIONS, (m,), generator=gen).to(DEVICE)
@@ -61,7 +61,7 @@ def check_qkv(m, num_heads, num_kv_heads, head_dim, dtype, prologue="add_norm", 
     q_ref, k_ref = rotate(q_ref, cos, sin), rotate(k_ref, cos, sin)
 
     assert q.shape == (m, num_heads, head_dim) and q.dtype == dtype
-    assert_close(q, q_ref)
+    assert_close(q, q_ref, terms=k)
     if residual is None:
         assert total is None
     else:
@@ -71,8 +71,8 @@ def check_qkv(m, num_heads, num_kv_heads, head_dim, dtype, prologue="add_norm", 
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
     owners = (slots != PAD_SLOT_ID).nonzero()[:, 0]
     written = slots[owners].to(DEVICE)
-    assert_close(flat[0, written], k_ref[owners.to(DEVICE)])
-    assert_close(flat[1, written], v_ref[owners.to(DEVICE)])
+    assert_close(flat[0, written], k_ref[owners.to(DEVICE)], terms=k)
+    assert_close(flat[1, written], v_ref[owners.to(DEVICE)], terms=k)
     untouched = torch.ones(flat.shape[1], dtype=torch.bool, device=DEVICE)
     untouched[written] = False
     assert flat[:, untouched].isnan().all(), "wrote a slot it should not have"
