@@ -116,11 +116,11 @@ def _qkv_rotary_cache_kernel(
 def qkv_rotary_cache(
     x: torch.Tensor,  # [M, K], M <= 16
     weight: torch.Tensor,  # [(num_heads + 2 * num_kv_heads) * head_dim, K]: q, k, v heads
-    positions: torch.Tensor,  # [M] int64
+    positions: torch.Tensor,  # [>= M] int: the first M are x's
     cos: torch.Tensor,  # [max_positions, head_dim // 2] float32
     sin: torch.Tensor,
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [<= M] int64, PAD_SLOT_ID writes nothing
+    slot_mapping: torch.Tensor,  # int64, PAD_SLOT_ID writes nothing; tokens past its end nothing either
     num_heads: int,
     *,
     bias: torch.Tensor | None = None,  # [(num_heads + 2 * num_kv_heads) * head_dim], added before rotary
@@ -147,8 +147,8 @@ def qkv_rotary_cache(
             or cos.stride(1) != 1 or cos.dtype != torch.float32:
         raise ValueError(f"cos and sin must be float32 [max_positions, {half}] tables of one layout")
     m = x.shape[0]
-    if positions.shape != (m,) or slot_mapping.dim() != 1 or slot_mapping.shape[0] > m:
-        raise ValueError(f"positions must be [{m}] and slot_mapping at most [{m}]")
+    if positions.dim() != 1 or positions.shape[0] < m or slot_mapping.dim() != 1:
+        raise ValueError(f"positions must be [>= {m}] and slot_mapping one-dimensional")
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous [{weight.shape[0]}] vector")
 
@@ -163,7 +163,7 @@ def qkv_rotary_cache(
         x, residual if residual is not None else x, residual_out if residual_out is not None else q,
         norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
         q, k_cache, v_cache, cos, sin, positions, slot_mapping,
-        m, x.shape[1], slot_mapping.shape[0], x.stride(0), residual.stride(0) if residual is not None else 0,
+        m, x.shape[1], min(slot_mapping.shape[0], m), x.stride(0), residual.stride(0) if residual is not None else 0,
         residual_out.stride(0) if residual_out is not None else 0, weight.stride(0), q.stride(0), q.stride(1),
         cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         kv_cache.shape[2], num_heads, num_kv_heads, half, eps,

@@ -109,5 +109,5 @@ def test_bad_operands_are_named():
         qkv_rotary_cache(x, weight, args[0], table.double(), table.double(), *args[3:], 4)
     with pytest.raises(ValueError, match="kv_cache dtype"):
         qkv_rotary_cache(x, weight, *args[:3], cache.half(), args[4], 4)
-    with pytest.raises(ValueError, match="slot_mapping"):
-        qkv_rotary_cache(x, weight, *args[:4], torch.zeros(3, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match="positions"):
+        qkv_rotary_cache(x, weight, torch.zeros(1, dtype=torch.long), *args[1:], 4)
