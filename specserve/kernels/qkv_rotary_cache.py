@@ -27,12 +27,12 @@ from specserve.kernels.small_m_prologue import BLOCK_M, check_prologue, dot_in_f
 
 
 @triton.jit
-def _finish_half(acc, scale, bias_ptr, cols, col_mask, BIAS: tl.constexpr, out_ty: tl.constexpr):
-    """A half-head accumulator as the unfused path stores the projection: normed, biased, rounded."""
+def _finish_half(acc, scale, bias_ptr, cols, col_mask, out_ptr, BIAS: tl.constexpr):
+    """A half-head accumulator as the unfused path stores the projection: normed, biased, rounded to out's dtype."""
     y = acc * scale
     if BIAS:
         y += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    return y.to(out_ty).to(tl.float32)
+    return y.to(out_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
@@ -86,8 +86,8 @@ def _qkv_rotary_cache_kernel(
 
     out_ty = q_ptr.dtype.element_ty
     scale = norm_scale(sum_sq, K, eps, NORM)
-    lo = _finish_half(acc_lo, scale, bias_ptr, lo_cols, p_mask, BIAS, out_ty)
-    hi = _finish_half(acc_hi, scale, bias_ptr, lo_cols + half, p_mask, BIAS, out_ty)
+    lo = _finish_half(acc_lo, scale, bias_ptr, lo_cols, p_mask, q_ptr, BIAS)
+    hi = _finish_half(acc_hi, scale, bias_ptr, lo_cols + half, p_mask, q_ptr, BIAS)
 
     offs_m = tl.arange(0, BLOCK_M)
     row_mask = offs_m < M
