@@ -13,6 +13,9 @@ decode batches still fill the 16-row minimum of tl.dot. The grid comes from
 tensor shapes, num_reqs and max_query_len only; per-request lengths are read
 on the device, so the launch never syncs and can be captured in a CUDA graph.
 Padded request rows (q_len 0, seq_len 0) loop over no keys and store nothing.
+One extra request row of programs stores zeros for the query tokens past the
+last request's end (graph padding), so the output needs no separate fill
+and padded rows stay exactly zero, as a graph-vs-eager check compares them.
 """
 from __future__ import annotations
 
@@ -27,13 +30,28 @@ from specserve.kernels.reshape_and_cache import write_kv_cache_triton
 
 
 @triton.jit
+def _zero_padding(out_ptr, last_end_ptr, num_tokens, kv_head, first, step, stride_ot, stride_oh,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """Zeros for this KV head's query heads of the tokens last_end..num_tokens, BLOCK_Q tokens every step."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head = kv_head * GROUP + offs_m % GROUP
+    zeros = tl.zeros([BLOCK_M, HEAD_DIM], dtype=out_ptr.dtype.element_ty)
+    for start in range(tl.load(last_end_ptr) + first, num_tokens, step):
+        tok = start + offs_m // GROUP
+        valid = (offs_m < BLOCK_Q * GROUP) & (tok < num_tokens)
+        o_off = tok.to(tl.int64) * stride_ot + head * stride_oh
+        tl.store(out_ptr + o_off[:, None] + offs_d[None, :], zeros, mask=valid[:, None])
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
     qk_scale,  # softmax scale times log2(e): the kernel works in base 2
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,  # the key and value caches share one layout
-    stride_bt, block_size,
+    stride_bt, block_size, num_reqs, num_tokens,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows of a tile: BLOCK_Q tokens x GROUP heads, padded to a power of two
@@ -44,6 +62,10 @@ def _paged_attention_kernel(
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     tile_start = tl.program_id(2) * BLOCK_Q
+    if req == num_reqs:
+        _zero_padding(out_ptr, query_start_loc_ptr + num_reqs, num_tokens, kv_head, tile_start,
+                      tl.num_programs(2) * BLOCK_Q, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_Q)
+        return
 
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
@@ -117,10 +139,10 @@ class TritonAttentionBackend:
         return self.attend(q, kv_cache, metadata, scale)
 
     def attend(self, q, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        # Zeros, not empty: query tokens outside every request (graph padding) stay defined.
-        out = torch.zeros_like(q)
         if metadata.num_reqs == 0 or metadata.max_query_len == 0:
-            return out
+            return torch.zeros_like(q)
+        # The kernel writes every row, graph padding included (as zeros).
+        out = torch.empty_like(q)
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = kv_cache.shape[3]
         assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
@@ -132,14 +154,15 @@ class TritonAttentionBackend:
         block_m, block_n = _tile_sizes(group, metadata.max_query_len, head_dim, on_cpu)
         block_q = block_m // group
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        grid = (metadata.num_reqs, num_kv_heads, triton.cdiv(metadata.max_query_len, block_q))
+        # One more request row than requests: its programs zero the padding tokens.
+        grid = (metadata.num_reqs + 1, num_kv_heads, triton.cdiv(metadata.max_query_len, block_q))
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
             scale * math.log2(math.e),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            metadata.block_table.stride(0), kv_cache.shape[2],
+            metadata.block_table.stride(0), kv_cache.shape[2], metadata.num_reqs, q.shape[0],
             GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
             # The interpreter multiplies bfloat16 dot operands as raw integer bits.
             DOT_FP32=on_cpu and q.dtype == torch.bfloat16,

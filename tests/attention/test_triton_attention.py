@@ -179,6 +179,19 @@ def test_padded_graph_batch_reads_and_writes_nothing_out_of_range(block_size):
     torch.testing.assert_close(flat[:, ~written], batch.kv_cache.view_as(flat)[:, ~written], equal_nan=True)
 
 
+@pytest.mark.parametrize("pad_tokens", [0, 1, 12])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_padding_tokens_get_exact_zeros_in_uninitialised_output(monkeypatch, pad_tokens, dtype):
+    # The kernel zeros the padding itself, in more tokens than one tile of it covers: an
+    # output allocated as NaN shows any row it missed.
+    monkeypatch.setattr(torch, "empty_like", lambda t: torch.full_like(t, math.nan))
+    batch = make_batch([3, 1], [7, 4], 9, 3, 64, dtype, pad_reqs=2, pad_tokens=pad_tokens)
+    out = TritonAttentionBackend().forward(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.metadata, 0.125)
+    n = batch.num_real_tokens
+    assert not out[:n].isnan().any()
+    assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padding tokens must produce exact zeros"
+
+
 # Same dtype in and out: the interpreter truncates float32 -> bfloat16 where the GPU rounds.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_kv_cache_write_matches_torch(dtype):

@@ -5,7 +5,10 @@ Two steps run through both paths: a prefill of two requests, then a decode of
 one beside a draft verification of the other, with padded tokens and a
 padded request row as a full CUDA graph leaves them. Hidden states,
 auxiliary hidden states and KV caches must agree, and no input of the caller
-may be written.
+may be written. Both steps are small enough for the small-M kernels; tests
+that lower the threshold also run the cuBLAS + separate kernels path, alone
+or mixed with the small-M one (the 9-token prefill above the threshold, the
+6-token step below it, through one cache).
 """
 import copy
 import math
@@ -19,6 +22,7 @@ from specserve.attention.metadata import PAD_SLOT_ID, AttentionMetadata
 from specserve.models.arch_config import ArchConfig
 from specserve.models.eagle import EagleHead
 from specserve.models.eagle3 import Eagle3Head
+from specserve.models import layers
 from specserve.models.layers import FusableModule, set_fused_kernels
 from specserve.models.llama import LlamaForCausalLM
 
@@ -161,15 +165,32 @@ def check_head(head: torch.nn.Module, hidden_size: int, arch: ArchConfig, dtype)
     assert_caches_near(actual_caches, expected_caches)
 
 
+# Small-M kernel thresholds that send the test steps elsewhere than the default does.
+OTHER_PATHS = pytest.mark.parametrize("small_m_max_tokens", [0, 8], ids=["cublas_path", "mixed_paths"])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_llama(backend, dtype):
     check_target(tiny_arch(), dtype, backend)
 
 
+@OTHER_PATHS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_llama_other_paths(monkeypatch, small_m_max_tokens, dtype):
+    monkeypatch.setattr(layers, "SMALL_M_MAX_TOKENS", small_m_max_tokens)
+    check_target(tiny_arch(), dtype, "triton")
+
+
 def test_qk_norm_and_qkv_bias():
+    # Qwen3's attention keeps the unfused-projection path (no per-head norm in the small-M qkv kernel).
     check_target(tiny_arch(architecture="Qwen3ForCausalLM", qk_norm=True, attention_bias=True), torch.float32,
                  "torch")
+
+
+def test_qkv_bias():
+    # Qwen2: the small-M qkv kernel adds the bias before rotary.
+    check_target(tiny_arch(architecture="Qwen2ForCausalLM", attention_bias=True), torch.float32, "triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -185,6 +206,32 @@ def test_eagle3_head(dtype):
                       aux_hidden_layers=(0, 1, 2))
     # Hidden states of the head's own size: a draft decode step's fed-back state.
     check_head(head, arch.hidden_size, arch, dtype)
+
+
+@OTHER_PATHS
+def test_heads_other_paths(monkeypatch, small_m_max_tokens):
+    monkeypatch.setattr(layers, "SMALL_M_MAX_TOKENS", small_m_max_tokens)
+    arch = tiny_arch(num_layers=1)
+    backend = get_attention_backend("triton")
+    check_head(EagleHead(arch, backend), arch.hidden_size, arch, torch.float32)
+    head = Eagle3Head(arch, backend, draft_vocab_size=48, target_hidden_size=64, aux_hidden_layers=(0, 1, 2))
+    check_head(head, arch.hidden_size, arch, torch.float32)
+
+
+@pytest.mark.parametrize("small_m_max_tokens,norm_calls", [(16, 0), (0, 2)])
+def test_small_batches_fold_the_norms_into_the_projections(monkeypatch, small_m_max_tokens, norm_calls):
+    monkeypatch.setattr(layers, "SMALL_M_MAX_TOKENS", small_m_max_tokens)
+    model = LlamaForCausalLM(tiny_arch(num_layers=1), get_attention_backend("triton"))
+    randomize(model)
+    _, fused = both_paths(model, torch.float32)
+    calls = []
+    layer = fused.model.layers[0]
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        norm.register_forward_hook(lambda *_: calls.append(1))
+    step = make_step(**STEPS[1])
+    with torch.no_grad():
+        fused(step.input_ids, step.positions, new_caches(tiny_arch(), 1, torch.float32), step.metadata)
+    assert len(calls) == norm_calls
 
 
 def test_fused_path_follows_the_device():

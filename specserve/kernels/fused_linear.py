@@ -1,0 +1,110 @@
+"""Small-M projection in Triton: out = prologue(x) @ weight^T for at most 16 tokens, optionally SiLU-and-mul.
+
+For decode and small verify batches a projection is a matrix-vector product
+bound by reading its weight; cuBLAS runs it at a fraction of the bandwidth
+(SmolLM2-135M: 3.5 us for 0.2 to 1.2 us of weight) and the norm before it and
+the activation after it are kernels of their own. Here one kernel does all
+three: programs own BLOCK_N output columns (the grid covers N), the whole K
+loop of each runs the prologue of small_m_prologue.py (residual add and
+RMSNorm folded into the pass over K), accumulates in float32, and the
+epilogue optionally applies SiLU-and-mul to a gate/up weight [2I, K]: each
+program accumulates the same columns of both halves and stores
+silu(gate) * up [M, I], so the [M, 2I] intermediate is never written.
+
+There is no split-K: reducing partial sums across programs would need either
+float atomics (a summation order that varies from run to run) or a second
+pass; the narrow tiles of small_m_configs.py give the decode shapes enough
+programs without it. Launches depend on shapes only (CUDA-graph capturable).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.kernels.small_m_configs import SmallMConfig, linear_config
+from specserve.kernels.small_m_prologue import BLOCK_M, check_prologue, dot_in_float32, input_chunk, norm_scale
+
+
+@triton.jit
+def _fused_linear_kernel(
+    x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr,
+    M, N, K, stride_xm, stride_rm, stride_rom, stride_wn, stride_om, eps,
+    ADD: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_ty = w_ptr.dtype.element_ty
+    dot_ty = tl.float32 if DOT_FP32 else w_ty
+    # int64 rows: a vocabulary-sized weight passes 2**31 elements.
+    gate_rows = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
+    up_rows = w_ptr + (offs_n + N).to(tl.int64)[None, :] * stride_wn
+    # The first program alone stores the residual sum: every program computes the same one.
+    residual_rows = tl.where(pid == 0, M, 0)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a, chunk_sq = input_chunk(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, offs_k, M, K,
+                                  stride_xm, stride_rm, stride_rom, residual_rows, ADD, NORM, BLOCK_M)
+        sum_sq += chunk_sq
+        a = a.to(w_ty).to(dot_ty)
+        w_mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
+        w = tl.load(gate_rows + offs_k[:, None], mask=w_mask, other=0.0)
+        # IEEE: float32 operands must not silently drop to tf32.
+        acc = tl.dot(a, w.to(dot_ty), acc, input_precision="ieee")
+        if SILU_MUL:
+            w_up = tl.load(up_rows + offs_k[:, None], mask=w_mask, other=0.0)
+            acc_up = tl.dot(a, w_up.to(dot_ty), acc_up, input_precision="ieee")
+
+    out_ty = out_ptr.dtype.element_ty
+    # Rounded to the output dtype where the unfused path stores a tensor, so the paths differ in
+    # reduction order and the single rounding of the normed input only.
+    out = (acc * norm_scale(sum_sq, K, eps, NORM)).to(out_ty)
+    if SILU_MUL:
+        gate = out.to(tl.float32)
+        up = (acc_up * norm_scale(sum_sq, K, eps, NORM)).to(out_ty).to(tl.float32)
+        out = ((gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32) * up).to(out_ty)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)
+
+
+def fused_linear(
+    x: torch.Tensor,  # [M, K], M <= 16
+    weight: torch.Tensor,  # [N, K]; with silu_mul [2I, K]: the gate rows, then the up rows
+    *,
+    norm_weight: torch.Tensor | None = None,  # [K]: RMSNorm x (or x + residual) first
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,  # [M, K]: normalise x + residual (needs norm_weight)
+    silu_mul: bool = False,
+    config: SmallMConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out, x + residual): out = norm(x [+ residual]) @ weight^T [M, N], or silu(gate) * up [M, I].
+
+    x + residual is a new tensor (the next residual stream), None without a residual. Inputs are
+    never written. config overrides small_m_configs' choice (for benchmarking).
+    """
+    check_prologue(x, weight, norm_weight, residual)
+    if silu_mul and weight.shape[0] % 2:
+        raise ValueError(f"a gate/up weight needs an even number of rows, got {weight.shape[0]}")
+    m, k = x.shape
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(x) if residual is not None else None
+    if m == 0 or n == 0:
+        return out, residual_out
+    cfg = config or linear_config(weight, wide=silu_mul)
+    _fused_linear_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, residual if residual is not None else x, residual_out if residual_out is not None else out,
+        norm_weight if norm_weight is not None else x, weight, out,
+        m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0,
+        residual_out.stride(0) if residual_out is not None else 0, weight.stride(0), out.stride(0), eps,
+        ADD=residual is not None, NORM=norm_weight is not None, SILU_MUL=silu_mul, DOT_FP32=dot_in_float32(x),
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, residual_out

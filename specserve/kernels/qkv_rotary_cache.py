@@ -1,0 +1,175 @@
+"""Small-M qkv projection with rotary embedding and the paged KV-cache write in its epilogue, in Triton.
+
+One kernel for an attention layer's whole input side at <= 16 tokens: the
+prologue of small_m_prologue.py (residual add and RMSNorm), the fused q/k/v
+projection, the optional qkv bias, neox rotary embedding of q and k (float32
+cos/sin tables [max_positions, head_dim / 2], as models/layers.py
+RotaryEmbedding), and the store of the rotated keys and the values at the
+tokens' cache slots. Only q comes back, [M, num_heads, head_dim] for the
+attention kernel; k and v exist in the cache alone.
+
+A program owns BLOCK_P rotary pairs (d, d + head_dim / 2) of one head and
+accumulates them as two [16, BLOCK_P] halves, so rotate-halves pairs live in
+the same program and need no slicing; several programs share a wide head
+(8B: four of 16 pairs) to give the grid enough programs. Programs of value
+heads skip the rotation. A PAD_SLOT_ID slot (or a token past the end of
+slot_mapping) writes nothing to the cache. Launches depend on shapes only.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.attention.metadata import PAD_SLOT_ID
+from specserve.kernels.small_m_configs import SmallMConfig, qkv_config
+from specserve.kernels.small_m_prologue import BLOCK_M, check_prologue, dot_in_float32, input_chunk, norm_scale
+
+
+@triton.jit
+def _finish_half(acc, scale, bias_ptr, cols, col_mask, out_ptr, BIAS: tl.constexpr):
+    """A half-head accumulator as the unfused path stores the projection: normed, biased, rounded to out's dtype."""
+    y = acc * scale
+    if BIAS:
+        y += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    return y.to(out_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _store_cache(cache_ptr, lo, hi, slots, kv_head, offs_p, half, row_mask,
+                 block_size, stride_cb, stride_cs, stride_ch, PAD_SLOT: tl.constexpr):
+    mask = row_mask[:, None] & (slots != PAD_SLOT)[:, None] & (offs_p < half)[None, :]
+    # A pad slot's block index is garbage, but every access through it is masked off.
+    dst = (slots // block_size * stride_cb + slots % block_size * stride_cs)[:, None] + kv_head * stride_ch
+    ty = cache_ptr.dtype.element_ty
+    tl.store(cache_ptr + dst + offs_p[None, :], lo.to(ty), mask=mask)
+    tl.store(cache_ptr + dst + half + offs_p[None, :], hi.to(ty), mask=mask)
+
+
+@triton.jit
+def _qkv_rotary_cache_kernel(
+    x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, bias_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+    cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr,
+    M, K, num_slots, stride_xm, stride_rm, stride_rom, stride_wn, stride_qm, stride_qh, stride_pos,
+    stride_cb, stride_cs, stride_ch,  # the key and value caches share one layout
+    block_size, num_heads, num_kv_heads, half, eps,
+    ADD: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr, DOT_FP32: tl.constexpr, PAD_SLOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    head = tl.program_id(0)  # q heads, then k heads, then v heads, as the fused weight's rows
+    pair_tile = tl.program_id(1)
+    offs_p = pair_tile * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_mask = offs_p < half
+    lo_cols = head * 2 * half + offs_p
+    w_ty = w_ptr.dtype.element_ty
+    dot_ty = tl.float32 if DOT_FP32 else w_ty
+    lo_rows = w_ptr + lo_cols.to(tl.int64)[None, :] * stride_wn
+    hi_rows = lo_rows + half * stride_wn
+    # The first program alone stores the residual sum: every program computes the same one.
+    residual_rows = tl.where((head == 0) & (pair_tile == 0), M, 0)
+
+    acc_lo = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
+    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a, chunk_sq = input_chunk(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, offs_k, M, K,
+                                  stride_xm, stride_rm, stride_rom, residual_rows, ADD, NORM, BLOCK_M)
+        sum_sq += chunk_sq
+        a = a.to(w_ty).to(dot_ty)
+        w_mask = (offs_k[:, None] < K) & p_mask[None, :]
+        w_lo = tl.load(lo_rows + offs_k[:, None], mask=w_mask, other=0.0)
+        w_hi = tl.load(hi_rows + offs_k[:, None], mask=w_mask, other=0.0)
+        # IEEE: float32 operands must not silently drop to tf32.
+        acc_lo = tl.dot(a, w_lo.to(dot_ty), acc_lo, input_precision="ieee")
+        acc_hi = tl.dot(a, w_hi.to(dot_ty), acc_hi, input_precision="ieee")
+
+    out_ty = q_ptr.dtype.element_ty
+    scale = norm_scale(sum_sq, K, eps, NORM)
+    lo = _finish_half(acc_lo, scale, bias_ptr, lo_cols, p_mask, q_ptr, BIAS)
+    hi = _finish_half(acc_hi, scale, bias_ptr, lo_cols + half, p_mask, q_ptr, BIAS)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    row_mask = offs_m < M
+    if head < num_heads + num_kv_heads:
+        pos = tl.load(positions_ptr + offs_m, mask=row_mask, other=0)
+        table = pos[:, None] * stride_pos + offs_p[None, :]
+        table_mask = row_mask[:, None] & p_mask[None, :]
+        cos = tl.load(cos_ptr + table, mask=table_mask, other=0.0)
+        sin = tl.load(sin_ptr + table, mask=table_mask, other=0.0)
+        lo, hi = lo * cos - hi * sin, hi * cos + lo * sin
+    # Tokens past the end of slot_mapping count as padding.
+    slots = tl.load(slot_mapping_ptr + offs_m, mask=offs_m < num_slots, other=PAD_SLOT)
+    if head < num_heads:
+        dst = q_ptr + offs_m[:, None] * stride_qm + head * stride_qh + offs_p[None, :]
+        mask = row_mask[:, None] & p_mask[None, :]
+        tl.store(dst, lo.to(out_ty), mask=mask)
+        tl.store(dst + half, hi.to(out_ty), mask=mask)
+    elif head < num_heads + num_kv_heads:
+        _store_cache(k_cache_ptr, lo, hi, slots, head - num_heads, offs_p, half, row_mask,
+                     block_size, stride_cb, stride_cs, stride_ch, PAD_SLOT)
+    else:
+        _store_cache(v_cache_ptr, lo, hi, slots, head - num_heads - num_kv_heads, offs_p, half, row_mask,
+                     block_size, stride_cb, stride_cs, stride_ch, PAD_SLOT)
+
+
+def qkv_rotary_cache(
+    x: torch.Tensor,  # [M, K], M <= 16
+    weight: torch.Tensor,  # [(num_heads + 2 * num_kv_heads) * head_dim, K]: q, k, v heads
+    positions: torch.Tensor,  # [>= M] int: the first M are x's
+    cos: torch.Tensor,  # [max_positions, head_dim // 2] float32
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # int64, PAD_SLOT_ID writes nothing; tokens past its end nothing either
+    num_heads: int,
+    *,
+    bias: torch.Tensor | None = None,  # [(num_heads + 2 * num_kv_heads) * head_dim], added before rotary
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+    config: SmallMConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rotated q [M, num_heads, head_dim], x + residual or None); rotated k and v go to kv_cache only.
+
+    The prologue is fused_linear's: norm_weight RMS-normalises x (x + residual, given one) first.
+    """
+    check_prologue(x, weight, norm_weight, residual)
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.stride(4) != 1:
+        raise ValueError("kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], unit stride last")
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    if weight.shape[0] != (num_heads + 2 * num_kv_heads) * head_dim or head_dim % 2:
+        raise ValueError(f"weight rows {weight.shape[0]} are not (num_heads {num_heads} + 2 x num_kv_heads "
+                         f"{num_kv_heads}) x even head_dim {head_dim}")
+    if kv_cache.dtype != x.dtype:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} differs from x's {x.dtype}")
+    half = head_dim // 2
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != half or cos.stride() != sin.stride() \
+            or cos.stride(1) != 1 or cos.dtype != torch.float32:
+        raise ValueError(f"cos and sin must be float32 [max_positions, {half}] tables of one layout")
+    m = x.shape[0]
+    if positions.dim() != 1 or positions.shape[0] < m or slot_mapping.dim() != 1:
+        raise ValueError(f"positions must be [>= {m}] and slot_mapping one-dimensional")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [{weight.shape[0]}] vector")
+
+    q = torch.empty((m, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(x) if residual is not None else None
+    if m == 0:
+        return q, residual_out
+    cfg = config or qkv_config(weight)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    grid = (num_heads + 2 * num_kv_heads, triton.cdiv(half, cfg.block_n))
+    _qkv_rotary_cache_kernel[grid](
+        x, residual if residual is not None else x, residual_out if residual_out is not None else q,
+        norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
+        q, k_cache, v_cache, cos, sin, positions, slot_mapping,
+        m, x.shape[1], min(slot_mapping.shape[0], m), x.stride(0), residual.stride(0) if residual is not None else 0,
+        residual_out.stride(0) if residual_out is not None else 0, weight.stride(0), q.stride(0), q.stride(1),
+        cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        kv_cache.shape[2], num_heads, num_kv_heads, half, eps,
+        ADD=residual is not None, NORM=norm_weight is not None, BIAS=bias is not None,
+        DOT_FP32=dot_in_float32(x), PAD_SLOT=PAD_SLOT_ID,
+        BLOCK_M=BLOCK_M, BLOCK_P=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return q, residual_out

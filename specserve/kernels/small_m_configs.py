@@ -1,0 +1,70 @@
+"""Launch configurations of the small-M projection kernels, per shape class.
+
+At M <= 16 a projection reads its weight once and does almost no arithmetic,
+so a configuration is judged by how well it keeps the memory system busy:
+enough programs to occupy every SM (132 on an H100), enough bytes in flight
+per SM (block_n x block_k x num_stages weight elements) to cover the DRAM
+latency, and few enough K iterations that a small weight is not bound by
+the loop's latency. The picks below follow that arithmetic for the two
+decode shapes this engine is tuned on, SmolLM2-135M and Llama-3-8B;
+benchmarks/bench_fused_linear.py times every CANDIDATES entry beside them on
+the GPU, and this table should hold the measured best.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SmallMConfig:
+    # Output columns per program; in the qkv kernel, rotary pairs per program (columns of each half-head).
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Up to this many weight bytes a projection is latency-bound (SmolLM2-135M: 0.7 to 3.5 MB): narrow
+# tiles spread even a 576-column output over 36 programs, and long K chunks keep the loop short.
+SMALL_WEIGHT_BYTES = 16 << 20
+SMALL = SmallMConfig(block_n=16, block_k=128, num_warps=4, num_stages=4)
+# Larger weights (Llama-3-8B: 33 to 235 MB) are bandwidth-bound. 16 columns give o_proj and down_proj
+# (4096 outputs) 256 programs, about two per SM; each program streams 16 x 256 x 2 B = 8 KB a stage.
+LARGE = SmallMConfig(block_n=16, block_k=256, num_warps=4, num_stages=4)
+# A gate/up projection (two accumulators a program) or a qkv projection has outputs enough for wider tiles.
+LARGE_WIDE = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
+# The qkv kernel's programs each own block_n rotary pairs of one head: 16 pairs (32 columns) give
+# SmolLM2 30 programs and Llama-3-8B 192.
+QKV_SMALL = SmallMConfig(block_n=16, block_k=128, num_warps=4, num_stages=4)
+QKV_LARGE = SmallMConfig(block_n=16, block_k=256, num_warps=4, num_stages=4)
+
+# Triton's interpreter on CPU, where every program and every loop iteration costs Python time: blocks
+# large enough for tiny test models, small enough that test shapes of ~100 still span several blocks
+# and exercise the masks. num_warps and num_stages mean nothing there.
+INTERPRETER = SmallMConfig(block_n=32, block_k=64, num_warps=1, num_stages=1)
+# The qkv kernel's block_n counts rotary pairs: 16, tl.dot's minimum, also splits heads wider than 32.
+INTERPRETER_QKV = SmallMConfig(block_n=16, block_k=64, num_warps=1, num_stages=1)
+
+# What the benchmark sweeps: (block_n, block_k, num_warps, num_stages).
+CANDIDATES = [SmallMConfig(*c) for c in [
+    (16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 4, 4), (16, 256, 4, 3), (16, 256, 4, 4), (16, 512, 4, 3),
+    (16, 256, 8, 4), (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 4, 4), (32, 256, 8, 4), (64, 128, 4, 4),
+    (64, 256, 8, 3),
+]]
+
+
+def linear_config(weight: torch.Tensor, wide: bool) -> SmallMConfig:
+    """The configuration for a projection with this weight; wide: the gate/up kernel, two accumulators."""
+    if weight.device.type == "cpu":
+        return INTERPRETER
+    if weight.numel() * weight.element_size() <= SMALL_WEIGHT_BYTES:
+        return SMALL
+    return LARGE_WIDE if wide else LARGE
+
+
+def qkv_config(weight: torch.Tensor) -> SmallMConfig:
+    if weight.device.type == "cpu":
+        return INTERPRETER_QKV
+    return QKV_SMALL if weight.numel() * weight.element_size() <= SMALL_WEIGHT_BYTES else QKV_LARGE

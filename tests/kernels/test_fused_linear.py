@@ -1,0 +1,94 @@
+"""Triton small-M projection (norm / add + norm prologues, SiLU-and-mul epilogue) against float64.
+
+Every operand is a view into a NaN buffer, so a read past its edges shows up
+as NaN in the result and a write past them as a changed NaN. K and N are no
+multiples of the block sizes.
+"""
+import pytest
+import torch
+
+from specserve.kernels.fused_linear import fused_linear
+
+from .util import DEVICE, assert_close, poison_intact, poisoned_view
+
+EPS = 1e-5
+K, N = 100, 70
+PROLOGUES = ["none", "norm", "add_norm"]
+
+
+def norm_weight_of(k: int, dtype) -> torch.Tensor:
+    return (1 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(7))).to(dtype).to(DEVICE)
+
+
+def reference(x, weight, norm_weight, residual, silu_mul):
+    """(out, x + residual) in float64 from the definitions: sum, RMSNorm, matmul, SiLU * up."""
+    h = x.double()
+    if residual is not None:
+        h = h + residual.double()
+    total = h
+    if norm_weight is not None:
+        h = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * norm_weight.double()
+    out = h @ weight.double().T
+    if silu_mul:
+        gate, up = out.chunk(2, dim=-1)
+        out = gate * torch.sigmoid(gate) * up
+    return out, total
+
+
+def check_fused_linear(m, k, n, dtype, prologue, silu_mul, config=None):
+    x = poisoned_view(m, k, dtype, seed=0)
+    residual = poisoned_view(m, k, dtype, seed=1) if prologue == "add_norm" else None
+    # Scaled so outputs are of order one: tolerances are then absolute and relative alike.
+    weight = poisoned_view(2 * n if silu_mul else n, k, dtype, seed=2)
+    weight.mul_(k**-0.5)
+    norm_weight = norm_weight_of(k, dtype) if prologue != "none" else None
+    x_before = x.clone()
+    residual_before = residual.clone() if residual is not None else None
+
+    out, total = fused_linear(x, weight, norm_weight=norm_weight, eps=EPS, residual=residual, silu_mul=silu_mul,
+                              config=config)
+    expected, expected_total = reference(x, weight, norm_weight, residual, silu_mul)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert_close(out, expected, terms=k)
+    if residual is None:
+        assert total is None
+    else:
+        assert total.shape == (m, k) and total.dtype == dtype
+        assert_close(total, expected_total)
+        assert torch.equal(residual, residual_before) and poison_intact(residual)
+    assert torch.equal(x, x_before), "x is an input only"
+    assert poison_intact(x) and poison_intact(weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
+@pytest.mark.parametrize("prologue", PROLOGUES)
+def test_fused_linear(prologue, silu_mul, m, dtype):
+    check_fused_linear(m, K, N, dtype, prologue, silu_mul)
+
+
+def test_float16():
+    check_fused_linear(5, K, N, torch.float16, "add_norm", True)
+
+
+def test_no_rows():
+    x = torch.empty(0, K, device=DEVICE)
+    out, total = fused_linear(x, torch.randn(N, K, device=DEVICE), norm_weight=torch.ones(K, device=DEVICE),
+                              residual=torch.empty(0, K, device=DEVICE))
+    assert out.shape == (0, N) and total.shape == (0, K)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(x=torch.randn(17, 8)), "at most 16 rows"),
+    (dict(weight=torch.randn(4, 9)), "K=8 but weight has K=9"),
+    (dict(weight=torch.randn(4, 8, dtype=torch.float64)), "dtype"),
+    (dict(x=torch.randn(8, 2).T), "unit stride"),
+    (dict(residual=torch.randn(2, 8)), "only added in front of an RMSNorm"),
+    (dict(norm_weight=torch.ones(7)), "norm_weight"),
+    (dict(weight=torch.randn(5, 8), silu_mul=True), "even number of rows"),
+])
+def test_bad_operands_are_named(bad, message):
+    args = dict(x=torch.randn(2, 8), weight=torch.randn(4, 8)) | bad
+    with pytest.raises(ValueError, match=message):
+        fused_linear(args.pop("x"), args.pop("weight"), **args)

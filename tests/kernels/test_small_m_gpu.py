@@ -1,0 +1,107 @@
+"""The small-M kernels compiled for a real GPU, at SmolLM2-135M and Llama-3-8B layer shapes.
+
+Each projection kernel against float64, and a whole decoder layer (the small-M
+path: five kernels) against the plain torch path on the same device, over a
+decode batch padded as a full CUDA graph pads it. Run with `pytest -m gpu`;
+it skips only where there is no CUDA device.
+"""
+import copy
+
+import pytest
+import torch
+
+from specserve.attention.backend import get_attention_backend
+from specserve.attention.metadata import PAD_SLOT_ID, AttentionMetadata
+from specserve.models.arch_config import ArchConfig
+from specserve.models.layers import RotaryEmbedding, set_fused_kernels
+from specserve.models.llama import DecoderLayer
+
+from .test_fused_linear import check_fused_linear
+from .test_fused_model import assert_near, randomize
+from .test_qkv_rotary_cache import check_qkv
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_float32")]
+
+# name: (hidden, intermediate, num_heads, num_kv_heads, head_dim)
+SHAPES = {"smollm2-135m": (576, 1536, 9, 3, 64), "llama3-8b": (4096, 14336, 32, 8, 128)}
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+BLOCK_SIZE, CONTEXT = 16, 100
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_projections_at_model_shapes(shape, m, dtype):
+    hidden, inter, num_heads, num_kv_heads, head_dim = SHAPES[shape]
+    check_qkv(m, num_heads, num_kv_heads, head_dim, dtype, "add_norm", k=hidden)
+    check_fused_linear(m, num_heads * head_dim, hidden, dtype, "none", False)  # o_proj
+    check_fused_linear(m, hidden, inter, dtype, "add_norm", True)  # gate_up + SiLU
+    check_fused_linear(m, inter, hidden, dtype, "none", False)  # down_proj
+
+
+def arch_of(shape: str) -> ArchConfig:
+    hidden, inter, heads, kv_heads, head_dim = SHAPES[shape]
+    return ArchConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=hidden, intermediate_size=inter,
+                      num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5,
+                      rope_theta=500000.0, max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+def padded_decode(num_reqs: int, pad_tokens: int = 2, pad_reqs: int = 1) -> tuple[torch.Tensor, AttentionMetadata]:
+    """(positions, metadata) of num_reqs decode requests of CONTEXT tokens, padded as a full graph pads them."""
+    blocks = -(-CONTEXT // BLOCK_SIZE)
+    table = torch.arange((num_reqs + pad_reqs) * blocks, dtype=torch.int32).view(-1, blocks)
+    last = CONTEXT - 1
+    slots = (table[:num_reqs, last // BLOCK_SIZE].long() * BLOCK_SIZE + last % BLOCK_SIZE).tolist()
+    qsl = torch.tensor([0] + [1] * num_reqs + [0] * pad_reqs, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    seq_lens = torch.tensor([CONTEXT] * num_reqs + [0] * pad_reqs, dtype=torch.int32)
+    metadata = AttentionMetadata(
+        num_reqs=num_reqs + pad_reqs, num_tokens=num_reqs + pad_tokens, max_query_len=1, max_seq_len=CONTEXT,
+        query_start_loc=qsl.cuda(), seq_lens=seq_lens.cuda(), block_table=table.cuda(),
+        slot_mapping=torch.tensor(slots + [PAD_SLOT_ID] * pad_tokens, device="cuda"),
+        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+    positions = torch.tensor([last] * num_reqs + [0] * pad_tokens, device="cuda")
+    return positions, metadata
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_reqs", [1, 4, 14])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_decoder_layer_small_m_equals_torch(shape, num_reqs, dtype):
+    """float32: the paths agree to float32 rounding. 16-bit: against the float32 torch path on the same
+    (rounded) weights and inputs, the small-M path is about as accurate as the torch path."""
+    # 14 requests and 2 padding tokens: the 16-token graph of a batch of 14.
+    arch = arch_of(shape)
+    layer = DecoderLayer(arch, get_attention_backend("triton"))
+    randomize(layer)
+    layer = layer.to(device="cuda", dtype=dtype)
+    rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, {}).cuda()
+    positions, metadata = padded_decode(num_reqs)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x, residual = (torch.randn(metadata.num_tokens, arch.hidden_size, generator=gen, device="cuda").to(dtype)
+                   for _ in range(2))
+    blocks = metadata.block_table.numel()
+    cache = torch.randn(2, blocks, BLOCK_SIZE, arch.num_kv_heads, arch.head_dim, generator=gen, device="cuda")
+    cache = cache.to(dtype)
+
+    def run(fused: bool, run_dtype: torch.dtype):
+        model = copy.deepcopy(layer).to(run_dtype)
+        set_fused_kernels(model, fused)
+        layer_cache = cache.to(run_dtype, copy=True)
+        with torch.no_grad():
+            out, res = model(x.to(run_dtype, copy=True), positions, rotary, layer_cache, metadata,
+                             residual.to(run_dtype, copy=True))
+        return out[:num_reqs], res[:num_reqs], layer_cache
+
+    plain, fused = run(False, dtype), run(True, dtype)
+    if dtype == torch.float32:
+        for got, want in zip(fused, plain):
+            assert_near(got, want)
+        return
+    reference = run(False, torch.float32)
+    for name, got, want, ref in zip(["output", "residual", "cache"], fused, plain, reference):
+        err, err_plain = relative_error(got, ref), relative_error(want, ref)
+        assert err <= 2 * err_plain + 1e-3, f"{name}: small-M error {err:.2e}, torch path {err_plain:.2e}"
