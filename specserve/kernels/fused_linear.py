@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.small_m_configs import SmallMConfig, linear_config
-from specserve.kernels.small_m_prologue import BLOCK_M, check_prologue, dot_in_float32, input_chunk, norm_scale
+from specserve.kernels.small_m_prologue import (BLOCK_M, check_prologue, dot_in_float32, input_chunk, norm_scale,
+                                                 store_residual_sum)
 
 
 @triton.jit
@@ -40,16 +41,13 @@ def _fused_linear_kernel(
     # int64 rows: a vocabulary-sized weight passes 2**31 elements.
     gate_rows = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
     up_rows = w_ptr + (offs_n + N).to(tl.int64)[None, :] * stride_wn
-    # The first program alone stores the residual sum: every program computes the same one.
-    residual_rows = tl.where(pid == 0, M, 0)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        a, chunk_sq = input_chunk(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, offs_k, M, K,
-                                  stride_xm, stride_rm, stride_rom, residual_rows, ADD, NORM, BLOCK_M)
+        a, chunk_sq = input_chunk(x_ptr, res_ptr, norm_w_ptr, offs_k, M, K, stride_xm, stride_rm, ADD, NORM, BLOCK_M)
         sum_sq += chunk_sq
         a = a.to(w_ty).to(dot_ty)
         w_mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
@@ -71,6 +69,10 @@ def _fused_linear_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)
+    if ADD:
+        # Every program computed the same residual sum; the first stores it.
+        if pid == 0:
+            store_residual_sum(x_ptr, res_ptr, res_out_ptr, M, K, stride_xm, stride_rm, stride_rom, BLOCK_M, BLOCK_K)
 
 
 def fused_linear(

@@ -23,7 +23,8 @@ import triton.language as tl
 
 from specserve.attention.metadata import PAD_SLOT_ID
 from specserve.kernels.small_m_configs import SmallMConfig, qkv_config
-from specserve.kernels.small_m_prologue import BLOCK_M, check_prologue, dot_in_float32, input_chunk, norm_scale
+from specserve.kernels.small_m_prologue import (BLOCK_M, check_prologue, dot_in_float32, input_chunk, norm_scale,
+                                                 store_residual_sum)
 
 
 @triton.jit
@@ -65,16 +66,13 @@ def _qkv_rotary_cache_kernel(
     dot_ty = tl.float32 if DOT_FP32 else w_ty
     lo_rows = w_ptr + lo_cols.to(tl.int64)[None, :] * stride_wn
     hi_rows = lo_rows + half * stride_wn
-    # The first program alone stores the residual sum: every program computes the same one.
-    residual_rows = tl.where((head == 0) & (pair_tile == 0), M, 0)
 
     acc_lo = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
     sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        a, chunk_sq = input_chunk(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, offs_k, M, K,
-                                  stride_xm, stride_rm, stride_rom, residual_rows, ADD, NORM, BLOCK_M)
+        a, chunk_sq = input_chunk(x_ptr, res_ptr, norm_w_ptr, offs_k, M, K, stride_xm, stride_rm, ADD, NORM, BLOCK_M)
         sum_sq += chunk_sq
         a = a.to(w_ty).to(dot_ty)
         w_mask = (offs_k[:, None] < K) & p_mask[None, :]
@@ -111,6 +109,10 @@ def _qkv_rotary_cache_kernel(
     else:
         _store_cache(v_cache_ptr, lo, hi, slots, head - num_heads - num_kv_heads, offs_p, half, row_mask,
                      block_size, stride_cb, stride_cs, stride_ch, PAD_SLOT)
+    if ADD:
+        # Every program computed the same residual sum; the first stores it.
+        if (head == 0) & (pair_tile == 0):
+            store_residual_sum(x_ptr, res_ptr, res_out_ptr, M, K, stride_xm, stride_rm, stride_rom, BLOCK_M, BLOCK_K)
 
 
 def qkv_rotary_cache(

@@ -26,13 +26,15 @@ class SmallMConfig:
     num_stages: int
 
 
-# Up to this many weight bytes a projection is latency-bound (SmolLM2-135M: 0.7 to 3.5 MB): narrow
-# tiles spread even a 576-column output over 36 programs, and long K chunks keep the loop short.
+# Up to this many weight bytes a projection is latency-bound (SmolLM2-135M: 0.7 to 3.5 MB). Measured best
+# on an H100 (benchmarks/bench_fused_linear.py, 2026-11-23): down_proj 1536x576 in 4.08 us (cuBLAS 5.15),
+# o_proj 576x576 in 3.37 us (cuBLAS 3.52); narrow tiles spread a 576-column output over 36 programs,
+# and long K chunks keep the loop short.
 SMALL_WEIGHT_BYTES = 16 << 20
-SMALL = SmallMConfig(block_n=16, block_k=128, num_warps=4, num_stages=4)
-# Larger weights (Llama-3-8B: 33 to 235 MB) are bandwidth-bound. 16 columns give o_proj and down_proj
-# (4096 outputs) 256 programs, about two per SM; each program streams 16 x 256 x 2 B = 8 KB a stage.
-LARGE = SmallMConfig(block_n=16, block_k=256, num_warps=4, num_stages=4)
+SMALL = SmallMConfig(block_n=16, block_k=512, num_warps=4, num_stages=3)
+# Larger weights (Llama-3-8B: 33 to 235 MB) are bandwidth-bound. Measured best on the same run: o_proj
+# 4096x4096 in 13.9 us (cuBLAS 16.4), down_proj 14336x4096 in 42.1 us (cuBLAS 44.5).
+LARGE = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
 # A gate/up projection (two accumulators a program) or a qkv projection has outputs enough for wider tiles.
 LARGE_WIDE = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
 # The qkv kernel's programs each own block_n rotary pairs of one head: 16 pairs (32 columns) give
@@ -55,16 +57,25 @@ CANDIDATES = [SmallMConfig(*c) for c in [
 ]]
 
 
+def _for_dtype(cfg: SmallMConfig, weight: torch.Tensor) -> SmallMConfig:
+    # The stages of shared memory hold weight tiles: float32 tiles at the 16-bit sizes overflow the H100's
+    # 227 KB (measured), so they take half as many K elements.
+    if weight.element_size() > 2:
+        return SmallMConfig(cfg.block_n, cfg.block_k // 2, cfg.num_warps, cfg.num_stages)
+    return cfg
+
+
 def linear_config(weight: torch.Tensor, wide: bool) -> SmallMConfig:
     """The configuration for a projection with this weight; wide: the gate/up kernel, two accumulators."""
     if weight.device.type == "cpu":
         return INTERPRETER
     if weight.numel() * weight.element_size() <= SMALL_WEIGHT_BYTES:
-        return SMALL
-    return LARGE_WIDE if wide else LARGE
+        return _for_dtype(SMALL, weight)
+    return _for_dtype(LARGE_WIDE if wide else LARGE, weight)
 
 
 def qkv_config(weight: torch.Tensor) -> SmallMConfig:
     if weight.device.type == "cpu":
         return INTERPRETER_QKV
-    return QKV_SMALL if weight.numel() * weight.element_size() <= SMALL_WEIGHT_BYTES else QKV_LARGE
+    return _for_dtype(QKV_SMALL if weight.numel() * weight.element_size() <= SMALL_WEIGHT_BYTES else QKV_LARGE,
+                      weight)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from specserve.models.arch_config import ArchConfig
-from specserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, small_m_path
+from specserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from specserve.models.llama import Attention
 from specserve.models.weight_loading import load_hf_weights
 
@@ -36,14 +36,7 @@ class Eagle3Layer(nn.Module):
     def forward(self, embeds, hidden, positions, rotary, kv_cache, metadata):
         """(MLP output, residual stream before it), as DecoderLayer."""
         x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
-        num_tokens = x.shape[0]
-        if small_m_path(self.self_attn, num_tokens):
-            x = self.self_attn.forward_small_m(x, positions, rotary, kv_cache, metadata)[0]
-        else:
-            x = self.self_attn(x, positions, rotary, kv_cache, metadata)
-        if small_m_path(self.mlp, num_tokens):
-            return self.mlp.forward_small_m(x, hidden, self.post_attention_layernorm)
-        x, residual = self.post_attention_layernorm(x, hidden)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, positions, rotary, kv_cache, metadata), hidden)
         return self.mlp(x), residual
 
 

@@ -24,8 +24,6 @@ class FusableModule(nn.Module):
     """
 
     fused = False
-    # Whether the module has a small-M kernel path (forward_small_m); see small_m_path.
-    small_m_capable = False
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -33,20 +31,22 @@ class FusableModule(nn.Module):
         return self
 
 
-# Up to this many tokens (decode at batch <= 16, verification of a small batch) a fused module runs
-# its small-M kernels (kernels/fused_linear.py, kernels/qkv_rotary_cache.py): a decoder layer becomes
-# five kernels, with each RMSNorm folded into the projection after it and rotary, the KV write and
-# SiLU into the projections' epilogues. There the projections are matrix-vector products bound by
-# reading the weight, which cuBLAS runs at a fraction of the bandwidth (H100 profile, SmolLM2-135M:
-# 3.5 us a GEMM for 0.2 to 1.2 us of weight), while the separate norm, rotary and SiLU kernels cost a
-# launch each. Above it, tensor-core GEMM tiles pay off. 16 is also the kernels' row limit (one tl.dot
-# tile of rows).
+# Up to this many tokens (decode at batch <= 16, verification of a small batch) a fused module runs its
+# output projections (o_proj, down_proj) as the small-M Triton kernel (kernels/fused_linear.py): a
+# matrix-vector product bound by reading the weight, measured on an H100 at 1.04-1.26x cuBLAS's speed
+# (BENCHMARKS.md). The kernel's fused variants (norm folded into qkv and gate/up, rotary/KV write and
+# SiLU in the epilogue) measured 2-3x slower than cuBLAS plus the separate kernels, so those projections
+# stay on cuBLAS. 16 is also the kernel's row limit (one tl.dot tile of rows).
 SMALL_M_MAX_TOKENS = 16
 
 
-def small_m_path(module: FusableModule, num_tokens: int) -> bool:
-    """Whether module runs its small-M kernels for a forward over num_tokens tokens: the one place that decides."""
-    return module.fused and module.small_m_capable and num_tokens <= SMALL_M_MAX_TOKENS
+def output_projection(module: FusableModule, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """linear(x), through the small-M kernel where it pays (the one place that decides)."""
+    if module.fused and x.shape[0] <= SMALL_M_MAX_TOKENS:
+        from specserve.kernels.fused_linear import fused_linear
+
+        return fused_linear(x, linear.weight)[0]
+    return linear(x)
 
 
 def set_fused_kernels(model: nn.Module, enabled: bool) -> None:
@@ -148,8 +148,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class GatedMLP(FusableModule):
-    small_m_capable = True
-
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
@@ -160,18 +158,6 @@ class GatedMLP(FusableModule):
         if self.fused:
             from specserve.kernels.activation import silu_and_mul
 
-            return self.down_proj(silu_and_mul(gate_up))
+            return output_projection(self, self.down_proj, silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
-
-    def forward_small_m(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm):
-        """(MLP output, x + residual) for MLP input norm(x + residual): two small-M kernels.
-
-        The residual add and the norm run in the gate/up projection's prologue, SiLU-and-mul in its
-        epilogue; nothing is written in place.
-        """
-        from specserve.kernels.fused_linear import fused_linear
-
-        act, residual = fused_linear(x, self.gate_up_proj.weight, norm_weight=norm.weight, eps=norm.eps,
-                                     residual=residual, silu_mul=True)
-        return fused_linear(act, self.down_proj.weight)[0], residual

@@ -17,7 +17,7 @@ from torch import nn
 from specserve.attention.backend import AttentionBackend
 from specserve.attention.metadata import AttentionMetadata
 from specserve.models.arch_config import ArchConfig
-from specserve.models.layers import FusableModule, GatedMLP, RMSNorm, RotaryEmbedding, small_m_path
+from specserve.models.layers import FusableModule, GatedMLP, RMSNorm, RotaryEmbedding, output_projection
 from specserve.models.weight_loading import load_hf_weights
 
 
@@ -33,8 +33,6 @@ class Attention(FusableModule):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        # The small-M qkv kernel has no per-head norm between projection and rotary (Qwen3's q/k norm).
-        self.small_m_capable = not cfg.qk_norm
         self.backend = backend
         self.scale = self.head_dim**-0.5
 
@@ -48,27 +46,10 @@ class Attention(FusableModule):
         if self.fused:
             rotary.rotate_and_cache(positions, q, k, v, kv_cache, metadata.slot_mapping)
             out = self.backend.attend(q, kv_cache, metadata, self.scale)
-        else:
-            q, k = rotary(positions, q, k)
-            out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
+            return output_projection(self, self.o_proj, out.reshape(-1, self.q_size))
+        q, k = rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
-
-    def forward_small_m(self, x, positions, rotary: RotaryEmbedding, kv_cache, metadata: AttentionMetadata,
-                        norm: RMSNorm | None = None, residual: torch.Tensor | None = None):
-        """(attention output, x + residual or None) for attention input norm(x [+ residual]): three kernels.
-
-        The qkv kernel does the norm (and residual add), the projection and its bias, rotary and the
-        cache write; then attention, then o_proj.
-        """
-        from specserve.kernels.fused_linear import fused_linear
-        from specserve.kernels.qkv_rotary_cache import qkv_rotary_cache
-
-        q, total = qkv_rotary_cache(
-            x, self.qkv_proj.weight, positions, rotary.cos, rotary.sin, kv_cache, metadata.slot_mapping,
-            self.num_heads, bias=self.qkv_proj.bias, norm_weight=None if norm is None else norm.weight,
-            eps=0.0 if norm is None else norm.eps, residual=residual)
-        out = self.backend.attend(q, kv_cache, metadata, self.scale)
-        return fused_linear(out.view(-1, self.q_size), self.o_proj.weight)[0], total
 
 
 class DecoderLayer(nn.Module):
@@ -84,20 +65,11 @@ class DecoderLayer(nn.Module):
 
         x is the layer's input, or with residual given, the previous layer's MLP output.
         """
-        num_tokens = x.shape[0]
-        if small_m_path(self.self_attn, num_tokens):
-            # An EAGLE-1 head's layer has no input norm (an Identity).
-            norm = self.input_layernorm if isinstance(self.input_layernorm, RMSNorm) else None
-            out, total = self.self_attn.forward_small_m(x, positions, rotary, kv_cache, metadata, norm, residual)
-            x, residual = out, x if residual is None else total
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
         else:
-            if residual is None:
-                x, residual = self.input_layernorm(x), x
-            else:
-                x, residual = self.input_layernorm(x, residual)
-            x = self.self_attn(x, positions, rotary, kv_cache, metadata)
-        if small_m_path(self.mlp, num_tokens):
-            return self.mlp.forward_small_m(x, residual, self.post_attention_layernorm)
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rotary, kv_cache, metadata)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

@@ -218,20 +218,21 @@ def test_heads_other_paths(monkeypatch, small_m_max_tokens):
     check_head(head, arch.hidden_size, arch, torch.float32)
 
 
-@pytest.mark.parametrize("small_m_max_tokens,norm_calls", [(16, 0), (0, 2)])
-def test_small_batches_fold_the_norms_into_the_projections(monkeypatch, small_m_max_tokens, norm_calls):
+@pytest.mark.parametrize("small_m_max_tokens,kernel_calls", [(16, 2), (0, 0)])
+def test_small_batches_run_the_output_projections_as_small_m_kernels(monkeypatch, small_m_max_tokens, kernel_calls):
+    import specserve.kernels.fused_linear as fused_linear_module
+
     monkeypatch.setattr(layers, "SMALL_M_MAX_TOKENS", small_m_max_tokens)
+    calls = []
+    original = fused_linear_module.fused_linear
+    monkeypatch.setattr(fused_linear_module, "fused_linear", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     model = LlamaForCausalLM(tiny_arch(num_layers=1), get_attention_backend("triton"))
     randomize(model)
     _, fused = both_paths(model, torch.float32)
-    calls = []
-    layer = fused.model.layers[0]
-    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-        norm.register_forward_hook(lambda *_: calls.append(1))
     step = make_step(**STEPS[1])
     with torch.no_grad():
         fused(step.input_ids, step.positions, new_caches(tiny_arch(), 1, torch.float32), step.metadata)
-    assert len(calls) == norm_calls
+    assert len(calls) == kernel_calls  # o_proj and down_proj of the one layer
 
 
 def test_fused_path_follows_the_device():

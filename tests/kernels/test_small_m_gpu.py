@@ -34,9 +34,11 @@ BLOCK_SIZE, CONTEXT = 16, 100
 def test_projections_at_model_shapes(shape, m, dtype):
     hidden, inter, num_heads, num_kv_heads, head_dim = SHAPES[shape]
     check_qkv(m, num_heads, num_kv_heads, head_dim, dtype, "add_norm", k=hidden)
-    check_fused_linear(m, num_heads * head_dim, hidden, dtype, "none", False)  # o_proj
-    check_fused_linear(m, hidden, inter, dtype, "add_norm", True)  # gate_up + SiLU
-    check_fused_linear(m, inter, hidden, dtype, "none", False)  # down_proj
+    # Relative to float64, as accurate as the inputs' dtype allows (a few of its units in the last place).
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    check_fused_linear(m, num_heads * head_dim, hidden, dtype, "none", False, norm_tolerance=tol)  # o_proj
+    check_fused_linear(m, hidden, inter, dtype, "add_norm", True, norm_tolerance=tol)  # gate_up + SiLU
+    check_fused_linear(m, inter, hidden, dtype, "none", False, norm_tolerance=tol)  # down_proj
 
 
 def arch_of(shape: str) -> ArchConfig:
