@@ -16,6 +16,7 @@ import argparse
 import torch
 
 from specserve.attention.backend import get_attention_backend
+from specserve.bench.gpu_timing import gpu_ms
 from specserve.attention.metadata import AttentionMetadata
 from specserve.kernels.activation import silu_and_mul
 from specserve.kernels.reshape_and_cache import write_kv_cache_triton
@@ -40,14 +41,7 @@ def graph_time_us(fn, reps: int = 20, iters: int = 50) -> float:
     with torch.cuda.graph(graph):
         for _ in range(reps):
             fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (iters * reps)
+    return gpu_ms(graph.replay, iters, warmup=1) * 1000 / reps
 
 
 def arch_of(shape: str) -> ArchConfig:

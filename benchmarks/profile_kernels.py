@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from specserve.bench.decode import make_prompts, measure_bandwidth, time_engine
+from specserve.bench.gpu_timing import gpu_ms
 from specserve.bench.models import SHAPES, prepare_model
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
@@ -37,18 +38,6 @@ def kernel_table(prof, per: int, top: int) -> str:
     return "\n".join(lines)
 
 
-def replay_ms(graph, iters: int = 100) -> float:
-    for _ in range(5):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def profile_model(name: str, batch: int, top: int) -> None:
     root = Path(tempfile.mkdtemp())
     model = prepare_model(name, root, torch.bfloat16)
@@ -62,7 +51,7 @@ def profile_model(name: str, batch: int, top: int) -> None:
     desc = graphs.dispatch(batch, batch, 1)
     assert desc.mode is CUDAGraphMode.FULL, desc
     graph = graphs.graphs[desc.key]
-    print(f"target full decode graph replay: {replay_ms(graph):.3f} ms (events, back to back)")
+    print(f"target full decode graph replay: {gpu_ms(graph.replay, 100):.3f} ms (events, back to back)")
     n = 10
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
@@ -78,13 +67,7 @@ def profile_model(name: str, batch: int, top: int) -> None:
         engine.step()
     steps = 20
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            engine.step()
-        end.record()
-        torch.cuda.synchronize()
-    wall = start.elapsed_time(end) / steps
+        wall = gpu_ms(engine.step, steps, warmup=0)
     print(f"engine steps: {wall:.3f} ms per step (events); kernels per step:")
     print(kernel_table(prof, steps, top))
     while engine.has_unfinished_requests():
@@ -110,7 +93,7 @@ def gemm_table(shapes: dict[str, tuple[int, int]], ms: list[int], bandwidth: flo
             with torch.cuda.graph(graph):
                 for i in range(reps):
                     F.linear(x, weights[i % copies])
-            t_us = replay_ms(graph, 20) * 1e3 / reps
+            t_us = gpu_ms(graph.replay, 20) * 1e3 / reps
             print(f"  {label:28s} {m:4d} {t_us:8.2f} {nbytes / t_us / 1e6:6.2f} {nbytes / bandwidth * 1e6:8.2f}")
         del weights
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from specserve.bench.decode import make_prompts, time_engine
+from specserve.bench.gpu_timing import gpu_ms
 from specserve.bench.models import prepare_model
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
@@ -26,16 +27,7 @@ def graph_gpu_ms(engine, batch: int, iters: int = 200) -> float:
     graphs = engine.runner.graphs
     desc = graphs.dispatch(batch, batch, 1)
     assert desc.mode is CUDAGraphMode.FULL, desc
-    graph = graphs.graphs[desc.key]
-    for _ in range(10):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return gpu_ms(graphs.graphs[desc.key].replay, iters, warmup=10)
 
 
 def main() -> None:
@@ -53,9 +45,9 @@ def main() -> None:
     time_engine(engine, prompts, 16)
     t = time_engine(engine, prompts, a.new_tokens)
     step_ms = 1e3 * t.seconds / (t.tokens / a.batch)
-    gpu_ms = graph_gpu_ms(engine, a.batch)
+    graph_ms = graph_gpu_ms(engine, a.batch)
     print(f"{a.model} batch {a.batch}: engine step {step_ms:.3f} ms ({t.tok_s:.0f} tok/s); "
-          f"target graph GPU time {gpu_ms:.3f} ms; the rest {step_ms - gpu_ms:.3f} ms")
+          f"target graph GPU time {graph_ms:.3f} ms; the rest {step_ms - graph_ms:.3f} ms")
     prof = cProfile.Profile()
     prof.enable()
     start = time.perf_counter()

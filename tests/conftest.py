@@ -94,6 +94,19 @@ def tiny_llama(tmp_path_factory, tokenizer_dir):
     return path, make_hf_model(path, tokenizer_dir, "llama")
 
 
+def repetitive_prompts(vocab: int, n: int = 6, seed: int = 0) -> list[list[int]]:
+    """n prompts of 5 to 100 token ids, each a short random run repeated, so that n-gram drafts find
+    matches and a model has something to continue."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        base = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 12))]
+        out.append((base * 12)[: rng.randint(5, 100)])
+    return out
+
+
 def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     """transformers' greedy continuation of exactly n tokens, with EOS neither stopping nor suppressed."""
     hf.generation_config.eos_token_id = None

@@ -4,23 +4,13 @@ penalties), with drafts accepted, partly accepted and rejected, chunked prefill,
 preemption and aborts in the mix."""
 from __future__ import annotations
 
-import random
-
 import pytest
 
+from conftest import repetitive_prompts as prompts
 from heads import save_eagle_head, save_perturbed_copy
 from specserve import LLM, ConfigError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-
-
-def prompts(vocab: int, n: int = 6, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        base = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 12))]
-        out.append((base * 12)[: rng.randint(5, 100)])
-    return out
 
 
 @pytest.fixture(scope="module")

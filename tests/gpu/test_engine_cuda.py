@@ -4,7 +4,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from heads import save_eagle_head, save_perturbed_copy
 from specserve import LLM, SamplingParams
