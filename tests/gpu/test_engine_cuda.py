@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from heads import save_eagle_head, save_perturbed_copy
 from specserve import LLM, SamplingParams
@@ -75,3 +76,34 @@ def test_cuda_async_scheduling_equals_cpu(case, tmp_path, spec):
     if spec is not None:
         stats = llm.engine.spec_stats
         assert stats.num_accepted > 0 and (stats.num_accepted < stats.num_drafted) == (spec == "near")
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "eagle3"])
+def test_launching_a_step_never_syncs_the_host(case, tmp_path, spec):
+    """design.md 4.7: everything a step enqueues (inputs, in-flight corrections, forward, sampling or
+    verification, drafts, the copy of the results) runs under CUDA's sync debug mode set to raise, for
+    greedy and sampled requests, prefill chunks and decode; only resolve() waits, on one event."""
+    path, hf, prompts, ref = case
+    cfg = None
+    if spec:
+        head = save_eagle_head(tmp_path / "eagle3", hf.config, "eagle3")
+        cfg = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    llm = LLM(str(path), max_model_len=256, device="cuda", dtype="float32", speculative_config=cfg,
+              max_num_batched_tokens=64, cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64])
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=24, ignore_eos=True)
+    llm.generate(prompts[:3], [GREEDY, sampled, GREEDY], use_tqdm=False)  # compiles kernels, allocates
+    runner = llm.engine.runner
+    launch = runner.launch
+
+    def launch_without_sync(sched):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(sched)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    runner.launch = launch_without_sync
+    params = [GREEDY if i % 2 else sampled for i in range(len(prompts))]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    greedy = [o.outputs[0].token_ids for o, p in zip(outs, params) if p is GREEDY]
+    assert greedy == [r for r, p in zip(ref, params) if p is GREEDY]
