@@ -1,7 +1,9 @@
-"""Where one decode step's time goes on the GPU: the target graph's own GPU time beside the whole
-engine step, and the host functions that take the rest (cProfile).
+"""Where one decode step's time goes: the engine step's wall time beside the GPU's busy time in it, the
+eager launches the host makes (outside graph replays), and the host functions that take the time.
 
-    python benchmarks/profile_step.py [--model llama3-8b|smollm2-shape] [--batch 1] [--spec-k 0]
+    python benchmarks/profile_step.py [--model llama3-8b|smollm2-shape] [--batch 1] [--spec K:P]
+
+--spec K:P adds a random EAGLE-3 head drafting K tokens, each accepted with probability P.
 """
 from __future__ import annotations
 
@@ -11,49 +13,88 @@ import io
 import pstats
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from specserve.bench.decode import make_prompts, time_engine
-from specserve.bench.gpu_timing import gpu_ms
-from specserve.bench.models import prepare_model
+from specserve.bench.decode import SpecSetting, make_prompts, time_engine
+from specserve.bench.models import prepare_model, write_random_eagle3_head
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
-from specserve.worker.cudagraph_mode import CUDAGraphMode
+from specserve.sampling_params import SamplingParams
 
-def graph_gpu_ms(engine, batch: int, iters: int = 200) -> float:
-    """GPU time of one replay of the target's full decode graph for `batch` requests."""
-    graphs = engine.runner.graphs
-    desc = graphs.dispatch(batch, batch, 1)
-    assert desc.mode is CUDAGraphMode.FULL, desc
-    return gpu_ms(graphs.graphs[desc.key].replay, iters, warmup=10)
+
+def build_engine(name: str, batch: int, spec: SpecSetting | None) -> LLMEngine:
+    root = Path(tempfile.mkdtemp())
+    model = prepare_model(name, root, torch.bfloat16)
+    speculative = None
+    if spec is not None:
+        head = write_random_eagle3_head(root / "head", model.hf_config, torch.bfloat16, "cuda")
+        speculative = {"method": "eagle3", "model": str(head), "num_speculative_tokens": spec.k,
+                       "forced_acceptance_prob": spec.p}
+    return LLMEngine(EngineConfig(model=model.path, load_format=model.load_format, device="cuda", dtype="bfloat16",
+                                  max_model_len=1024, max_num_seqs=max(batch, 8), enable_prefix_caching=False,
+                                  speculative_config=speculative))
+
+
+def profile_steps(engine: LLMEngine, prompts: list[list[int]], steps: int, top: int) -> None:
+    """Steady-state steps under the torch profiler: GPU busy time and host launches per step."""
+    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    for _ in range(8):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps
+    for rid in ids:
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    busy, kernels, runtime = 0.0, Counter(), Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            busy += e.device_time_total
+            kernels[e.name] += 1
+        elif e.name.startswith(("cuda", "cu")):
+            runtime[e.name] += 1
+    print(f"profiled steps: {1e3 * wall:.3f} ms wall per step; GPU busy {busy / steps / 1e3:.3f} ms per step; "
+          f"{sum(kernels.values()) / steps:.0f} kernels per step")
+    print("host runtime calls per step: " + ", ".join(f"{n} {c / steps:.1f}" for n, c in runtime.most_common(8)))
+    ops = Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("aten::"):
+            ops[e.name] += 1
+    print("aten ops per step (top): " + ", ".join(f"{n[6:]} {c / steps:.1f}" for n, c in ops.most_common(top)))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="smollm2-shape")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--spec", type=SpecSetting.parse, default=None, help="K:P, e.g. 3:0.8")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--top", type=int, default=30)
     a = ap.parse_args()
-    root = Path(tempfile.mkdtemp())
-    model = prepare_model(a.model, root, torch.bfloat16)
-    engine = LLMEngine(EngineConfig(model=model.path, load_format=model.load_format, device="cuda", dtype="bfloat16",
-                                    max_model_len=1024, max_num_seqs=max(a.batch, 8), enable_prefix_caching=False))
+    engine = build_engine(a.model, a.batch, a.spec)
     prompts = make_prompts(a.batch, 32, engine.arch.vocab_size, 0)
     time_engine(engine, prompts, 16)
     t = time_engine(engine, prompts, a.new_tokens)
-    step_ms = 1e3 * t.seconds / (t.tokens / a.batch)
-    graph_ms = graph_gpu_ms(engine, a.batch)
-    print(f"{a.model} batch {a.batch}: engine step {step_ms:.3f} ms ({t.tok_s:.0f} tok/s); "
-          f"target graph GPU time {graph_ms:.3f} ms; the rest {step_ms - graph_ms:.3f} ms")
+    steps = (t.tokens / a.batch) / (t.accept_len or 1.0)
+    print(f"{a.model} batch {a.batch} spec {a.spec.label if a.spec else 'none'}: {t.tok_s:.0f} tok/s, "
+          f"{1e3 * t.seconds / steps:.3f} ms per engine step" + (f", {t.accept_len:.2f} tokens/step" if t.accept_len else ""))
+    profile_steps(engine, prompts, 50, a.top)
     prof = cProfile.Profile()
     prof.enable()
     start = time.perf_counter()
     time_engine(engine, prompts, a.new_tokens)
     prof.disable()
-    print(f"profiled run: {1e3 * (time.perf_counter() - start) / a.new_tokens:.3f} ms/step")
+    print(f"cProfiled run: {time.perf_counter() - start:.3f} s")
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(a.top)
     print(out.getvalue())

@@ -116,6 +116,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """compute_logits(hidden).argmax(-1) without the float32 copy (the conversion keeps the order)."""
+        return self.lm_head(hidden).argmax(dim=-1)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def rename(name: str) -> str | None:
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):

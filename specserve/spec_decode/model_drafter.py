@@ -58,6 +58,8 @@ class ModelDrafter(Speculator):
         # Greedy batches run all decode steps, argmax included, as one graph per padded batch size.
         self.greedy_loop_graphs: CUDAGraphManager | None = None
         self._loop_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # (base positions, block table)
+        # Requests of the last propose(): rows at or past it of decode_tokens and feedback hold zeros.
+        self._rows_in_use = -1
 
     # Subclasses. prefill_forward runs over the first num_tokens target tokens and returns
     # (hidden states for draft-1 logits, hidden states to feed back), either None for a drafter without them;
@@ -115,6 +117,7 @@ class ModelDrafter(Speculator):
                 return decode_prepare(desc)
 
             self.greedy_loop_graphs.capture(self._greedy_loop, loop_prepare)
+        self._rows_in_use = -1  # the captures wrote the buffers' every row
 
     @property
     def num_loop_steps(self) -> int:
@@ -167,9 +170,7 @@ class ModelDrafter(Speculator):
     def propose(self, inp: DraftInput) -> torch.Tensor:
         n, k = len(inp.requests), self.num_speculative_tokens
         desc = inp.descriptor
-        real_tokens = inp.next_ids.shape[0]
-        self.next_ids[:real_tokens].copy_(inp.next_ids)
-        self.next_ids[real_tokens:desc.num_tokens].zero_()
+        greedy = inp.sampling.all_greedy
 
         def prefill(d: BatchDescriptor, metadata: AttentionMetadata):
             return self._prefill(d, metadata, inp.target_out)
@@ -179,16 +180,21 @@ class ModelDrafter(Speculator):
         drafts: list[torch.Tensor] = []
         current = inp.last_tokens
         last = inp.last_token_indices
+        if n != self._rows_in_use:
+            # Rows past n are padding for a full decode graph: in-range token ids, finite hidden states.
+            # Only rows below n are written until n changes, so they stay so until then.
+            self.decode_tokens[n:].zero_()
+            if self.feedback is not None:
+                self.feedback[n:].zero_()
+            self._rows_in_use = n
         if for_logits is not None:
-            current = self._pick(self.compute_logits(for_logits[last]), inp, 0)
+            h = for_logits.index_select(0, last)
+            current = self.greedy_tokens(h) if greedy else self._pick(self.compute_logits(h), inp, 0)
             drafts.append(current)
         if self.feedback is not None and fed_back is not None:
-            self.feedback[:n].copy_(fed_back[last])
-            self.feedback[n:].zero_()
-        # Rows past n are padding for a full decode graph: in-range token ids, finite hidden states.
-        self.decode_tokens[n:].zero_()
+            torch.index_select(fed_back, 0, last, out=self.feedback[:n])
         loop = self.greedy_loop_graphs
-        if loop is not None and inp.sampling.all_greedy:
+        if loop is not None and greedy:
             desc = loop.dispatch(n, n, 1)
             if loop.has_graph(desc):
                 self.decode_tokens[:n].copy_(current)
@@ -207,6 +213,11 @@ class ModelDrafter(Speculator):
             drafts.append(current)
             step += 1
         return torch.stack(drafts, dim=1)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The greedy draft after each hidden state; drafters with a cheaper argmax than over compute_logits'
+        full-vocabulary float32 logits override this."""
+        return self.compute_logits(hidden).argmax(dim=-1)
 
     def _run_decode_step(self, n: int, step: int, inp: DraftInput) -> tuple[torch.Tensor, torch.Tensor | None]:
         graphs = self.decode_graphs

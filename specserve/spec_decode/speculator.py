@@ -21,8 +21,8 @@ class DraftInput:
 
     # The target ran T real tokens padded to descriptor.num_tokens (T_pad) for its CUDA graph; padded
     # tokens are token 0 at position 0 writing nowhere. Its input ids and positions stay in the runner's
-    # persistent buffers, which drafters are given once at construction.
-    next_ids: torch.Tensor  # [T] the token after each position (the new token at each last accepted one)
+    # persistent buffers, which drafters are given once at construction. The runner has written the
+    # token after each position into the drafter's own next_ids buffer (draft_inputs.py), zeros up to T_pad.
     # (final hidden states [T_pad, H], auxiliary hidden states [T_pad, H] each): a graph's static outputs
     # when the target replayed one
     target_out: tuple
@@ -45,7 +45,8 @@ class Speculator:
     """Base of the proposers. `draft_probs` is None for proposers without a distribution (n-gram).
 
     A device speculator (on_device) drafts in the same launch as the target step, from device
-    tensors: propose() returns [n, k] draft ids. A host speculator drafts from the tokens once they are
+    tensors: propose() returns [n, k] draft ids. It owns a persistent `next_ids` buffer
+    [max_num_tokens] that the runner fills before propose(). A host speculator drafts from the tokens once they are
     back on the host: propose_from_contexts() returns up to k drafts per context."""
 
     num_speculative_tokens: int

@@ -89,7 +89,7 @@ def take_inflight_inputs(meta: torch.Tensor, accepted: torch.Tensor, tokens: tor
                          slot_mapping: torch.Tensor, block_table: torch.Tensor, block_size: int,
                          *, use_triton: bool | None = None) -> None:
     """Fill in the inputs of in-flight requests (see the module docstring). meta: [m, 5] int32 on the
-    device; accepted [R], tokens [R, k + 1], drafts [R, k]: the previous step's outputs by its batch row;
+    device (int32 or int64); accepted [R], tokens [R, k + 1], drafts [R, k]: the previous step's outputs by its batch row;
     the rest: the runner's persistent input buffers. One Triton launch on CUDA, torch ops elsewhere
     (use_triton forces either; tests run the kernel under TRITON_INTERPRET=1)."""
     assert meta.dim() == 2 and meta.shape[1] == META_COLUMNS, f"meta must be [m, {META_COLUMNS}], got {tuple(meta.shape)}"
@@ -101,7 +101,7 @@ def take_inflight_inputs(meta: torch.Tensor, accepted: torch.Tensor, tokens: tor
         take_inflight_inputs_torch(meta, accepted, tokens, drafts, input_ids, positions, seq_lens, slot_mapping,
                                    block_table, block_size)
         return
-    assert meta.dtype == torch.int32 and meta.is_contiguous()
+    assert meta.dtype in (torch.int32, torch.int64) and meta.is_contiguous()
     assert tokens.stride(1) == 1 and block_table.stride(1) == 1 and seq_lens.dtype == torch.int32
     k = drafts.shape[1]
     _take_inflight_inputs_kernel[(meta.shape[0],)](

@@ -1,8 +1,9 @@
 """The runner's persistent device buffers: allocated once, rewritten every step.
 
 A later CUDA graph reads these exact tensors, so nothing here is ever
-reallocated; a step copies its inputs in and passes views on. Rows past the
-live batch are reset to values that are always safe to read (design.md 4.5).
+reallocated; a step stages its inputs in one copy (staged_inputs.py) and
+passes views on. Rows past the live batch are reset to values that are always
+safe to read (design.md 4.5).
 """
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import numpy as np
 import torch
 
 from specserve.attention.metadata import PAD_SLOT_ID, AttentionMetadata
+from specserve.worker.staged_inputs import StagedLayout, pack_step_inputs, scatter_staged_inputs
 
 
 class InputBuffers:
-    def __init__(self, max_num_reqs: int, max_num_tokens: int, max_blocks_per_req: int, device: torch.device):
+    def __init__(self, max_num_reqs: int, max_num_tokens: int, max_blocks_per_req: int, device: torch.device,
+                 extra_capacity: int = 0):
         self.device = device
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
@@ -26,27 +29,16 @@ class InputBuffers:
         self.query_start_loc = torch.zeros(max_num_reqs + 1, dtype=i32, device=device)
         self.seq_lens = torch.zeros(max_num_reqs, dtype=i32, device=device)
         self.block_table = torch.zeros(max_num_reqs, max_blocks_per_req, dtype=i32, device=device)
-        self.logits_indices = torch.zeros(max_num_tokens, dtype=i64, device=device)
-        # One row per request whose inputs follow from the previous step's device outputs (inflight_inputs.py).
-        self.inflight = torch.zeros(max_num_reqs, 5, dtype=i32, device=device)
+        # One step's host arrays, packed (staged_inputs.py); extra_capacity bounds the caller's extras.
+        capacity = 3 * max_num_tokens + max_num_reqs * (2 + max_blocks_per_req) + extra_capacity
+        self.staged = torch.zeros(capacity, dtype=i64, device=device)
         pin = device.type == "cuda"
-        # Host staging copies, pinned on CUDA so the uploads are asynchronous. Two sets, one per step in
-        # turn: with asynchronous scheduling the host fills step N+1's while step N's copies may still be
-        # queued (step N-1 is done by then, so its set is free).
-        self._host = [{
-            name: torch.zeros_like(buf, device="cpu").pin_memory() if pin else torch.zeros_like(buf, device="cpu")
-            for name, buf in self.__dict__.items() if isinstance(buf, torch.Tensor)
-        } for _ in range(2)]
+        # Host staging copies, pinned on CUDA so the copy is asynchronous. Two, used in turn: with
+        # asynchronous scheduling the host fills step N+1's while step N's copy may still be queued
+        # (step N-1 is done by then, so its copy is free).
+        self._host = [torch.zeros(capacity, dtype=i64, pin_memory=pin) for _ in range(2)]
         self._staging = 0
-
-    def upload(self, name: str, values: np.ndarray) -> torch.Tensor:
-        """Copy values into the front of buffer `name`; returns the view holding them."""
-        n = values.shape[0]
-        host = self._host[self._staging][name][:n]
-        host.numpy()[...] = values
-        dev = getattr(self, name)[:n]
-        dev.copy_(host, non_blocking=True)
-        return dev
+        self._layout: StagedLayout | None = None
 
     def prepare(
         self,
@@ -56,48 +48,47 @@ class InputBuffers:
         seq_lens: np.ndarray,
         block_rows: list[list[int]],
         block_size: int,
+        extras: dict[str, np.ndarray] | None = None,
     ) -> AttentionMetadata:
+        """Stage the step's inputs (and the caller's extra int64 arrays, read back with staged()), copy them
+        to the device at once and spread them into the persistent buffers; returns the step's metadata."""
         self._staging ^= 1
         num_reqs, num_tokens = len(query_lens), len(input_ids)
-        qsl = np.zeros(num_reqs + 1, dtype=np.int32)
+        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(query_lens, out=qsl[1:])
-        table = np.zeros((num_reqs, self.block_table.shape[1]), dtype=np.int32)
+        width = max(len(row) for row in block_rows)
+        table = np.zeros((num_reqs, width), dtype=np.int64)
         for i, row in enumerate(block_rows):
             table[i, : len(row)] = row
         req_of_token = np.repeat(np.arange(num_reqs), query_lens)
-        block_idx = positions // block_size
-        slots = table[req_of_token, block_idx].astype(np.int64) * block_size + positions % block_size
-
-        self.upload("input_ids", input_ids)
-        self.upload("positions", positions)
-        self.upload("slot_mapping", slots)
-        self.upload("query_start_loc", qsl)
-        self.upload("seq_lens", seq_lens.astype(np.int32))
-        self.upload("block_table", table)
-        self._pad_rows(num_reqs, num_tokens, int(qsl[-1]))
+        slots = table[req_of_token, positions // block_size] * block_size + positions % block_size
+        host = self._host[self._staging]
+        layout = pack_step_inputs(host.numpy(), input_ids, positions, slots, seq_lens, qsl[1:], table, extras or {})
+        self.staged[:layout.size].copy_(host[:layout.size], non_blocking=True)
+        scatter_staged_inputs(self.staged, layout, self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+                              self.query_start_loc, self.block_table)
+        self._layout = layout
         metadata = self.padded_metadata(num_reqs, num_tokens, int(query_lens.max()), int(seq_lens.max()))
         if self.device.type == "cpu":
             # The buffers are host memory: the reference backend reads them as corrected in place for
             # requests whose inputs come from the previous step (asynchronous scheduling).
             return metadata
         # The host copies this step already has, for the reference backend's per-request loop.
-        return replace(metadata, query_start_loc_cpu=torch.from_numpy(qsl),
+        return replace(metadata, query_start_loc_cpu=torch.from_numpy(qsl.astype(np.int32)),
                        seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)))
 
-    def _pad_rows(self, num_reqs: int, num_tokens: int, last_end: int) -> None:
-        # Padded requests are empty (start = end = last real end, no cached tokens) and padded
-        # tokens write nowhere and read token 0 at position 0, so a kernel or graph that reads past
-        # the live batch sees in-range no-ops whatever the buffers held before.
-        self.query_start_loc[num_reqs + 1:].fill_(last_end)
-        self.seq_lens[num_reqs:].zero_()
-        self.slot_mapping[num_tokens:].fill_(PAD_SLOT_ID)
-        self.input_ids[num_tokens:].zero_()
-        self.positions[num_tokens:].zero_()
+    def staged_extra(self, name: str) -> torch.Tensor:
+        """The device copy of extra array `name` of the last prepare(), in its shape (int64)."""
+        offset, shape = self._layout.extras[name]
+        return self.staged[offset:offset + int(np.prod(shape))].view(shape)
 
     def reset(self) -> None:
         """An empty batch in every row (before a capture, and after it: nothing stale survives)."""
-        self.query_start_loc[0] = 0
-        self._pad_rows(0, 0, 0)
+        self.query_start_loc.zero_()
+        self.seq_lens.zero_()
+        self.slot_mapping.fill_(PAD_SLOT_ID)
+        self.input_ids.zero_()
+        self.positions.zero_()
 
     def padded_metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int) -> AttentionMetadata:
         """Metadata over the first num_reqs rows and num_tokens tokens of the buffers, whatever they hold:

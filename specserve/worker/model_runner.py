@@ -12,8 +12,10 @@ from specserve.config import EngineConfig
 from specserve.engine.scheduler import SchedulerOutput
 from specserve.models.arch_config import ArchConfig
 from specserve.outputs import Logprob
-from specserve.sample.sampler import Sampler, SamplingBatch, filtered_probs, token_logprobs
+from specserve.sample.sampler import Sampler, SamplerOutput, SamplingBatch, filtered_probs, token_logprobs
 from specserve.spec_decode.config import MAX_SPECULATIVE_TOKENS
+from specserve.spec_decode.draft_inputs import gather_draft_inputs
+from specserve.spec_decode.greedy_verify import greedy_verify
 from specserve.spec_decode.rejection_sampler import draw_randomness, rejection_sample
 from specserve.spec_decode.speculator import DraftInput, Speculator
 from specserve.transfer import to_device
@@ -59,8 +61,12 @@ class ModelRunner:
                     self.num_blocks * kv_block_bytes(arch, self.block_size, self.dtype) / 2**30)
         # Room for the context plus draft lookahead slots.
         max_blocks_per_req = -(-(config.max_model_len + MAX_SPECULATIVE_TOKENS) // self.block_size) + 1
-        self.buffers = InputBuffers(config.max_num_seqs, config.max_num_batched_tokens, max_blocks_per_req, self.device)
         spec = config.speculative_config
+        # Extras a step stages beside its inputs, per request at most: the in-flight row (5), sampling or
+        # verification indices (k + 3), the drafter's request row (5) and its rows (2).
+        extras = config.max_num_seqs * (15 + MAX_SPECULATIVE_TOKENS)
+        self.buffers = InputBuffers(config.max_num_seqs, config.max_num_batched_tokens, max_blocks_per_req, self.device,
+                                    extra_capacity=extras)
         self.outputs = StepOutputs(config.max_num_seqs, spec.num_speculative_tokens if spec else 0, self.device)
         # Request id -> (its batch row, drafts verified) in the last launched step, for a step scheduled
         # before that one's results were back.
@@ -89,6 +95,8 @@ class ModelRunner:
         n = self.config.max_num_seqs
         self.draft_base_positions = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.draft_block_table = torch.zeros_like(self.buffers.block_table)
+        self.draft_last_indices = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.draft_last_tokens = torch.zeros(n, dtype=torch.int64, device=self.device)
 
     def capture_graphs(self, mode: CUDAGraphMode, recorder, backend) -> None:
         """Record the target's graphs for `mode`, then the speculator's, all through `recorder`
@@ -160,9 +168,10 @@ class ModelRunner:
         """Enqueue the whole step on the device (inputs, forward, sampling, drafts, the copy of the results to
         the host) without waiting for it; resolve() reads the results."""
         self._release_rows(sched.finished + sched.preempted)
-        ids, pos, qlens, slens, rows, sample_ends, sampling, inflight = [], [], [], [], [], [], [], []
-        # (index of the last token, the prompt token after it) of each prompt chunk that does not sample
-        chunk_ends = []
+        ids, pos, qlens, slens, rows, sampling, inflight = [], [], [], [], [], [], []
+        # Per scheduled request, for the drafter: (first token, count, drafting index or -1, drafts verified,
+        # the prompt's next token for a chunk that does not sample)
+        draft_requests = []
         offset = 0
         for i, s in enumerate(sched.scheduled):
             req, start, n = s.request, s.start, s.num_new_tokens
@@ -178,20 +187,22 @@ class ModelRunner:
             qlens.append(n)
             slens.append(start + n)
             rows.append(s.block_ids)
-            offset += n
             if s.samples:
-                sample_ends.append(offset)
+                draft_requests.append((offset, n, len(sampling), len(s.spec_token_ids), 0))
                 sampling.append(i)
             else:
-                chunk_ends.append((offset - 1, req.all_token_ids[start + n]))
+                draft_requests.append((offset, n, -1, 0, req.all_token_ids[start + n]))
+            offset += n
+        drafts_on_device = self.speculator is not None and self.speculator.on_device
+        plan = StepPlan.build(sched, sampling, draft_requests, inflight, drafts_on_device, self._row)
         input_ids = np.fromiter((t for chunk in ids for t in chunk), dtype=np.int64, count=offset)
         metadata = self.buffers.prepare(input_ids, np.concatenate(pos).astype(np.int64), np.array(qlens, dtype=np.int64),
-                                        np.array(slens, dtype=np.int64), rows, self.block_size)
+                                        np.array(slens, dtype=np.int64), rows, self.block_size, plan.extras)
+        b = self.buffers
         if inflight:
-            b = self.buffers
-            take_inflight_inputs(b.upload("inflight", np.array(inflight, dtype=np.int32)), self.outputs.accepted,
-                                 self.outputs.tokens, self.outputs.drafts, b.input_ids, b.positions, b.seq_lens,
-                                 b.slot_mapping, b.block_table, self.block_size)
+            take_inflight_inputs(b.staged_extra("inflight"), self.outputs.accepted, self.outputs.tokens,
+                                 self.outputs.drafts, b.input_ids, b.positions, b.seq_lens, b.slot_mapping,
+                                 b.block_table, self.block_size)
         desc, (padded_hidden, padded_aux), metadata = self._run_target(offset, qlens, metadata)
         hidden = padded_hidden[:offset]
         handle = StepHandle(sched, sampling)
@@ -200,13 +211,12 @@ class ModelRunner:
         if not sampling:
             return handle
         # Requests without drafts take the plain sampler, which also applies penalties and min_tokens.
-        for verify in (False, True):
-            chosen = [(i, end) for i, end in zip(sampling, sample_ends) if bool(sched.scheduled[i].spec_token_ids) == verify]
-            if chosen:
-                batch_rows, ends = map(list, zip(*chosen))
-                (self._verify if verify else self._sample)(hidden, sched, batch_rows, ends, handle)
+        if plan.sample_rows:
+            self._sample(hidden, sched, plan.sample_rows, handle)
+        if plan.verify_rows:
+            self._verify(hidden, sched, plan.verify_rows, handle)
         if self.speculator is not None and self.speculator.on_device:
-            self._propose(sched, sampling, sample_ends, chunk_ends, offset, desc, (padded_hidden, padded_aux), metadata)
+            self._propose(sched, sampling, offset, desc, (padded_hidden, padded_aux), metadata)
         handle.host, handle.event = self.outputs.copy_to_host(len(sched.scheduled))
         return handle
 
@@ -235,55 +245,61 @@ class ModelRunner:
                 out.drafts[req.request_id] = d
         return out
 
-    def _sample(self, hidden, sched: SchedulerOutput, batch_rows: list[int], sample_ends: list[int],
-                handle: StepHandle) -> None:
+    def _sample(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle) -> None:
         reqs = [sched.scheduled[i].request for i in batch_rows]
-        idx = self.buffers.upload("logits_indices", np.array(sample_ends, dtype=np.int64) - 1)
-        result = self.sampler(self.model.compute_logits(hidden[idx]), SamplingBatch.build(reqs, self.device))
-        where = to_device(batch_rows, self.device)
+        h = hidden.index_select(0, self.buffers.staged_extra("sample_index"))
+        batch = SamplingBatch.build(reqs, self.device)
+        if batch.all_greedy and batch.max_logprobs is None and not any(r.needs_host_tokens for r in reqs):
+            result = SamplerOutput(self.model.greedy_tokens(h))
+        else:
+            result = self.sampler(self.model.compute_logits(h), batch)
+        where = self.buffers.staged_extra("sample_rows")
         self.outputs.accepted.index_fill_(0, where, 0)
         self.outputs.tokens[:, 0].index_copy_(0, where, result.token_ids)
         if result.sampled_logprobs is not None:
             handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=1))
 
-    def _verify(self, hidden, sched: SchedulerOutput, batch_rows: list[int], sample_ends: list[int],
-                handle: StepHandle) -> None:
+    def _verify(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle) -> None:
         """Rejection-sample each request's drafts against the target's logits at the verified positions.
         The drafts are read from the step's input ids on the device, where the host or the previous
         step (asynchronous scheduling) put them."""
         scheduled = [sched.scheduled[i] for i in batch_rows]
         reqs = [s.request for s in scheduled]
-        num_drafts = [len(s.spec_token_ids) for s in scheduled]
-        k = max(num_drafts)
-        # Row j of request i is the target's prediction after its j-th draft (clamped for padding); its
-        # draft j sits at token end - n + j.
-        index = np.array([[end - 1 - n + min(j, n) for j in range(k + 1)] for end, n in zip(sample_ends, num_drafts)])
-        idx = to_device(index.reshape(-1), self.device)
-        logits = self.model.compute_logits(hidden[idx]).view(len(reqs), k + 1, -1)
+        b = self.buffers
+        index, num, where = b.staged_extra("verify_index"), b.staged_extra("verify_drafts"), b.staged_extra("verify_rows")
+        n, k = index.shape[0], index.shape[1] - 1
         batch = SamplingBatch.build(reqs, self.device)
+        verified = hidden.index_select(0, index.view(-1))
+        forced = self.forced_acceptance_prob
+        if batch.all_greedy and batch.max_logprobs is None:
+            target = self.model.greedy_tokens(verified).view(n, k + 1)
+            uniform = None if forced is None else torch.rand(n, k, device=self.device,
+                                                             generator=self.sampler.default_generator)
+            greedy_verify(target, b.input_ids, index, num, where, self.outputs.accepted, self.outputs.tokens,
+                          uniform, forced)
+            return
+        logits = self.model.compute_logits(verified).view(n, k + 1, -1)
         if batch.all_greedy:
             target_probs = logits
         else:
             expanded = SamplingBatch.build([r for r in reqs for _ in range(k + 1)], self.device)
             target_probs = filtered_probs(logits.flatten(0, 1), expanded).view_as(logits)
-        num = to_device(num_drafts, self.device)
         slots = torch.arange(k, device=self.device)
-        drafts = torch.where(slots < num[:, None], self.buffers.input_ids[idx.view(len(reqs), k + 1)[:, 1:]], -1)
+        drafts = torch.where(slots < num[:, None], b.input_ids[index[:, 1:]], -1)
         draft_probs = None
         if self.speculator.draft_probs is not None and not batch.all_greedy:
             rows = to_device([self._row(r.request_id) for r in reqs], self.device)
             draft_probs = self.speculator.draft_probs[rows, :k]
-        if batch.all_greedy and self.forced_acceptance_prob is None:
+        if batch.all_greedy and forced is None:
             # Greedy rows read no randomness: skip drawing [N, k+1, V] exponentials (an expanded view
             # of one value costs no memory).
-            uniform = torch.zeros(len(reqs), k, device=self.device)
-            noise = torch.ones(1, 1, 1, device=self.device).expand(len(reqs), k + 1, logits.shape[-1])
+            uniform = torch.zeros(n, k, device=self.device)
+            noise = torch.ones(1, 1, 1, device=self.device).expand(n, k + 1, logits.shape[-1])
         else:
-            uniform, noise = draw_randomness(len(reqs), k, logits.shape[-1], batch.generators, self.device,
+            uniform, noise = draw_randomness(n, k, logits.shape[-1], batch.generators, self.device,
                                              self.sampler.default_generator)
         tokens, accepted = rejection_sample(drafts, num, draft_probs, target_probs, batch.greedy,
-                                            logits.argmax(dim=-1), uniform, noise, self.forced_acceptance_prob)
-        where = to_device(batch_rows, self.device)
+                                            logits.argmax(dim=-1), uniform, noise, forced)
         self.outputs.accepted.index_copy_(0, where, accepted)
         self.outputs.tokens[:, :k + 1].index_copy_(0, where, tokens)
         if batch.max_logprobs is not None:
@@ -291,39 +307,71 @@ class ModelRunner:
             result = token_logprobs(raw, tokens.flatten().clamp(min=0), batch.max_logprobs)
             handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=k + 1))
 
-    def _propose(self, sched, sampling, sample_ends, chunk_ends, num_tokens, desc, target_out, metadata) -> None:
+    def _propose(self, sched, sampling, num_tokens, desc, target_out, metadata) -> None:
         """Draft the next tokens of every request that produced tokens this step, on the device: each
         request's last accepted token and its position follow from the accepted counts just written."""
-        spec, dev = self.speculator, self.device
+        spec, b = self.speculator, self.buffers
         n = len(sampling)
         scheduled = [sched.scheduled[i] for i in sampling]
-        where = to_device(sampling, dev)
-        accepted = self.outputs.accepted.index_select(0, where)
-        # The last accepted token of request i is at index end - 1 - drafts + accepted.
-        last_idx = to_device([end - 1 - len(s.spec_token_ids) for s, end in zip(scheduled, sample_ends)], dev) + accepted
-        emitted = self.outputs.tokens.index_select(0, where).gather(1, accepted.unsqueeze(1)).squeeze(1)
-        # Each position's next token: the following input, the prompt's next token at the end of a prompt
-        # chunk, the newly emitted token at a request's last accepted position.
-        next_ids = torch.roll(self.buffers.input_ids[:num_tokens], -1)
-        if chunk_ends:
-            at, values = zip(*chunk_ends)
-            next_ids[to_device(at, dev)] = to_device(values, dev)
-        next_ids[last_idx] = emitted
-        self.draft_base_positions[:n].copy_(self.buffers.positions[last_idx])
-        self.draft_block_table[:n].copy_(metadata.block_table.index_select(0, where))
+        gather_draft_inputs(b.staged_extra("draft_requests"), self.outputs.accepted, self.outputs.tokens,
+                            b.input_ids, b.positions, b.block_table, num_tokens, desc.num_tokens, spec.next_ids,
+                            self.draft_last_indices, self.draft_last_tokens, self.draft_base_positions,
+                            self.draft_block_table)
         drafting = [s.request for s in scheduled]
         inp = DraftInput(
-            next_ids=next_ids,
             target_out=target_out,
             descriptor=desc,
             metadata=metadata,
             requests=drafting,
-            last_token_indices=last_idx,
+            last_token_indices=self.draft_last_indices[:n],
             base_positions=self.draft_base_positions,
             max_base_position=max(s.start + s.num_new_tokens - 1 for s in scheduled),
-            last_tokens=emitted,
+            last_tokens=self.draft_last_tokens[:n],
             block_table=self.draft_block_table,
-            rows=to_device([self._row(r.request_id) for r in drafting], dev),
-            sampling=SamplingBatch.build(drafting, dev),
+            rows=b.staged_extra("draft_rows"),
+            sampling=SamplingBatch.build(drafting, self.device),
         )
-        self.outputs.drafts.index_copy_(0, where, spec.propose(inp))
+        drafts = spec.propose(inp)
+        if sampling[-1] == n - 1:  # rows 0..n-1: every scheduled request drafts
+            self.outputs.drafts[:n].copy_(drafts)
+        else:
+            self.outputs.drafts.index_copy_(0, b.staged_extra("sampling_rows"), drafts)
+
+
+@dataclass
+class StepPlan:
+    """The host's index lists for sampling, verification and drafting, staged with the step's inputs."""
+
+    sample_rows: list[int]  # batch rows sampled without drafts
+    verify_rows: list[int]  # batch rows whose drafts are verified
+    extras: dict[str, np.ndarray]
+
+    @classmethod
+    def build(cls, sched: SchedulerOutput, sampling: list[int], draft_requests: list[tuple], inflight: list[tuple],
+              drafts_on_device: bool, row_of) -> StepPlan:
+        extras: dict[str, np.ndarray] = {}
+        if inflight:
+            extras["inflight"] = np.array(inflight, dtype=np.int64)
+        # A sampling request's last token is its row's end; its drafts are the tokens before it.
+        ends = {i: first + count for i, (first, count, *_) in enumerate(draft_requests)}
+        sample_rows = [i for i in sampling if not sched.scheduled[i].spec_token_ids]
+        verify_rows = [i for i in sampling if sched.scheduled[i].spec_token_ids]
+        if sample_rows:
+            extras["sample_index"] = np.array([ends[i] - 1 for i in sample_rows], dtype=np.int64)
+            extras["sample_rows"] = np.array(sample_rows, dtype=np.int64)
+        if verify_rows:
+            num = np.array([len(sched.scheduled[i].spec_token_ids) for i in verify_rows], dtype=np.int64)
+            last = np.array([ends[i] - 1 for i in verify_rows], dtype=np.int64)
+            # Row j of request i is the target's prediction after its j-th draft (clamped for padding);
+            # its draft j sits at token end - n + j.
+            j = np.arange(int(num.max()) + 1)
+            extras["verify_index"] = last[:, None] - num[:, None] + np.minimum(j[None, :], num[:, None])
+            extras["verify_drafts"] = num
+            extras["verify_rows"] = np.array(verify_rows, dtype=np.int64)
+        if drafts_on_device and sampling:
+            extras["draft_requests"] = np.array(draft_requests, dtype=np.int64)
+            # Each drafting request's row of the drafter's per-request state (row_of: request id -> row).
+            extras["draft_rows"] = np.array([row_of(sched.scheduled[i].request.request_id) for i in sampling],
+                                            dtype=np.int64)
+            extras["sampling_rows"] = np.array(sampling, dtype=np.int64)
+        return cls(sample_rows, verify_rows, extras)

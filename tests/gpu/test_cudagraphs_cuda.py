@@ -89,8 +89,9 @@ def test_poisoned_buffers_change_nothing_on_the_gpu(case):
     spec = runner.speculator
     b, s = runner.buffers, spec.step_buffers
     for t in (b.input_ids, b.positions, b.slot_mapping, b.query_start_loc, b.seq_lens, b.block_table,
-              s.positions, s.seq_lens, s.query_start_loc, s.slot_mapping, s.last_token_indices,
-              spec.next_ids, spec.decode_tokens, runner.draft_block_table, runner.draft_base_positions):
+              b.staged, s.positions, s.seq_lens, s.query_start_loc, s.slot_mapping, s.last_token_indices,
+              spec.next_ids, spec.decode_tokens, runner.draft_block_table, runner.draft_base_positions,
+              runner.draft_last_indices, runner.draft_last_tokens):
         t.fill_(2**30)
     spec.feedback.fill_(float("nan"))
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts[:7], GREEDY, use_tqdm=False)]

@@ -38,3 +38,7 @@ class EagleSpeculator(ModelDrafter):
 
     def compute_logits(self, hidden):
         return self.head.compute_logits(hidden)
+
+    def greedy_tokens(self, hidden):
+        greedy = getattr(self.head, "greedy_tokens", None)
+        return greedy(hidden) if greedy is not None else super().greedy_tokens(hidden)

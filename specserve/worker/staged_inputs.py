@@ -1,0 +1,179 @@
+"""A step's host inputs reach the device in one copy, then one kernel spreads them into the persistent buffers.
+
+Each host-to-device copy and each fill of a padded tail is a launch of its own,
+and at 10 to 25 us of host time per launch (measured on the H100's host), a
+step that uploaded its inputs buffer by buffer spent more host time launching
+than a small model spends computing. Here the host packs everything into one
+int64 array (StagedLayout says where each part sits), copies it into one
+device staging buffer, and `scatter_staged_inputs` writes the persistent
+buffers, padding included:
+
+    tokens t < T                 input_ids, positions, slot_mapping from the staged arrays
+    tokens T <= t < max_tokens   0, 0, PAD_SLOT_ID                          (design.md 4.5)
+    requests r < R               seq_lens[r], query_start_loc[r + 1], block_table row r
+                                 (its first `table_width` staged columns, zeros after)
+    requests R <= r < max_reqs   seq_lens 0, query_start_loc[r + 1] = T (empty requests)
+
+The rest of the staged array (`extras`: index lists for sampling,
+verification and drafting) is read in place by later kernels of the step: the
+next step's copy is queued behind them on the same stream.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.attention.metadata import PAD_SLOT_ID
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional on CPU installs; the torch path serves there.
+    triton = None
+
+# Tokens and request rows per program: a few programs cover the largest buffers.
+_TOKENS_PER_PROGRAM = 1024
+_REQS_PER_PROGRAM = 64
+_TABLE_COLUMNS = 64
+
+
+@dataclass(frozen=True)
+class StagedLayout:
+    """Where the parts of one step's staged array start (in int64 elements)."""
+
+    num_tokens: int
+    num_reqs: int
+    table_width: int  # staged block-table columns per request (the longest row this step)
+    extras: dict[str, tuple[int, tuple[int, ...]]]  # name -> (offset, shape)
+
+    @property
+    def ids(self) -> int:
+        return 0
+
+    @property
+    def positions(self) -> int:
+        return self.num_tokens
+
+    @property
+    def slots(self) -> int:
+        return 2 * self.num_tokens
+
+    @property
+    def seq_lens(self) -> int:
+        return 3 * self.num_tokens
+
+    @property
+    def query_ends(self) -> int:  # query_start_loc[1:]
+        return self.seq_lens + self.num_reqs
+
+    @property
+    def table(self) -> int:
+        return self.query_ends + self.num_reqs
+
+    @property
+    def size(self) -> int:
+        return self.table + self.num_reqs * self.table_width + sum(
+            int(np.prod(shape)) for _, shape in self.extras.values())
+
+
+def pack_step_inputs(host: np.ndarray, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                     seq_lens: np.ndarray, query_ends: np.ndarray, table: np.ndarray,
+                     extras: dict[str, np.ndarray]) -> StagedLayout:
+    """Write the step's arrays into host (an int64 staging array) and return where they are."""
+    num_tokens, num_reqs, width = len(input_ids), len(seq_lens), table.shape[1]
+    offset = 3 * num_tokens + 2 * num_reqs + num_reqs * width
+    placed = {}
+    for name, values in extras.items():
+        placed[name] = (offset, values.shape)
+        offset += values.size
+    layout = StagedLayout(num_tokens, num_reqs, width, placed)
+    if layout.size > host.shape[0]:
+        raise RuntimeError(f"a step's inputs need {layout.size} staged values but the buffer holds {host.shape[0]}; "
+                           "raise max_num_batched_tokens or lower max_num_seqs")
+    for start, values in ((layout.ids, input_ids), (layout.positions, positions), (layout.slots, slots),
+                          (layout.seq_lens, seq_lens), (layout.query_ends, query_ends), (layout.table, table)):
+        host[start:start + values.size] = values.reshape(-1)
+    for name, values in extras.items():
+        start = placed[name][0]
+        host[start:start + values.size] = values.reshape(-1)
+    return layout
+
+
+def scatter_staged_inputs_torch(staged: torch.Tensor, layout: StagedLayout, input_ids: torch.Tensor,
+                                positions: torch.Tensor, slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
+                                query_start_loc: torch.Tensor, block_table: torch.Tensor) -> None:
+    """The scatter in torch ops (the CPU path and the kernel's reference)."""
+    t, r, w = layout.num_tokens, layout.num_reqs, layout.table_width
+    for buf, start, pad in ((input_ids, layout.ids, 0), (positions, layout.positions, 0),
+                            (slot_mapping, layout.slots, PAD_SLOT_ID)):
+        buf[:t].copy_(staged[start:start + t])
+        buf[t:].fill_(pad)
+    seq_lens[:r].copy_(staged[layout.seq_lens:layout.seq_lens + r])
+    seq_lens[r:].zero_()
+    query_start_loc[0] = 0
+    query_start_loc[1:r + 1].copy_(staged[layout.query_ends:layout.query_ends + r])
+    query_start_loc[r + 1:].fill_(t)
+    block_table[:r, :w].copy_(staged[layout.table:layout.table + r * w].view(r, w))
+    block_table[:r, w:].zero_()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _scatter_staged_inputs_kernel(
+        staged_ptr, input_ids_ptr, positions_ptr, slot_mapping_ptr, seq_lens_ptr, query_start_loc_ptr,
+        block_table_ptr, block_table_stride,
+        num_tokens, num_reqs, table_width, positions_at, slots_at, seq_lens_at, query_ends_at, table_at,
+        max_tokens, max_reqs, max_blocks,
+        PAD_SLOT: tl.constexpr, TOKENS: tl.constexpr, REQS: tl.constexpr, COLUMNS: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        t = pid * TOKENS + tl.arange(0, TOKENS)
+        live = t < num_tokens
+        in_buffer = t < max_tokens
+        ids = tl.load(staged_ptr + t, mask=live, other=0)
+        pos = tl.load(staged_ptr + positions_at + t, mask=live, other=0)
+        slot = tl.load(staged_ptr + slots_at + t, mask=live, other=PAD_SLOT)
+        tl.store(input_ids_ptr + t, ids, mask=in_buffer)
+        tl.store(positions_ptr + t, pos, mask=in_buffer)
+        tl.store(slot_mapping_ptr + t, slot, mask=in_buffer)
+
+        r = pid * REQS + tl.arange(0, REQS)
+        real = r < num_reqs
+        seq_len = tl.load(staged_ptr + seq_lens_at + r, mask=real, other=0)
+        tl.store(seq_lens_ptr + r, seq_len.to(tl.int32), mask=r < max_reqs)
+        end = tl.load(staged_ptr + query_ends_at + r, mask=real, other=num_tokens)
+        tl.store(query_start_loc_ptr + r + 1, end.to(tl.int32), mask=r < max_reqs)
+        if pid == 0:
+            tl.store(query_start_loc_ptr, 0)
+        for c0 in range(0, max_blocks, COLUMNS):
+            c = c0 + tl.arange(0, COLUMNS)
+            staged_col = real[:, None] & (c < table_width)[None, :]
+            block = tl.load(staged_ptr + table_at + r[:, None] * table_width + c[None, :], mask=staged_col, other=0)
+            tl.store(block_table_ptr + r[:, None] * block_table_stride + c[None, :], block.to(tl.int32),
+                     mask=real[:, None] & (c < max_blocks)[None, :])
+
+
+def scatter_staged_inputs(staged: torch.Tensor, layout: StagedLayout, input_ids: torch.Tensor,
+                          positions: torch.Tensor, slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
+                          query_start_loc: torch.Tensor, block_table: torch.Tensor,
+                          *, use_triton: bool | None = None) -> None:
+    """Write the persistent input buffers from the staged array (see the module docstring): one Triton launch
+    on CUDA, torch ops elsewhere (use_triton forces either; tests run the kernel under TRITON_INTERPRET=1)."""
+    if use_triton is None:
+        use_triton = triton is not None and staged.is_cuda
+    if not use_triton:
+        scatter_staged_inputs_torch(staged, layout, input_ids, positions, slot_mapping, seq_lens, query_start_loc,
+                                    block_table)
+        return
+    assert staged.dtype == torch.int64 and block_table.stride(1) == 1 and seq_lens.dtype == torch.int32
+    max_tokens, max_reqs = input_ids.shape[0], seq_lens.shape[0]
+    grid = (max(triton.cdiv(max_tokens, _TOKENS_PER_PROGRAM), triton.cdiv(max_reqs, _REQS_PER_PROGRAM)),)
+    _scatter_staged_inputs_kernel[grid](
+        staged, input_ids, positions, slot_mapping, seq_lens, query_start_loc, block_table, block_table.stride(0),
+        layout.num_tokens, layout.num_reqs, layout.table_width, layout.positions, layout.slots, layout.seq_lens,
+        layout.query_ends, layout.table, max_tokens, max_reqs, block_table.shape[1],
+        PAD_SLOT=PAD_SLOT_ID, TOKENS=_TOKENS_PER_PROGRAM, REQS=_REQS_PER_PROGRAM, COLUMNS=_TABLE_COLUMNS,
+    )
