@@ -72,9 +72,9 @@ if triton is not None:
         r = tl.program_id(0)
         if r == num_scheduled:
             # The extra program: zeros over the drafter graph's padded tokens.
-            for t0 in range(num_tokens, pad_to, TOKENS):
-                t = t0 + tl.arange(0, TOKENS)
-                tl.store(next_ids_ptr + t, tl.zeros([TOKENS], dtype=tl.int64), mask=t < pad_to)
+            for p0 in range(num_tokens, pad_to, TOKENS):
+                p = p0 + tl.arange(0, TOKENS)
+                tl.store(next_ids_ptr + p, tl.zeros([TOKENS], dtype=tl.int64), mask=p < pad_to)
         else:
             first = tl.load(requests_ptr + r * 5)
             end = first + tl.load(requests_ptr + r * 5 + 1)

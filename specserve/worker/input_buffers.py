@@ -79,8 +79,8 @@ class InputBuffers:
 
     def staged_extra(self, name: str) -> torch.Tensor:
         """The device copy of extra array `name` of the last prepare(), in its shape (int64)."""
-        offset, shape = self._layout.extras[name]
-        return self.staged[offset:offset + int(np.prod(shape))].view(shape)
+        offset, shape, size = self._layout.extras[name]
+        return self.staged[offset:offset + size].view(shape)
 
     def reset(self) -> None:
         """An empty batch in every row (before a capture, and after it: nothing stale survives)."""

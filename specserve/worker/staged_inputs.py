@@ -46,7 +46,8 @@ class StagedLayout:
     num_tokens: int
     num_reqs: int
     table_width: int  # staged block-table columns per request (the longest row this step)
-    extras: dict[str, tuple[int, tuple[int, ...]]]  # name -> (offset, shape)
+    extras: dict[str, tuple[int, tuple[int, ...], int]]  # name -> (offset, shape, number of values)
+    size: int  # values staged in all
 
     @property
     def ids(self) -> int:
@@ -72,11 +73,6 @@ class StagedLayout:
     def table(self) -> int:
         return self.query_ends + self.num_reqs
 
-    @property
-    def size(self) -> int:
-        return self.table + self.num_reqs * self.table_width + sum(
-            int(np.prod(shape)) for _, shape in self.extras.values())
-
 
 def pack_step_inputs(host: np.ndarray, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                      seq_lens: np.ndarray, query_ends: np.ndarray, table: np.ndarray,
@@ -86,9 +82,9 @@ def pack_step_inputs(host: np.ndarray, input_ids: np.ndarray, positions: np.ndar
     offset = 3 * num_tokens + 2 * num_reqs + num_reqs * width
     placed = {}
     for name, values in extras.items():
-        placed[name] = (offset, values.shape)
+        placed[name] = (offset, values.shape, values.size)
         offset += values.size
-    layout = StagedLayout(num_tokens, num_reqs, width, placed)
+    layout = StagedLayout(num_tokens, num_reqs, width, placed, offset)
     if layout.size > host.shape[0]:
         raise RuntimeError(f"a step's inputs need {layout.size} staged values but the buffer holds {host.shape[0]}; "
                            "raise max_num_batched_tokens or lower max_num_seqs")

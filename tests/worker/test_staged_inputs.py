@@ -77,7 +77,7 @@ def test_scatter_writes_every_buffer_with_padding(use_triton, num_reqs):
                 got = got[:num_reqs]
                 assert (bufs[name][num_reqs:].cpu() == -7).all(), "rows past the batch are not the step's to write"
             assert got.tolist() == expected, name
-        offset, shape = layout.extras["extra"]
+        offset, _, _ = layout.extras["extra"]
         assert staged[offset:offset + 7].cpu().tolist() == extra.tolist()
 
 

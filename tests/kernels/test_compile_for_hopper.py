@@ -1,0 +1,71 @@
+"""The step kernels compile for an H100 (sm_90) on a machine without a GPU.
+
+Triton's interpreter runs a kernel's Python, not its compiler: a kernel can pass every interpreter
+test and still fail to compile (a loop variable typed int32 in one branch and int64 in the other did).
+Compiling ahead of time for the H100's target catches that in CI, before any device time is spent.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from specserve.attention.metadata import PAD_SLOT_ID  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def kernels():
+    """(kernel, {argument: type or constexpr value}) for each kernel a step launches outside the models."""
+    from specserve.spec_decode import draft_inputs, greedy_verify
+    from specserve.worker import inflight_inputs, staged_inputs
+
+    p64, p32, i32 = "*i64", "*i32", "i32"
+    yield draft_inputs._gather_draft_inputs_kernel, dict(
+        requests_ptr=p64, accepted_ptr=p64, accepted_stride=i32, tokens_ptr=p64, tokens_stride=i32,
+        input_ids_ptr=p64, positions_ptr=p64, block_table_ptr=p32, block_table_stride=i32, num_tokens=i32,
+        pad_to=i32, num_scheduled=i32, next_ids_ptr=p64, last_ptr=p64, last_tokens_ptr=p64,
+        base_positions_ptr=p64, draft_table_ptr=p32, draft_table_stride=i32, max_blocks=i32, TOKENS=128, COLUMNS=64)
+    for forced in (False, True):
+        yield greedy_verify._greedy_verify_kernel, dict(
+            target_ptr=p64, input_ids_ptr=p64, index_ptr=p64, num_drafts_ptr=p64, out_rows_ptr=p64,
+            uniform_ptr="*fp32", accepted_ptr=p64, accepted_stride=i32, tokens_ptr=p64, tokens_stride=i32,
+            forced_accept_prob="fp32", K1=4, FORCED=forced, BLOCK=4)
+    yield staged_inputs._scatter_staged_inputs_kernel, dict(
+        staged_ptr=p64, input_ids_ptr=p64, positions_ptr=p64, slot_mapping_ptr=p64, seq_lens_ptr=p32,
+        query_start_loc_ptr=p32, block_table_ptr=p32, block_table_stride=i32, num_tokens=i32, num_reqs=i32,
+        table_width=i32, positions_at=i32, slots_at=i32, seq_lens_at=i32, query_ends_at=i32, table_at=i32,
+        max_tokens=i32, max_reqs=i32, max_blocks=i32, PAD_SLOT=PAD_SLOT_ID, TOKENS=1024, REQS=64, COLUMNS=64)
+    yield inflight_inputs._take_inflight_inputs_kernel, dict(
+        meta_ptr=p64, accepted_ptr=p64, accepted_stride=i32, tokens_ptr=p64, tokens_stride=i32, drafts_ptr=p64,
+        drafts_stride=i32, input_ids_ptr=p64, positions_ptr=p64, seq_lens_ptr=p32, slot_mapping_ptr=p64,
+        block_table_ptr=p32, block_table_stride=i32, block_size=i32, NUM_DRAFT_COLS=3, BLOCK=4)
+
+
+def compile_for_hopper(index: int) -> None:
+    fn, args = list(kernels())[index]
+    signature = {name: ("constexpr" if not isinstance(v, str) else v) for name, v in args.items()}
+    constexprs = {name: v for name, v in args.items() if not isinstance(v, str)}
+    triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=HOPPER)
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_step_kernel_compiles_for_the_h100(index):
+    # In a process of its own: with TRITON_INTERPRET set (as tests on the CPU run) triton.jit makes
+    # interpreted functions, which do not compile.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, __file__, str(index)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    compile_for_hopper(int(sys.argv[1]))
