@@ -62,7 +62,8 @@ def gather_draft_inputs_torch(requests: torch.Tensor, accepted: torch.Tensor, to
 
 if triton is not None:
 
-    @triton.jit
+    # Sizes change from step to step: specializing on them would compile new variants mid-run.
+    @triton.jit(do_not_specialize=["num_tokens", "pad_to", "num_scheduled"])
     def _gather_draft_inputs_kernel(
         requests_ptr, accepted_ptr, accepted_stride, tokens_ptr, tokens_stride, input_ids_ptr, positions_ptr,
         block_table_ptr, block_table_stride, num_tokens, pad_to, num_scheduled,

@@ -82,6 +82,9 @@ def pack_step_inputs(host: np.ndarray, input_ids: np.ndarray, positions: np.ndar
     offset = 3 * num_tokens + 2 * num_reqs + num_reqs * width
     placed = {}
     for name, values in extras.items():
+        # 16-byte aligned, as Triton specializes a kernel on its pointers' alignment: a view at an odd
+        # offset would compile another variant of the kernel reading it, in the middle of a run.
+        offset += offset % 2
         placed[name] = (offset, values.shape, values.size)
         offset += values.size
     layout = StagedLayout(num_tokens, num_reqs, width, placed, offset)
@@ -117,7 +120,10 @@ def scatter_staged_inputs_torch(staged: torch.Tensor, layout: StagedLayout, inpu
 
 if triton is not None:
 
-    @triton.jit
+    # The sizes and offsets change from step to step: specializing on them (Triton treats 1 and multiples
+    # of 16 apart) would compile new variants in the middle of a run.
+    @triton.jit(do_not_specialize=["num_tokens", "num_reqs", "table_width", "positions_at", "slots_at",
+                                   "seq_lens_at", "query_ends_at", "table_at"])
     def _scatter_staged_inputs_kernel(
         staged_ptr, input_ids_ptr, positions_ptr, slot_mapping_ptr, seq_lens_ptr, query_start_loc_ptr,
         block_table_ptr, block_table_stride,
