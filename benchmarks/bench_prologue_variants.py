@@ -1,7 +1,7 @@
 """Why is add + RMSNorm + projection slow in the small-M kernel? Kernel variants timed side by side.
 
-    python benchmarks/bench_prologue_variants.py                 # H100 sweep, ~2-3 minutes
-    python benchmarks/bench_prologue_variants.py --full          # every config of every variant (long)
+    python benchmarks/bench_prologue_variants.py                 # H100 sweep: 2 minutes (113 s measured)
+    python benchmarks/bench_prologue_variants.py --full --variants prepass+compact --shapes llama3-8b  # 72 configs each
     TRITON_INTERPRET=1 python benchmarks/bench_prologue_variants.py --check   # CPU: correctness, tiny shapes
 
 specserve/kernels/fused_linear.py runs a plain 576x576 projection at M=1 in
@@ -17,7 +17,7 @@ each), for every (shape, M, op):
   op  add+norm+qkv        out = rmsnorm(x + res) @ Wqkv^T           (no rotary: the projection alone)
       add+norm+gate_up    out = silu(g) * u, [g, u] = rmsnorm(x + res) @ Wgu^T
       add+norm+o_proj     the same on the o_proj shape (its plain form ran at cuBLAS speed)
-  and x + res is written out as the next residual stream (except "no res store", an isolation run).
+  and x + res is written out as the next residual stream (except by "inline/no-store", an isolation run).
 
 References in every group: cuBLAS alone (F.linear: the floor the fused op should reach), cuBLAS plus
 the separate kernels the engine runs above 16 tokens (fused_add_rms_norm, F.linear, silu_and_mul: what a
@@ -27,6 +27,11 @@ Every variant and config is first checked against a float64 torch reference (max
 the x + res output too where it is produced); a wrong one is reported and not timed. Times are GPU us per
 call from CUDA-graph replays with the weights rotated over >= 200 MB of copies, so DRAM is measured, not
 L2 (rotating_time_us of bench_fused_linear.py). Progress goes to stderr, tables to stdout.
+
+Measured on the H100 (benchmarks/results/h100_2026-11-23_prologue_variants.txt): whatever accumulates the
+sum of squares inside the main K loop is slow, reduced per chunk (inline) or not (rowvec) alike: ~9-11 us
+on SmolLM2, 4-6x cuBLAS on Llama-3-8B. Program 0's store loop costs about 1 us. The weight-free prepass
+removes the slowdown: at M=1, 3.8-5.3 us on SmolLM2 and 1.06-1.09x cuBLAS plus kernels on Llama-3-8B.
 """
 from __future__ import annotations
 
@@ -62,6 +67,7 @@ INTERPRETER_BF16_TOLERANCE = 5e-2
 def tolerance(dtype: torch.dtype, device: str) -> float:
     return INTERPRETER_BF16_TOLERANCE if device == "cpu" and dtype == torch.bfloat16 else TOLERANCE[dtype]
 
+
 # Kernel switches. Prologue (how RMSNorm's sum of squares is obtained):
 PRO_PLAIN = tl.constexpr(0)    # no residual, no norm: a plain projection (the floor of the fused op)
 PRO_INLINE = tl.constexpr(1)   # per K chunk tl.sum(x * x, axis=1), as fused_linear (its input_chunk)
@@ -92,7 +98,8 @@ def _input_sum(x_ptr, res_ptr, offs_p, offs_k, M, K, stride_xm, stride_rm, ADD: 
     return x.to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["M"])  # M=1 and M=4 share a compiled kernel (Triton specialises ints equal to 1)
+# Triton would compile M=1 apart (it specialises ints equal to 1): variants whose ROWS is 16 share one kernel.
+@triton.jit(do_not_specialize=["M"])
 def _variant_kernel(
     x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr,
     M, N, K, stride_xm, stride_rm, stride_rom, stride_wn, stride_om, eps,
@@ -235,7 +242,8 @@ def _variant_kernel(
     if RES_STORE == RES_SLICE:
         s_mask = (offs_r[:, None] < M) & (offs_s[None, :] < K)
         tl.store(res_out_ptr + offs_r[:, None] * stride_rom + offs_s[None, :], res_slice.to(in_ty), mask=s_mask)
-    if RES_STORE == RES_PID0:
+    # Nested, not joined with `and`: the outer test is resolved at compile time, the inner one runs.
+    if RES_STORE == RES_PID0:  # noqa: SIM102
         if pid == 0:
             store_residual_sum(x_ptr, res_ptr, res_out_ptr, M, K, stride_xm, stride_rm, stride_rom,
                                P_ROWS, BLOCK_K)
@@ -567,7 +575,8 @@ def run_bench(args, t0: float) -> None:
     dtype = getattr(torch, args.dtype)
     elt = torch.empty((), dtype=dtype).element_size()
     mode = "full" if args.full else "default"
-    print(f"{torch.cuda.get_device_name()}, {args.dtype}, sweep {mode}; GPU us per call under a CUDA graph, "
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {args.dtype}, "
+          f"sweep {mode}; GPU us per call under a CUDA graph, "
           f"weights rotated over >= {ROTATION_BYTES >> 20} MB. err: max |out - ref| / max |ref| vs float64. "
           f"floor us: weight bytes at {PEAK_BYTES_PER_US / 1e6:.1f} TB/s. speedup: cublas+kernels / this. "
           f"config: block_n/block_k/num_warps/num_stages\n")
