@@ -1,21 +1,16 @@
 """Triton paged attention and KV-cache write against the torch reference and a
 float64 dense computation from the un-paged keys and values.
 
-Without a GPU, Triton runs in its interpreter, which must be switched on
-before triton is first imported. With a GPU the same tests run natively.
+Without a GPU, Triton runs in its interpreter (tests/conftest.py switches it on). With a GPU the
+same tests run natively.
 """
-import os
+import math
+from dataclasses import dataclass
 
+import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import math  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 

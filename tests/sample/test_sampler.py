@@ -213,7 +213,7 @@ def test_filters_per_row_in_one_mixed_batch():
         dict(temperature=0.0, top_k=3),  # greedy
     ]
     n = 40_000
-    reqs, rows = [], []
+    reqs = []
     for j, c in enumerate(cases):
         req = make_request(SamplingParams(**c), rid=str(j))
         reqs += [req] * n

@@ -2,19 +2,12 @@
 past them, the same buffers from the Triton kernel and the torch path, and a device-side
 num_reqs that can change between calls over the same buffers.
 
-Without a GPU the kernel runs in Triton's interpreter, which must be switched on before
-triton (or anything importing it) is first imported.
+Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py switches it on).
 """
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
