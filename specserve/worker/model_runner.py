@@ -63,8 +63,9 @@ class ModelRunner:
         max_blocks_per_req = -(-(config.max_model_len + MAX_SPECULATIVE_TOKENS) // self.block_size) + 1
         spec = config.speculative_config
         # Extras a step stages beside its inputs, per request at most: the in-flight row (5), sampling or
-        # verification indices (k + 3), the drafter's request row (5) and its rows (2).
-        extras = config.max_num_seqs * (15 + MAX_SPECULATIVE_TOKENS)
+        # verification indices (k + 3), the drafter's request row (5) and its rows (2); and one value of
+        # alignment padding per extra.
+        extras = config.max_num_seqs * (15 + MAX_SPECULATIVE_TOKENS) + 16
         self.buffers = InputBuffers(config.max_num_seqs, config.max_num_batched_tokens, max_blocks_per_req, self.device,
                                     extra_capacity=extras)
         self.outputs = StepOutputs(config.max_num_seqs, spec.num_speculative_tokens if spec else 0, self.device)
