@@ -53,7 +53,7 @@ from specserve.kernels.activation import silu_and_mul
 from specserve.kernels.fused_linear import fused_linear
 from specserve.kernels.rmsnorm import fused_add_rms_norm
 from specserve.kernels.small_m_configs import CANDIDATES, SmallMConfig
-from specserve.kernels.small_m_prologue import BLOCK_M, dot_in_float32, input_chunk, store_residual_sum
+from specserve.kernels.small_m_prologue import BLOCK_M, dot_in_float32
 
 EPS = 1e-5
 # max |out - ref| / max |ref| above which a variant is wrong. The unfused path itself rounds to 16 bits
@@ -70,7 +70,7 @@ def tolerance(dtype: torch.dtype, device: str) -> float:
 
 # Kernel switches. Prologue (how RMSNorm's sum of squares is obtained):
 PRO_PLAIN = tl.constexpr(0)    # no residual, no norm: a plain projection (the floor of the fused op)
-PRO_INLINE = tl.constexpr(1)   # per K chunk tl.sum(x * x, axis=1), as fused_linear (its input_chunk)
+PRO_INLINE = tl.constexpr(1)   # per K chunk tl.sum(x * x, axis=1), as fused_linear did before the prepass
 PRO_ROWVEC = tl.constexpr(2)   # elementwise [rows, BLOCK_K] accumulator, reduced once after the loop
 PRO_PREPASS = tl.constexpr(3)  # a weight-free loop over K first; the main loop normalises on load
 # Who writes x + residual:
@@ -85,6 +85,41 @@ GU_INTERLEAVED = tl.constexpr(2)  # weight rows interleaved [g0, u0, g1, u1, ...
 MUL_MMA = tl.constexpr(0)      # tl.dot on a 16-row tile (rows past M masked)
 MUL_GEMV_ACC = tl.constexpr(1)  # broadcast multiply into [rows, cols, BLOCK_K] registers, tl.sum after the loop
 MUL_GEMV_SUM = tl.constexpr(2)  # broadcast multiply, tl.sum over the chunk every K step
+
+
+# fused_linear's prologue before the prepass (commit 8f5c1ed's small_m_prologue.py), kept here for the
+# inline variants: the sum of squares accumulates beside the dot in the main K loop.
+@triton.jit
+def input_chunk(
+    x_ptr, res_ptr, norm_w_ptr, offs_k, M, K, stride_xm, stride_rm,
+    ADD: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """(chunk [BLOCK_M, BLOCK_K] float32 ready for the dot, its rows' sums of squares before the norm weight)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+    if ADD:
+        r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    x = x.to(tl.float32)
+    sum_sq = tl.sum(x * x, axis=1)
+    if NORM:
+        x = x * tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
+    return x, sum_sq
+
+
+@triton.jit
+def store_residual_sum(x_ptr, res_ptr, res_out_ptr, M, K, stride_xm, stride_rm, stride_rom,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """res_out = x + residual, rounded as input_chunk rounds it; one program's job."""
+    offs_m = tl.arange(0, BLOCK_M)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+        r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mask, other=0.0)
+        s = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + offs_m[:, None] * stride_rom + offs_k[None, :], s, mask=mask)
 
 
 @triton.jit
@@ -269,7 +304,7 @@ class Recipe:
 RECIPES = [
     Recipe("ours plain", "no residual, no norm: the bare projection (+ silu epilogue), the floor",
            prologue=PRO_PLAIN, res_store=RES_NONE),
-    Recipe("inline/pid0", "fused_linear's scheme rebuilt here (input_chunk + program 0's store loop)",
+    Recipe("inline/pid0", "fused_linear's former scheme (input_chunk + program 0's store loop)",
            prologue=PRO_INLINE, res_store=RES_PID0),
     Recipe("inline/no-store", "as inline/pid0 without any x+res store: isolates program 0's loop",
            prologue=PRO_INLINE, res_store=RES_NONE),

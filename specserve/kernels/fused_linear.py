@@ -4,9 +4,10 @@ For decode and small verify batches a projection is a matrix-vector product
 bound by reading its weight; cuBLAS runs it at a fraction of the bandwidth
 (SmolLM2-135M: 3.5 us for 0.2 to 1.2 us of weight) and the norm before it and
 the activation after it are kernels of their own. Here one kernel does all
-three: programs own BLOCK_N output columns (the grid covers N), the whole K
-loop of each runs the prologue of small_m_prologue.py (residual add and
-RMSNorm folded into the pass over K), accumulates in float32, and the
+three: programs own BLOCK_N output columns (the grid covers N), each runs
+the prologue of small_m_prologue.py (residual add and RMSNorm: a weight-free
+prepass over x for the rows' rstd, then the K loop normalising each chunk as
+it loads it), accumulates in float32, and the
 epilogue optionally applies SiLU-and-mul to a gate/up weight [2I, K]: each
 program accumulates the same columns of both halves and stores
 silu(gate) * up [M, I], so the [M, 2I] intermediate is never written.
@@ -23,8 +24,8 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.small_m_configs import SmallMConfig, linear_config
-from specserve.kernels.small_m_prologue import (BLOCK_M, check_prologue, dot_in_float32, input_chunk, norm_scale,
-                                                 store_residual_sum)
+from specserve.kernels.small_m_prologue import (BLOCK_M, check_prologue, dot_in_float32, input_chunk, prologue_meta,
+                                                 residual_slice, row_rstd, store_residual_slice)
 
 
 @triton.jit
@@ -32,6 +33,7 @@ def _fused_linear_kernel(
     x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr,
     M, N, K, stride_xm, stride_rm, stride_rom, stride_wn, stride_om, eps,
     ADD: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, DOT_FP32: tl.constexpr,
+    COMPACT: tl.constexpr, ROWS: tl.constexpr, PRE_K: tl.constexpr, SLICE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -42,14 +44,19 @@ def _fused_linear_kernel(
     gate_rows = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
     up_rows = w_ptr + (offs_n + N).to(tl.int64)[None, :] * stride_wn
 
+    if ADD:
+        res_sum = residual_slice(x_ptr, res_ptr, pid, M, K, stride_xm, stride_rm, ROWS, SLICE_K)
+    rstd = tl.zeros([ROWS if COMPACT else BLOCK_M], dtype=tl.float32)
+    if NORM:
+        rstd = row_rstd(x_ptr, res_ptr, M, K, stride_xm, stride_rm, eps, ADD, ROWS, PRE_K,
+                        ROWS if COMPACT else BLOCK_M)
+
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        a, chunk_sq = input_chunk(x_ptr, res_ptr, norm_w_ptr, offs_k, M, K, stride_xm, stride_rm, ADD, NORM, BLOCK_M)
-        sum_sq += chunk_sq
-        a = a.to(w_ty).to(dot_ty)
+        a = input_chunk(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, M, K, stride_xm, stride_rm,
+                        ADD, NORM, COMPACT, ROWS, BLOCK_M).to(dot_ty)
         w_mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
         w = tl.load(gate_rows + offs_k[:, None], mask=w_mask, other=0.0)
         # IEEE: float32 operands must not silently drop to tf32.
@@ -60,19 +67,17 @@ def _fused_linear_kernel(
 
     out_ty = out_ptr.dtype.element_ty
     # Rounded to the output dtype where the unfused path stores a tensor, so the paths differ in
-    # reduction order and the single rounding of the normed input only.
-    out = (acc * norm_scale(sum_sq, K, eps, NORM)).to(out_ty)
+    # reduction order only.
+    out = acc.to(out_ty)
     if SILU_MUL:
         gate = out.to(tl.float32)
-        up = (acc_up * norm_scale(sum_sq, K, eps, NORM)).to(out_ty).to(tl.float32)
+        up = acc_up.to(out_ty).to(tl.float32)
         out = ((gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32) * up).to(out_ty)
     offs_m = tl.arange(0, BLOCK_M)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)
     if ADD:
-        # Every program computed the same residual sum; the first stores it.
-        if pid == 0:
-            store_residual_sum(x_ptr, res_ptr, res_out_ptr, M, K, stride_xm, stride_rm, stride_rom, BLOCK_M, BLOCK_K)
+        store_residual_slice(res_out_ptr, res_sum, pid, M, K, stride_rom, ROWS, SLICE_K)
 
 
 def fused_linear(
@@ -99,14 +104,16 @@ def fused_linear(
     residual_out = torch.empty_like(x) if residual is not None else None
     if m == 0 or n == 0:
         return out, residual_out
-    cfg = config or linear_config(weight, wide=silu_mul)
-    _fused_linear_kernel[(triton.cdiv(n, cfg.block_n),)](
+    norm = norm_weight is not None
+    cfg = config or linear_config(weight, wide=silu_mul, norm=norm, m=m)
+    grid = triton.cdiv(n, cfg.block_n)
+    _fused_linear_kernel[(grid,)](
         x, residual if residual is not None else x, residual_out if residual_out is not None else out,
         norm_weight if norm_weight is not None else x, weight, out,
         m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0,
         residual_out.stride(0) if residual_out is not None else 0, weight.stride(0), out.stride(0), eps,
-        ADD=residual is not None, NORM=norm_weight is not None, SILU_MUL=silu_mul, DOT_FP32=dot_in_float32(x),
-        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        ADD=residual is not None, NORM=norm, SILU_MUL=silu_mul, DOT_FP32=dot_in_float32(x),
+        **prologue_meta(x, norm, cfg.compact, grid), BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, residual_out

@@ -23,14 +23,14 @@ import triton.language as tl
 
 from specserve.attention.metadata import PAD_SLOT_ID
 from specserve.kernels.small_m_configs import SmallMConfig, qkv_config
-from specserve.kernels.small_m_prologue import (BLOCK_M, check_prologue, dot_in_float32, input_chunk, norm_scale,
-                                                 store_residual_sum)
+from specserve.kernels.small_m_prologue import (BLOCK_M, check_prologue, dot_in_float32, input_chunk, prologue_meta,
+                                                 residual_slice, row_rstd, store_residual_slice)
 
 
 @triton.jit
-def _finish_half(acc, scale, bias_ptr, cols, col_mask, out_ptr, BIAS: tl.constexpr):
-    """A half-head accumulator as the unfused path stores the projection: normed, biased, rounded to out's dtype."""
-    y = acc * scale
+def _finish_half(acc, bias_ptr, cols, col_mask, out_ptr, BIAS: tl.constexpr):
+    """A half-head accumulator as the unfused path stores the projection: biased, rounded to out's dtype."""
+    y = acc
     if BIAS:
         y += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     return y.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -55,7 +55,7 @@ def _qkv_rotary_cache_kernel(
     stride_cb, stride_cs, stride_ch,  # the key and value caches share one layout
     block_size, num_heads, num_kv_heads, half, eps,
     ADD: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr, DOT_FP32: tl.constexpr, PAD_SLOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    COMPACT: tl.constexpr, ROWS: tl.constexpr, PRE_K: tl.constexpr, SLICE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     head = tl.program_id(0)  # q heads, then k heads, then v heads, as the fused weight's rows
     pair_tile = tl.program_id(1)
@@ -67,14 +67,21 @@ def _qkv_rotary_cache_kernel(
     lo_rows = w_ptr + lo_cols.to(tl.int64)[None, :] * stride_wn
     hi_rows = lo_rows + half * stride_wn
 
+    # The programs in order, for the slices of x + residual each stores.
+    program = head * tl.num_programs(1) + pair_tile
+    if ADD:
+        res_sum = residual_slice(x_ptr, res_ptr, program, M, K, stride_xm, stride_rm, ROWS, SLICE_K)
+    rstd = tl.zeros([ROWS if COMPACT else BLOCK_M], dtype=tl.float32)
+    if NORM:
+        rstd = row_rstd(x_ptr, res_ptr, M, K, stride_xm, stride_rm, eps, ADD, ROWS, PRE_K,
+                        ROWS if COMPACT else BLOCK_M)
+
     acc_lo = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
-    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        a, chunk_sq = input_chunk(x_ptr, res_ptr, norm_w_ptr, offs_k, M, K, stride_xm, stride_rm, ADD, NORM, BLOCK_M)
-        sum_sq += chunk_sq
-        a = a.to(w_ty).to(dot_ty)
+        a = input_chunk(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, M, K, stride_xm, stride_rm,
+                        ADD, NORM, COMPACT, ROWS, BLOCK_M).to(dot_ty)
         w_mask = (offs_k[:, None] < K) & p_mask[None, :]
         w_lo = tl.load(lo_rows + offs_k[:, None], mask=w_mask, other=0.0)
         w_hi = tl.load(hi_rows + offs_k[:, None], mask=w_mask, other=0.0)
@@ -83,9 +90,8 @@ def _qkv_rotary_cache_kernel(
         acc_hi = tl.dot(a, w_hi.to(dot_ty), acc_hi, input_precision="ieee")
 
     out_ty = q_ptr.dtype.element_ty
-    scale = norm_scale(sum_sq, K, eps, NORM)
-    lo = _finish_half(acc_lo, scale, bias_ptr, lo_cols, p_mask, q_ptr, BIAS)
-    hi = _finish_half(acc_hi, scale, bias_ptr, lo_cols + half, p_mask, q_ptr, BIAS)
+    lo = _finish_half(acc_lo, bias_ptr, lo_cols, p_mask, q_ptr, BIAS)
+    hi = _finish_half(acc_hi, bias_ptr, lo_cols + half, p_mask, q_ptr, BIAS)
 
     offs_m = tl.arange(0, BLOCK_M)
     row_mask = offs_m < M
@@ -110,9 +116,7 @@ def _qkv_rotary_cache_kernel(
         _store_cache(v_cache_ptr, lo, hi, slots, head - num_heads - num_kv_heads, offs_p, half, row_mask,
                      block_size, stride_cb, stride_cs, stride_ch, PAD_SLOT)
     if ADD:
-        # Every program computed the same residual sum; the first stores it.
-        if (head == 0) & (pair_tile == 0):
-            store_residual_sum(x_ptr, res_ptr, res_out_ptr, M, K, stride_xm, stride_rm, stride_rom, BLOCK_M, BLOCK_K)
+        store_residual_slice(res_out_ptr, res_sum, program, M, K, stride_rom, ROWS, SLICE_K)
 
 
 def qkv_rotary_cache(
@@ -158,7 +162,8 @@ def qkv_rotary_cache(
     residual_out = torch.empty_like(x) if residual is not None else None
     if m == 0:
         return q, residual_out
-    cfg = config or qkv_config(weight)
+    norm = norm_weight is not None
+    cfg = config or qkv_config(weight, norm=norm, m=m)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (num_heads + 2 * num_kv_heads, triton.cdiv(half, cfg.block_n))
     _qkv_rotary_cache_kernel[grid](
@@ -169,9 +174,9 @@ def qkv_rotary_cache(
         residual_out.stride(0) if residual_out is not None else 0, weight.stride(0), q.stride(0), q.stride(1),
         cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         kv_cache.shape[2], num_heads, num_kv_heads, half, eps,
-        ADD=residual is not None, NORM=norm_weight is not None, BIAS=bias is not None,
+        ADD=residual is not None, NORM=norm, BIAS=bias is not None,
         DOT_FP32=dot_in_float32(x), PAD_SLOT=PAD_SLOT_ID,
-        BLOCK_M=BLOCK_M, BLOCK_P=cfg.block_n, BLOCK_K=cfg.block_k,
+        **prologue_meta(x, norm, cfg.compact, grid[0] * grid[1]), BLOCK_M=BLOCK_M, BLOCK_P=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return q, residual_out

@@ -12,7 +12,7 @@ the GPU, and this table should hold the measured best.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -24,6 +24,9 @@ class SmallMConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    # With a norm prologue: compute it on the token rows only and repeat them over the tile's 16 rows
+    # (small_m_prologue.py). Ignored without one.
+    compact: bool = False
 
 
 # Up to this many weight bytes a projection is latency-bound (SmolLM2-135M: 0.7 to 3.5 MB). Measured best
@@ -42,6 +45,18 @@ LARGE_WIDE = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
 QKV_SMALL = SmallMConfig(block_n=16, block_k=128, num_warps=4, num_stages=4)
 QKV_LARGE = SmallMConfig(block_n=16, block_k=256, num_warps=4, num_stages=4)
 
+# With the RMSNorm (and residual add) prologue, measured best on an H100
+# (benchmarks/bench_prologue_variants.py, results/h100_2026-11-23_prologue_variants.txt; the
+# prologue's "prepass+compact/slice" and "prepass/slice" variants). One token: the compact prologue,
+# 32 columns by 256 of K, on every shape (SmolLM2 add+norm+qkv 3.96 us, +gate_up+SiLU 5.28 us,
+# +576x576 3.75 us; cuBLAS plus separate kernels 4.59, 7.53, 5.16; Llama-3-8B 1.06-1.09x them).
+NORM_ONE_TOKEN = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=4, compact=True)
+# 2 to 16 tokens, measured at 4: SmolLM2 16/64 without compact (5.13, 6.23, 4.96 us; 1.03-1.21x the
+# separate kernels). Llama-3-8B's best kernel of this kind was 32/256 (0.88x and 0.96x the separate
+# kernels: the model keeps its norms apart there, see models/layers.py).
+NORM_SMALL = SmallMConfig(block_n=16, block_k=64, num_warps=4, num_stages=4)
+NORM_LARGE = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
+
 # Triton's interpreter on CPU, where every program and every loop iteration costs Python time: blocks
 # large enough for tiny test models, small enough that test shapes of ~100 still span several blocks
 # and exercise the masks. num_warps and num_stages mean nothing there.
@@ -57,25 +72,45 @@ CANDIDATES = [SmallMConfig(*c) for c in [
 ]]
 
 
+def weight_bytes(weight: torch.Tensor) -> int:
+    return weight.numel() * weight.element_size()
+
+
 def _for_dtype(cfg: SmallMConfig, weight: torch.Tensor) -> SmallMConfig:
     # The stages of shared memory hold weight tiles: float32 tiles at the 16-bit sizes overflow the H100's
     # 227 KB (measured), so they take half as many K elements.
     if weight.element_size() > 2:
-        return SmallMConfig(cfg.block_n, cfg.block_k // 2, cfg.num_warps, cfg.num_stages)
+        return replace(cfg, block_k=cfg.block_k // 2)
     return cfg
 
 
-def linear_config(weight: torch.Tensor, wide: bool) -> SmallMConfig:
-    """The configuration for a projection with this weight; wide: the gate/up kernel, two accumulators."""
+def _norm_config(weight: torch.Tensor, m: int) -> SmallMConfig:
+    if weight.device.type == "cpu":
+        # The interpreter runs the compact prologue where the GPU does, so the tests cover it.
+        return replace(INTERPRETER, compact=m == 1)
+    if m == 1:
+        return _for_dtype(NORM_ONE_TOKEN, weight)
+    return _for_dtype(NORM_SMALL if weight_bytes(weight) <= SMALL_WEIGHT_BYTES else NORM_LARGE, weight)
+
+
+def linear_config(weight: torch.Tensor, wide: bool, norm: bool = False, m: int = 16) -> SmallMConfig:
+    """The configuration for a projection with this weight over m tokens; wide: the gate/up kernel, two
+    accumulators; norm: with the RMSNorm prologue."""
+    if norm:
+        return _norm_config(weight, m)
     if weight.device.type == "cpu":
         return INTERPRETER
-    if weight.numel() * weight.element_size() <= SMALL_WEIGHT_BYTES:
+    if weight_bytes(weight) <= SMALL_WEIGHT_BYTES:
         return _for_dtype(SMALL, weight)
     return _for_dtype(LARGE_WIDE if wide else LARGE, weight)
 
 
-def qkv_config(weight: torch.Tensor) -> SmallMConfig:
+def qkv_config(weight: torch.Tensor, norm: bool = False, m: int = 16) -> SmallMConfig:
+    """The qkv kernel's configuration; its block_n counts rotary pairs, half a tile's columns."""
+    if norm:
+        # The measured column tiles as pairs; 16 pairs at least (tl.dot's minimum width).
+        cfg = _norm_config(weight, m)
+        return replace(cfg, block_n=max(16, cfg.block_n // 2))
     if weight.device.type == "cpu":
         return INTERPRETER_QKV
-    return _for_dtype(QKV_SMALL if weight.numel() * weight.element_size() <= SMALL_WEIGHT_BYTES else QKV_LARGE,
-                      weight)
+    return _for_dtype(QKV_SMALL if weight_bytes(weight) <= SMALL_WEIGHT_BYTES else QKV_LARGE, weight)

@@ -5,11 +5,27 @@ rows (at most 16 x K) are cheap to reread: every program of the projection
 recomputes the prologue for the K chunk it multiplies, instead of a separate
 norm kernel writing the normed rows for the projection to read back.
 
-RMSNorm is applied in the same single pass over K: the chunk is multiplied
-by the norm weight and fed to the dot, the sum of squares accumulates beside
-it, and the caller scales the finished rows by rstd. Rounding follows the
-unfused path where it is cheap to: the residual sum is rounded to its dtype
-before it is normed, as the torch path stores it.
+RMSNorm runs in two passes over K (benchmarks/bench_prologue_variants.py,
+its H100 results in benchmarks/results/h100_2026-11-23_prologue_variants.txt):
+a weight-free prepass (row_rstd) reads x (and the residual) alone for each
+row's rstd, then the main loop normalises every chunk as it loads it
+(input_chunk), so the loop that streams the weight holds no reduction.
+Accumulating the sum of squares inside that loop made add + norm + projection
+2-3x slower than cuBLAS plus separate kernels (9-11 us against 3.8-5.3 us for
+SmolLM2 at one token), whether reduced per chunk or once after the loop.
+
+Rounding follows the unfused path where it is cheap to: the residual sum is
+rounded to x's dtype before it is normed, as the torch path stores it; the
+normed and weighted row is rounded once, to the weight's dtype for the dot.
+
+With COMPACT the prologue computes only the ROWS = next_power_of_2(M) token
+rows and repeats them over the 16 rows of the tile (rows past M are never
+stored): measured best at one token, worse at four.
+
+x + residual, the next residual stream, is written once: every program
+stores one K slice of it (residual_slice before its main loop, so the load
+is in flight beside the weights, store_residual_slice after: a store inside
+the loop keeps Triton from prefetching the weight tiles).
 """
 from __future__ import annotations
 
@@ -20,52 +36,97 @@ import triton.language as tl
 # Rows of every tile: tl.dot needs 16. A projection over fewer tokens masks the rest;
 # it is memory-bound, so the idle rows of the MMA cost nothing.
 BLOCK_M = 16
+# Elements of the prepass's [ROWS, PRE_K] float32 chunk on a GPU: 32 registers a thread at 4 warps.
+PREPASS_ELEMENTS = 4096
+# Under the interpreter a short prepass chunk, so that test shapes span several chunks and their masks.
+INTERPRETER_PREPASS_K = 64
 
 
 @triton.jit
-def input_chunk(
-    x_ptr, res_ptr, norm_w_ptr, offs_k, M, K, stride_xm, stride_rm,
-    ADD: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """(chunk [BLOCK_M, BLOCK_K] float32 ready for the dot, its rows' sums of squares before the norm weight).
-
-    With ADD, the chunk is x + residual rounded to x's dtype, as the unfused path stores it. Nothing is
-    stored here: a store in the K loop keeps Triton from prefetching the weight tiles (measured 2-3x
-    slower on an H100), so the residual sum is written after the loop (store_residual_sum).
-    """
-    offs_m = tl.arange(0, BLOCK_M)
+def _row_sum(x_ptr, res_ptr, offs_m, offs_k, M, K, stride_xm, stride_rm, ADD: tl.constexpr):
+    """x (+ residual, rounded to x's dtype as the unfused path stores the sum) as float32 [rows, chunk], 0 outside."""
     mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
     if ADD:
         r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    x = x.to(tl.float32)
-    sum_sq = tl.sum(x * x, axis=1)
-    if NORM:
-        x = x * tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
-    return x, sum_sq
+    return x.to(tl.float32)
 
 
 @triton.jit
-def store_residual_sum(x_ptr, res_ptr, res_out_ptr, M, K, stride_xm, stride_rm, stride_rom,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """res_out = x + residual (the next residual stream), rounded as input_chunk rounds it; one program's job."""
-    offs_m = tl.arange(0, BLOCK_M)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
-        r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mask, other=0.0)
-        s = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + offs_m[:, None] * stride_rom + offs_k[None, :], s, mask=mask)
+def row_rstd(x_ptr, res_ptr, M, K, stride_xm, stride_rm, eps,
+             ADD: tl.constexpr, ROWS: tl.constexpr, PRE_K: tl.constexpr, OUT_ROWS: tl.constexpr):
+    """The prepass: 1 / rms of the ROWS token rows (x + residual with ADD), as a vector of OUT_ROWS rows.
+
+    Reads no weight, so its loop has no tile to wait for and takes long chunks (PRE_K).
+    """
+    offs_q = tl.arange(0, ROWS)
+    sq = tl.zeros([ROWS, PRE_K], dtype=tl.float32)
+    for k0 in range(0, K, PRE_K):
+        s = _row_sum(x_ptr, res_ptr, offs_q, k0 + tl.arange(0, PRE_K), M, K, stride_xm, stride_rm, ADD)
+        sq += s * s
+    rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
+    if OUT_ROWS != ROWS:
+        # Onto the prologue's rows, as a compare-and-sum: Triton cannot pad a tensor. Rows past ROWS get 0.
+        offs_p = tl.arange(0, OUT_ROWS)
+        rstd = tl.sum(tl.where(offs_p[:, None] == offs_q[None, :], rstd[None, :], 0.0), axis=1)
+    return rstd
 
 
 @triton.jit
-def norm_scale(sum_sq, K, eps, NORM: tl.constexpr):
-    """Per-row factor [BLOCK_M, 1] that finishes the prologue's RMSNorm on an accumulator (1 without norm)."""
+def input_chunk(
+    x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, M, K, stride_xm, stride_rm,
+    ADD: tl.constexpr, NORM: tl.constexpr, COMPACT: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """The chunk [BLOCK_M, BLOCK_K] of the projection's input, in x's dtype (the weight's).
+
+    rstd: row_rstd's vector, of ROWS rows with COMPACT, else BLOCK_M (unused without NORM).
+    """
+    P_ROWS: tl.constexpr = ROWS if COMPACT else BLOCK_M
+    a = _row_sum(x_ptr, res_ptr, tl.arange(0, P_ROWS), offs_k, M, K, stride_xm, stride_rm, ADD)
     if NORM:
-        return (1.0 / tl.sqrt(sum_sq / K + eps))[:, None]
-    return tl.full(sum_sq.shape, 1.0, tl.float32)[:, None]
+        # Rounded once, below, as the previous in-loop prologue did (the unfused RMSNorm also rounds the
+        # normed row before the norm weight: a second 16-bit rounding the kernel tests' bounds leave out).
+        a = a * rstd[:, None] * tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
+    a = a.to(x_ptr.dtype.element_ty)
+    if COMPACT:
+        # Row i of the tile is token row i % ROWS: rows past M repeat tokens and are never stored.
+        a = tl.reshape(tl.broadcast_to(a[None, :, :], [BLOCK_M // ROWS, ROWS, offs_k.shape[0]]),
+                       [BLOCK_M, offs_k.shape[0]])
+    return a
+
+
+@triton.jit
+def residual_slice(x_ptr, res_ptr, program, M, K, stride_xm, stride_rm, ROWS: tl.constexpr, SLICE_K: tl.constexpr):
+    """This program's slice of x + residual [ROWS, SLICE_K], rounded as input_chunk rounds it."""
+    offs_s = program * SLICE_K + tl.arange(0, SLICE_K)
+    return _row_sum(x_ptr, res_ptr, tl.arange(0, ROWS), offs_s, M, K, stride_xm, stride_rm, True)
+
+
+@triton.jit
+def store_residual_slice(res_out_ptr, s, program, M, K, stride_rom, ROWS: tl.constexpr, SLICE_K: tl.constexpr):
+    """Store residual_slice's s: together the programs write x + residual once (slices past K store nothing)."""
+    offs_r = tl.arange(0, ROWS)
+    offs_s = program * SLICE_K + tl.arange(0, SLICE_K)
+    mask = (offs_r[:, None] < M) & (offs_s[None, :] < K)
+    tl.store(res_out_ptr + offs_r[:, None] * stride_rom + offs_s[None, :], s.to(res_out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def prologue_meta(x: torch.Tensor, norm: bool, compact: bool, num_programs: int) -> dict:
+    """The prologue's compile-time sizes for a launch of num_programs programs over x [M, K].
+
+    ROWS: the token rows the prepass (and a COMPACT prologue) computes; without a norm BLOCK_M, so the plain
+    projection compiles once for every M. SLICE_K: each program's share of x + residual.
+    """
+    m, k = x.shape
+    rows = triton.next_power_of_2(max(m, 1)) if norm else BLOCK_M
+    pre_k_max = INTERPRETER_PREPASS_K if x.device.type == "cpu" else PREPASS_ELEMENTS // rows
+    return dict(
+        COMPACT=norm and compact, ROWS=rows,
+        PRE_K=max(16, min(triton.next_power_of_2(k), pre_k_max)),
+        SLICE_K=max(16, triton.next_power_of_2(triton.cdiv(k, num_programs))),
+    )
 
 
 def check_prologue(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None,

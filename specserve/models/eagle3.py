@@ -36,8 +36,8 @@ class Eagle3Layer(nn.Module):
     def forward(self, embeds, hidden, positions, rotary, kv_cache, metadata):
         """(MLP output, residual stream before it), as DecoderLayer."""
         x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
-        x, residual = self.post_attention_layernorm(self.self_attn(x, positions, rotary, kv_cache, metadata), hidden)
-        return self.mlp(x), residual
+        x = self.self_attn(x, positions, rotary, kv_cache, metadata)
+        return self.mlp.forward_prenorm(self.post_attention_layernorm, x, hidden)
 
 
 class Eagle3Head(nn.Module):

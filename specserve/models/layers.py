@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.kernels.small_m_configs import SMALL_WEIGHT_BYTES, weight_bytes
+
 
 class FusableModule(nn.Module):
     """A module whose fused Triton path is on whenever its parameters live on a CUDA device.
@@ -34,19 +36,46 @@ class FusableModule(nn.Module):
 # Up to this many tokens (decode at batch <= 16, verification of a small batch) a fused module runs its
 # output projections (o_proj, down_proj) as the small-M Triton kernel (kernels/fused_linear.py): a
 # matrix-vector product bound by reading the weight, measured on an H100 at 1.04-1.26x cuBLAS's speed
-# (BENCHMARKS.md). The kernel's fused variants (norm folded into qkv and gate/up, rotary/KV write and
-# SiLU in the epilogue) measured 2-3x slower than cuBLAS plus the separate kernels, so those projections
-# stay on cuBLAS. 16 is also the kernel's row limit (one tl.dot tile of rows).
+# (BENCHMARKS.md). 16 is also the kernel's row limit (one tl.dot tile of rows).
 SMALL_M_MAX_TOKENS = 16
+# Up to this many weight bytes the norm in front of the qkv and gate/up projections (with the residual
+# add) folds into their small-M kernels, rotary + KV-cache write and SiLU-and-mul in the epilogues: on
+# SmolLM2-135M measured 1.16-1.42x cuBLAS plus the separate kernels at one token, 1.03-1.21x at four
+# (benchmarks/results/h100_2026-11-23_prologue_variants.txt). Llama-3-8B's projections (33 MB and more)
+# keep cuBLAS and the separate kernels: 1.06-1.09x at one token, slower at four.
+FOLD_NORM_MAX_WEIGHT_BYTES = SMALL_WEIGHT_BYTES
+
+
+def _small_m(module: FusableModule, x: torch.Tensor) -> bool:
+    return module.fused and x.shape[0] <= SMALL_M_MAX_TOKENS
 
 
 def output_projection(module: FusableModule, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """linear(x), through the small-M kernel where it pays (the one place that decides)."""
-    if module.fused and x.shape[0] <= SMALL_M_MAX_TOKENS:
+    if _small_m(module, x):
         from specserve.kernels.fused_linear import fused_linear
 
         return fused_linear(x, linear.weight)[0]
     return linear(x)
+
+
+def folds_norm(module: FusableModule, norm: nn.Module, linear: nn.Linear, x: torch.Tensor) -> bool:
+    """Whether norm (and the residual add) runs in the prologue of linear's small-M kernel over x: the one
+    place that decides. norm may be nn.Identity (the EAGLE-1 head's layer has no input norm)."""
+    return (isinstance(norm, RMSNorm) and _small_m(module, x)
+            and weight_bytes(linear.weight) <= FOLD_NORM_MAX_WEIGHT_BYTES)
+
+
+def add_and_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
+    """(norm(x + residual), x + residual); with no residual yet (a first layer), (norm(x), x)."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
+
+
+def prologue_args(norm: RMSNorm, residual: torch.Tensor | None) -> dict:
+    """The keyword arguments that fold norm (after adding residual, given one) into a small-M kernel."""
+    return dict(norm_weight=norm.weight, eps=norm.eps, residual=residual)
 
 
 def set_fused_kernels(model: nn.Module, enabled: bool) -> None:
@@ -152,6 +181,16 @@ class GatedMLP(FusableModule):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward_prenorm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
+        """(self(norm(x + residual)), x + residual), as add_and_norm; at small M the norm folds into gate/up."""
+        if folds_norm(self, norm, self.gate_up_proj, x):
+            from specserve.kernels.fused_linear import fused_linear
+
+            h, total = fused_linear(x, self.gate_up_proj.weight, silu_mul=True, **prologue_args(norm, residual))
+            return output_projection(self, self.down_proj, h), x if total is None else total
+        x, residual = add_and_norm(norm, x, residual)
+        return self(x), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

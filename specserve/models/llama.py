@@ -17,7 +17,8 @@ from torch import nn
 from specserve.attention.backend import AttentionBackend
 from specserve.attention.metadata import AttentionMetadata
 from specserve.models.arch_config import ArchConfig
-from specserve.models.layers import FusableModule, GatedMLP, RMSNorm, RotaryEmbedding, output_projection
+from specserve.models.layers import (FusableModule, GatedMLP, RMSNorm, RotaryEmbedding, add_and_norm, folds_norm,
+                                     output_projection, prologue_args)
 from specserve.models.weight_loading import load_hf_weights
 
 
@@ -36,6 +37,25 @@ class Attention(FusableModule):
         self.backend = backend
         self.scale = self.head_dim**-0.5
 
+    def forward_prenorm(self, norm: nn.Module, x, residual, positions, rotary: RotaryEmbedding, kv_cache,
+                        metadata: AttentionMetadata):
+        """(self(norm(x + residual), ...), x + residual), as add_and_norm. At small M the norm folds into one
+        kernel with the qkv projection, its bias, rotary and the KV-cache write (not with a per-head q/k norm)."""
+        if not self.qk_norm and folds_norm(self, norm, self.qkv_proj, x):
+            from specserve.kernels.qkv_rotary_cache import qkv_rotary_cache
+
+            q, total = qkv_rotary_cache(x, self.qkv_proj.weight, positions, rotary.cos, rotary.sin, kv_cache,
+                                        metadata.slot_mapping, self.num_heads, bias=self.qkv_proj.bias,
+                                        **prologue_args(norm, residual))
+            return self._attend_cached(q, kv_cache, metadata), x if total is None else total
+        x, residual = add_and_norm(norm, x, residual)
+        return self(x, positions, rotary, kv_cache, metadata), residual
+
+    def _attend_cached(self, q, kv_cache, metadata: AttentionMetadata):
+        """The fused path after the KV-cache write: attention of q over the cache, then o_proj."""
+        out = self.backend.attend(q, kv_cache, metadata, self.scale)
+        return output_projection(self, self.o_proj, out.reshape(-1, self.q_size))
+
     def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, metadata: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -45,8 +65,7 @@ class Attention(FusableModule):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.fused:
             rotary.rotate_and_cache(positions, q, k, v, kv_cache, metadata.slot_mapping)
-            out = self.backend.attend(q, kv_cache, metadata, self.scale)
-            return output_projection(self, self.o_proj, out.reshape(-1, self.q_size))
+            return self._attend_cached(q, kv_cache, metadata)
         q, k = rotary(positions, q, k)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -63,15 +82,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x, positions, rotary, kv_cache, metadata, residual=None):
         """(MLP output, residual stream before it): their sum is the layer's output.
 
-        x is the layer's input, or with residual given, the previous layer's MLP output.
+        x is the layer's input, or with residual given, the previous layer's MLP output. Each norm (with
+        the residual add) runs in the sublayer's forward_prenorm, which folds it into the projection after
+        it where that pays.
         """
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, rotary, kv_cache, metadata)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x, residual = self.self_attn.forward_prenorm(self.input_layernorm, x, residual, positions, rotary,
+                                                     kv_cache, metadata)
+        return self.mlp.forward_prenorm(self.post_attention_layernorm, x, residual)
 
 
 class LlamaModel(nn.Module):

@@ -12,6 +12,7 @@ or mixed with the small-M one (the 9-token prefill above the threshold, the
 """
 import copy
 import math
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -23,8 +24,8 @@ from specserve.models.arch_config import ArchConfig
 from specserve.models.eagle import EagleHead
 from specserve.models.eagle3 import Eagle3Head
 from specserve.models import layers
-from specserve.models.layers import FusableModule, set_fused_kernels
-from specserve.models.llama import LlamaForCausalLM
+from specserve.models.layers import FusableModule, RotaryEmbedding, set_fused_kernels
+from specserve.models.llama import DecoderLayer, LlamaForCausalLM
 
 from .util import DEVICE
 
@@ -218,21 +219,104 @@ def test_heads_other_paths(monkeypatch, small_m_max_tokens):
     check_head(head, arch.hidden_size, arch, torch.float32)
 
 
-@pytest.mark.parametrize("small_m_max_tokens,kernel_calls", [(16, 2), (0, 0)])
-def test_small_batches_run_the_output_projections_as_small_m_kernels(monkeypatch, small_m_max_tokens, kernel_calls):
+@pytest.mark.parametrize("small_m_max_tokens,fold_bytes,linear_calls,qkv_calls", [
+    (16, layers.FOLD_NORM_MAX_WEIGHT_BYTES, 3, 1),  # folded: qkv+rotary+cache, o_proj, gate_up+SiLU, down_proj
+    (16, 0, 2, 0),  # weights above the folding limit (Llama-3-8B): o_proj and down_proj only
+    (0, layers.FOLD_NORM_MAX_WEIGHT_BYTES, 0, 0),
+], ids=["folded", "large_weights", "cublas_path"])
+def test_small_batches_run_small_m_kernels(monkeypatch, small_m_max_tokens, fold_bytes, linear_calls, qkv_calls):
     import specserve.kernels.fused_linear as fused_linear_module
+    import specserve.kernels.qkv_rotary_cache as qkv_module
 
     monkeypatch.setattr(layers, "SMALL_M_MAX_TOKENS", small_m_max_tokens)
-    calls = []
-    original = fused_linear_module.fused_linear
-    monkeypatch.setattr(fused_linear_module, "fused_linear", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    monkeypatch.setattr(layers, "FOLD_NORM_MAX_WEIGHT_BYTES", fold_bytes)
+    calls = {"linear": 0, "qkv": 0}
+
+    def counted(name, fn):
+        def wrapper(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapper
+
+    monkeypatch.setattr(fused_linear_module, "fused_linear", counted("linear", fused_linear_module.fused_linear))
+    monkeypatch.setattr(qkv_module, "qkv_rotary_cache", counted("qkv", qkv_module.qkv_rotary_cache))
     model = LlamaForCausalLM(tiny_arch(num_layers=1), get_attention_backend("triton"))
     randomize(model)
     _, fused = both_paths(model, torch.float32)
     step = make_step(**STEPS[1])
     with torch.no_grad():
         fused(step.input_ids, step.positions, new_caches(tiny_arch(), 1, torch.float32), step.metadata)
-    assert len(calls) == kernel_calls  # o_proj and down_proj of the one layer
+    assert calls == {"linear": linear_calls, "qkv": qkv_calls}
+
+
+# Steps of 1, 16 and 17 tokens (17: above SMALL_M_MAX_TOKENS, back to cuBLAS and the separate kernels).
+FOLD_STEPS = {
+    1: [dict(q_lens=[5], seq_lens=[5]), dict(q_lens=[1], seq_lens=[6])],
+    16: [dict(q_lens=[9, 7], seq_lens=[9, 7]), dict(q_lens=[6, 8], seq_lens=[15, 15], pad_tokens=2, pad_reqs=1)],
+    17: [dict(q_lens=[10, 7], seq_lens=[10, 7]), dict(q_lens=[9, 8], seq_lens=[19, 15])],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tokens", list(FOLD_STEPS))
+def test_folded_norms(monkeypatch, tokens, dtype):
+    """Norms folded into qkv and gate/up (first layer without residual, aux hidden states of every layer,
+    qkv bias) against the plain path and against the fused path without folding."""
+    monkeypatch.setattr(sys.modules[__name__], "STEPS", FOLD_STEPS[tokens])
+    arch = tiny_arch(architecture="Qwen2ForCausalLM", attention_bias=True)
+    model = LlamaForCausalLM(arch, get_attention_backend("triton"), aux_hidden_layers=(0, 1, 2))
+    randomize(model)
+    plain, fused = both_paths(model, dtype)
+    expected, expected_caches = run_target(plain, arch, dtype)
+    actual, actual_caches = run_target(fused, arch, dtype)
+    monkeypatch.setattr(layers, "FOLD_NORM_MAX_WEIGHT_BYTES", 0)
+    unfolded, unfolded_caches = run_target(fused, arch, dtype)
+    for (h, aux), (h_ref, aux_ref), (h_unf, aux_unf) in zip(actual, expected, unfolded):
+        assert_near(h, h_ref)
+        assert_near(h, h_unf)
+        # Layer 0's input is the embedding, whatever the path.
+        assert torch.equal(aux[0], aux_ref[0])
+        for a, a_ref, a_unf in zip(aux, aux_ref, aux_unf):
+            assert_near(a, a_ref)
+            assert_near(a, a_unf)
+    assert_caches_near(actual_caches, expected_caches)
+    assert_caches_near(actual_caches, unfolded_caches)
+    if tokens > layers.SMALL_M_MAX_TOKENS:
+        # Nothing folds above the threshold: the paths are the same kernels.
+        for (h, aux), (h_unf, aux_unf) in zip(actual, unfolded):
+            assert torch.equal(h, h_unf) and all(torch.equal(a, b) for a, b in zip(aux, aux_unf))
+
+
+@pytest.mark.parametrize("first_layer", [True, False], ids=["first_layer", "later_layer"])
+def test_folded_layer_residual_stream(monkeypatch, first_layer):
+    """A folded decoder layer hands on the residual stream the unfolded one does, with or without a residual
+    coming in, and never writes its inputs (an aux hidden state may alias them)."""
+    arch = tiny_arch(num_layers=1)
+    layer = DecoderLayer(arch, get_attention_backend("triton"))
+    randomize(layer)
+    layer = layer.to(device=DEVICE)
+    set_fused_kernels(layer, True)
+    # A prefill (every key it attends to is its own), padded as a CUDA graph pads it.
+    step = make_step(q_lens=[6, 3], seq_lens=[6, 3], pad_tokens=2, pad_reqs=1)
+    n = step.input_ids.shape[0]
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(n, arch.hidden_size, generator=gen).to(DEVICE)
+    residual = None if first_layer else torch.randn(n, arch.hidden_size, generator=gen).to(DEVICE)
+    rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, {}).to(DEVICE)
+    outs = []
+    for fold_bytes in (layers.FOLD_NORM_MAX_WEIGHT_BYTES, 0):
+        monkeypatch.setattr(layers, "FOLD_NORM_MAX_WEIGHT_BYTES", fold_bytes)
+        x_in = x.clone()
+        res_in = residual.clone() if residual is not None else None
+        with torch.no_grad():
+            out, res_out = layer(x_in, step.positions, rotary, new_caches(arch, 1, torch.float32)[0], step.metadata,
+                                 res_in)
+        if fold_bytes:
+            assert torch.equal(x_in, x) and (residual is None or torch.equal(res_in, residual))
+        outs.append((out[: step.num_real_tokens], res_out))
+    (out, res_out), (out_ref, res_ref) = outs
+    assert_near(out, out_ref)
+    assert_near(res_out[: step.num_real_tokens], res_ref[: step.num_real_tokens])
 
 
 def test_fused_path_follows_the_device():
