@@ -49,14 +49,13 @@ def rejection_sample(
         greedy: [N] bool; greedy rows use target_argmax and exact matching.
         target_argmax: [N, k+1] int64, argmax of the processed target logits.
         uniform_samples: [N, k] float32 in [0, 1), one per draft position.
-        exp_noise: [N, k+1, V] float32 Exponential(1) samples, all > 0 (inf is
+        exp_noise: [N, V] float32 Exponential(1) samples, all > 0 (inf is
             harmless).
             A token is drawn from p as argmax(p / noise) (the exponential race,
             equivalent to the Gumbel-max trick, and insensitive to whether p is
-            normalized). Only exp_noise[i, num_accepted[i]] is read, since each
-            request draws exactly one token from noise, but the caller cannot
-            know that index in advance. Memory: N * (k+1) * V * 4 bytes, e.g.
-            256 requests, k = 5 and V = 128k need 0.8 GB.
+            normalized). Each request draws exactly one token (recovered or
+            bonus), at its stop position, so one row of noise per request
+            serves whichever position that turns out to be.
         forced_accept_prob: benchmark-only. When set, every draft (greedy or
             sampled row) is accepted with this probability, independently per
             position, ignoring p and q; output tokens are still valid tokens
@@ -93,7 +92,7 @@ def draw_randomness(
     device: torch.device | str,
     default_generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw (uniform_samples [N, k], exp_noise [N, k+1, V]) for `rejection_sample`.
+    """Draw (uniform_samples [N, k], exp_noise [N, V]) for `rejection_sample`.
 
     A request with its own generator (a seeded request) gets its row drawn from
     that generator alone, so its output is reproducible whatever else is in the
@@ -106,11 +105,11 @@ def draw_randomness(
     # One batched draw for everyone; seeded rows are then overwritten, which
     # wastes a little randomness but needs no row bookkeeping.
     uniform = torch.rand(num_reqs, k, device=device, generator=default_generator)
-    noise = _exponential((num_reqs, k + 1, vocab_size), device, default_generator)
+    noise = _exponential((num_reqs, vocab_size), device, default_generator)
     for i, g in enumerate(generators):
         if g is not None:
             uniform[i] = torch.rand(k, device=device, generator=g)
-            noise[i] = _exponential((k + 1, vocab_size), device, g)
+            noise[i] = _exponential((vocab_size,), device, g)
     return uniform, noise
 
 
@@ -156,7 +155,7 @@ def _emitted_token(drafts, num_accepted, num_draft_tokens, draft_probs, target_p
     p = _take_position(target_probs, stop)
     rejected = stop < num_draft_tokens
     dist = torch.where(rejected[:, None], _residual(p, drafts, draft_probs, stop), p)
-    sampled_token = (dist / _take_position(exp_noise, stop)).argmax(dim=1)
+    sampled_token = (dist / exp_noise).argmax(dim=1)
     return torch.where(greedy, greedy_token, sampled_token)
 
 
@@ -200,7 +199,7 @@ def _check_inputs(draft_token_ids, num_draft_tokens, draft_probs, target_probs, 
         "greedy": (greedy, (n,)),
         "target_argmax": (target_argmax, (n, k + 1)),
         "uniform_samples": (uniform_samples, (n, k)),
-        "exp_noise": (exp_noise, (n, k + 1, v)),
+        "exp_noise": (exp_noise, (n, v)),
     }
     if draft_probs is not None:
         expected["draft_probs"] = (draft_probs, (n, k, v))

@@ -292,10 +292,10 @@ class ModelRunner:
             rows = to_device([self._row(r.request_id) for r in reqs], self.device)
             draft_probs = self.speculator.draft_probs[rows, :k]
         if batch.all_greedy and forced is None:
-            # Greedy rows read no randomness: skip drawing [N, k+1, V] exponentials (an expanded view
-            # of one value costs no memory).
+            # Greedy rows read no randomness: skip drawing [N, V] exponentials (an expanded view of one
+            # value costs no memory).
             uniform = torch.zeros(n, k, device=self.device)
-            noise = torch.ones(1, 1, 1, device=self.device).expand(n, k + 1, logits.shape[-1])
+            noise = torch.ones(1, 1, device=self.device).expand(n, logits.shape[-1])
         else:
             uniform, noise = draw_randomness(n, k, logits.shape[-1], batch.generators, self.device,
                                              self.sampler.default_generator)

@@ -37,9 +37,9 @@ def test_matches_the_rejection_sampler(use_triton, forced, n, k):
     target, input_ids, index, num, uniform = case(n * 10 + k, n, k)
     slots = torch.arange(k)
     drafts = torch.where(slots < num[:, None], input_ids[index[:, 1:]], -1)
-    ones = torch.ones(n, k + 1, VOCAB)
-    want_tokens, want_accepted = rejection_sample(drafts, num, None, ones, torch.ones(n, dtype=torch.bool), target,
-                                                  uniform, ones, forced)
+    probs, noise = torch.ones(n, k + 1, VOCAB), torch.ones(n, VOCAB)  # greedy rows read neither
+    want_tokens, want_accepted = rejection_sample(drafts, num, None, probs, torch.ones(n, dtype=torch.bool), target,
+                                                  uniform, noise, forced)
     rows = torch.randperm(n + 3)[:n]  # scattered StepOutputs rows
     packed = torch.full((n + 3, 2 + 2 * 6), -9, dtype=torch.int64)
     to = lambda t: t.to(DEVICE)  # noqa: E731

@@ -76,9 +76,9 @@ def _reference_row(drafts, num_drafts, q, p, greedy, argmax, u, noise, forced_ac
             residual = (p[j] - q_j).clamp_min(0)
             if residual.sum() == 0:
                 residual = p[j]
-            token = argmax[j] if greedy else (residual / noise[j]).argmax()
+            token = argmax[j] if greedy else (residual / noise).argmax()
             return drafts[:j] + [int(token)]
-    bonus = argmax[num_drafts] if greedy else (p[num_drafts] / noise[num_drafts]).argmax()
+    bonus = argmax[num_drafts] if greedy else (p[num_drafts] / noise).argmax()
     return drafts[:num_drafts] + [int(bonus)]
 
 
