@@ -1,4 +1,4 @@
-"""The step kernels compile for an H100 (sm_90) on a machine without a GPU.
+"""The step kernels and the small-M projections compile for an H100 (sm_90) on a machine without a GPU.
 
 Triton's interpreter runs a kernel's Python, not its compiler: a kernel can pass every interpreter
 test and still fail to compile (a loop variable typed int32 in one branch and int64 in the other did).
@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def kernels():
-    """(kernel, {argument: type or constexpr value}) for each kernel a step launches outside the models."""
+    """(kernel, {argument: type or constexpr value}): the kernels a step launches outside the models, and the
+    model's small-M projections."""
     from specserve.spec_decode import draft_inputs, greedy_verify
     from specserve.worker import inflight_inputs, staged_inputs
 
@@ -44,6 +45,29 @@ def kernels():
         query_start_loc_ptr=p32, block_table_ptr=p32, block_table_stride=i32, num_tokens=i32, num_reqs=i32,
         table_width=i32, positions_at=i32, slots_at=i32, seq_lens_at=i32, query_ends_at=i32, table_at=i32,
         max_tokens=i32, max_reqs=i32, max_blocks=i32, PAD_SLOT=PAD_SLOT_ID, TOKENS=1024, REQS=64, COLUMNS=64)
+    # The small-M projections as SmolLM2 decodes one token (K = 576): the folded add + norm with the
+    # one-token compact prologue, and the plain output projection.
+    from specserve.kernels import fused_linear, qkv_rotary_cache
+    from specserve.kernels.small_m_configs import NORM_ONE_TOKEN, SMALL
+
+    bf16, f32 = "*bf16", "*fp32"
+    projection = dict(x_ptr=bf16, res_ptr=bf16, res_out_ptr=bf16, norm_w_ptr=bf16, w_ptr=bf16, out_ptr=bf16,
+                      M=i32, N=i32, K=i32, stride_xm=i32, stride_rm=i32, stride_rom=i32, stride_wn=i32,
+                      stride_om=i32, eps="fp32", DOT_FP32=False, BLOCK_M=16)
+    yield fused_linear._fused_linear_kernel, dict(
+        projection, ADD=True, NORM=True, SILU_MUL=True, COMPACT=True, ROWS=1, PRE_K=1024, SLICE_K=16,
+        BLOCK_N=NORM_ONE_TOKEN.block_n, BLOCK_K=NORM_ONE_TOKEN.block_k)
+    yield fused_linear._fused_linear_kernel, dict(
+        projection, ADD=False, NORM=False, SILU_MUL=False, COMPACT=False, ROWS=16, PRE_K=256, SLICE_K=16,
+        BLOCK_N=SMALL.block_n, BLOCK_K=SMALL.block_k)
+    yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
+        x_ptr=bf16, res_ptr=bf16, res_out_ptr=bf16, norm_w_ptr=bf16, w_ptr=bf16, bias_ptr=bf16, q_ptr=bf16,
+        k_cache_ptr=bf16, v_cache_ptr=bf16, cos_ptr=f32, sin_ptr=f32, positions_ptr=p64, slot_mapping_ptr=p64,
+        M=i32, K=i32, num_slots=i32, stride_xm=i32, stride_rm=i32, stride_rom=i32, stride_wn=i32, stride_qm=i32,
+        stride_qh=i32, stride_pos=i32, stride_cb=i32, stride_cs=i32, stride_ch=i32, block_size=i32,
+        num_heads=i32, num_kv_heads=i32, half=i32, eps="fp32", ADD=True, NORM=True, BIAS=False, DOT_FP32=False,
+        PAD_SLOT=PAD_SLOT_ID, COMPACT=True, ROWS=1, PRE_K=1024, SLICE_K=32, BLOCK_M=16, BLOCK_P=16,
+        BLOCK_K=NORM_ONE_TOKEN.block_k)
     yield inflight_inputs._take_inflight_inputs_kernel, dict(
         meta_ptr=p64, accepted_ptr=p64, accepted_stride=i32, tokens_ptr=p64, tokens_stride=i32, drafts_ptr=p64,
         drafts_stride=i32, input_ids_ptr=p64, positions_ptr=p64, seq_lens_ptr=p32, slot_mapping_ptr=p64,
@@ -57,7 +81,7 @@ def compile_for_hopper(index: int) -> None:
     triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=HOPPER)
 
 
-@pytest.mark.parametrize("index", range(5))
+@pytest.mark.parametrize("index", range(8))
 def test_step_kernel_compiles_for_the_h100(index):
     # In a process of its own: with TRITON_INTERPRET set (as tests on the CPU run) triton.jit makes
     # interpreted functions, which do not compile.
