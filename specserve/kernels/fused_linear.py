@@ -25,7 +25,7 @@ import triton.language as tl
 
 from specserve.kernels.small_m_configs import SmallMConfig, linear_config
 from specserve.kernels.small_m_prologue import (BLOCK_M, check_prologue, dot_in_float32, input_chunk, prologue_meta,
-                                                 residual_slice, row_rstd, store_residual_slice)
+                                                 prologue_rows, store_residual_slice)
 
 
 @triton.jit
@@ -44,12 +44,8 @@ def _fused_linear_kernel(
     gate_rows = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
     up_rows = w_ptr + (offs_n + N).to(tl.int64)[None, :] * stride_wn
 
-    if ADD:
-        res_sum = residual_slice(x_ptr, res_ptr, pid, M, K, stride_xm, stride_rm, ROWS, SLICE_K)
-    rstd = tl.zeros([ROWS if COMPACT else BLOCK_M], dtype=tl.float32)
-    if NORM:
-        rstd = row_rstd(x_ptr, res_ptr, M, K, stride_xm, stride_rm, eps, ADD, ROWS, PRE_K,
-                        ROWS if COMPACT else BLOCK_M)
+    res_sum, rstd = prologue_rows(x_ptr, res_ptr, pid, M, K, stride_xm, stride_rm, eps,
+                                  ADD, NORM, COMPACT, ROWS, PRE_K, SLICE_K, BLOCK_M)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

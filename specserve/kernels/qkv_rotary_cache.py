@@ -24,7 +24,7 @@ import triton.language as tl
 from specserve.attention.metadata import PAD_SLOT_ID
 from specserve.kernels.small_m_configs import SmallMConfig, qkv_config
 from specserve.kernels.small_m_prologue import (BLOCK_M, check_prologue, dot_in_float32, input_chunk, prologue_meta,
-                                                 residual_slice, row_rstd, store_residual_slice)
+                                                 prologue_rows, store_residual_slice)
 
 
 @triton.jit
@@ -69,12 +69,8 @@ def _qkv_rotary_cache_kernel(
 
     # The programs in order, for the slices of x + residual each stores.
     program = head * tl.num_programs(1) + pair_tile
-    if ADD:
-        res_sum = residual_slice(x_ptr, res_ptr, program, M, K, stride_xm, stride_rm, ROWS, SLICE_K)
-    rstd = tl.zeros([ROWS if COMPACT else BLOCK_M], dtype=tl.float32)
-    if NORM:
-        rstd = row_rstd(x_ptr, res_ptr, M, K, stride_xm, stride_rm, eps, ADD, ROWS, PRE_K,
-                        ROWS if COMPACT else BLOCK_M)
+    res_sum, rstd = prologue_rows(x_ptr, res_ptr, program, M, K, stride_xm, stride_rm, eps,
+                                  ADD, NORM, COMPACT, ROWS, PRE_K, SLICE_K, BLOCK_M)
 
     acc_lo = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)

@@ -104,6 +104,22 @@ def residual_slice(x_ptr, res_ptr, program, M, K, stride_xm, stride_rm, ROWS: tl
 
 
 @triton.jit
+def prologue_rows(x_ptr, res_ptr, program, M, K, stride_xm, stride_rm, eps,
+                  ADD: tl.constexpr, NORM: tl.constexpr, COMPACT: tl.constexpr, ROWS: tl.constexpr,
+                  PRE_K: tl.constexpr, SLICE_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """What a program reads before its weight loop: (its slice of x + residual for store_residual_slice,
+    zeros without ADD; the rows' rstd for input_chunk, zeros without NORM)."""
+    res_sum = tl.zeros([ROWS, SLICE_K], dtype=tl.float32)
+    if ADD:
+        res_sum = residual_slice(x_ptr, res_ptr, program, M, K, stride_xm, stride_rm, ROWS, SLICE_K)
+    rstd = tl.zeros([ROWS if COMPACT else BLOCK_M], dtype=tl.float32)
+    if NORM:
+        rstd = row_rstd(x_ptr, res_ptr, M, K, stride_xm, stride_rm, eps, ADD, ROWS, PRE_K,
+                        ROWS if COMPACT else BLOCK_M)
+    return res_sum, rstd
+
+
+@triton.jit
 def store_residual_slice(res_out_ptr, s, program, M, K, stride_rom, ROWS: tl.constexpr, SLICE_K: tl.constexpr):
     """Store residual_slice's s: together the programs write x + residual once (slices past K store nothing)."""
     offs_r = tl.arange(0, ROWS)
