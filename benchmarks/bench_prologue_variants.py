@@ -53,7 +53,7 @@ from specserve.kernels.activation import silu_and_mul
 from specserve.kernels.fused_linear import fused_linear
 from specserve.kernels.rmsnorm import fused_add_rms_norm
 from specserve.kernels.small_m_configs import CANDIDATES, SmallMConfig
-from specserve.kernels.small_m_prologue import BLOCK_M, dot_in_float32
+from specserve.kernels.small_m_prologue import BLOCK_M, dot_in_float32, row_sum
 
 EPS = 1e-5
 # max |out - ref| / max |ref| above which a variant is wrong. The unfused path itself rounds to 16 bits
@@ -122,17 +122,6 @@ def store_residual_sum(x_ptr, res_ptr, res_out_ptr, M, K, stride_xm, stride_rm, 
         tl.store(res_out_ptr + offs_m[:, None] * stride_rom + offs_k[None, :], s, mask=mask)
 
 
-@triton.jit
-def _input_sum(x_ptr, res_ptr, offs_p, offs_k, M, K, stride_xm, stride_rm, ADD: tl.constexpr):
-    """x (+ residual, rounded to x's dtype as the unfused path stores the sum) as float32 [rows, chunk]."""
-    mask = (offs_p[:, None] < M) & (offs_k[None, :] < K)
-    x = tl.load(x_ptr + offs_p[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
-    if ADD:
-        r = tl.load(res_ptr + offs_p[:, None] * stride_rm + offs_k[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    return x.to(tl.float32)
-
-
 # Triton would compile M=1 apart (it specialises ints equal to 1): variants whose ROWS is 16 share one kernel.
 @triton.jit(do_not_specialize=["M"])
 def _variant_kernel(
@@ -174,7 +163,7 @@ def _variant_kernel(
     if RES_STORE == RES_SLICE:
         offs_r = tl.arange(0, ROWS)
         offs_s = pid * SLICE_K + tl.arange(0, SLICE_K)
-        res_slice = _input_sum(x_ptr, res_ptr, offs_r, offs_s, M, K, stride_xm, stride_rm, True)
+        res_slice = row_sum(x_ptr, res_ptr, offs_r, offs_s, M, K, stride_xm, stride_rm, True)
 
     # PRO_PREPASS: rstd of the token rows from a loop over x and residual alone, so the main loop has no
     # reduction; then moved onto the prologue's rows (a compare-and-sum, as Triton cannot pad a tensor).
@@ -182,7 +171,7 @@ def _variant_kernel(
         offs_q = tl.arange(0, ROWS)
         sq = tl.zeros([ROWS, PRE_K], dtype=tl.float32)
         for k0 in range(0, K, PRE_K):
-            s = _input_sum(x_ptr, res_ptr, offs_q, k0 + tl.arange(0, PRE_K), M, K, stride_xm, stride_rm, True)
+            s = row_sum(x_ptr, res_ptr, offs_q, k0 + tl.arange(0, PRE_K), M, K, stride_xm, stride_rm, True)
             sq += s * s
         rstd_q = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
         rstd = tl.sum(tl.where(offs_p[:, None] == offs_q[None, :], rstd_q[None, :], 0.0), axis=1)
@@ -207,7 +196,7 @@ def _variant_kernel(
                                       True, True, P_ROWS)
             sum_sq += chunk_sq
         else:
-            a = _input_sum(x_ptr, res_ptr, offs_p, offs_k, M, K, stride_xm, stride_rm, ADD)
+            a = row_sum(x_ptr, res_ptr, offs_p, offs_k, M, K, stride_xm, stride_rm, ADD)
             if PROLOGUE == PRO_ROWVEC:
                 sq_vec += a * a
             if PROLOGUE == PRO_PREPASS:

@@ -43,7 +43,7 @@ INTERPRETER_PREPASS_K = 64
 
 
 @triton.jit
-def _row_sum(x_ptr, res_ptr, offs_m, offs_k, M, K, stride_xm, stride_rm, ADD: tl.constexpr):
+def row_sum(x_ptr, res_ptr, offs_m, offs_k, M, K, stride_xm, stride_rm, ADD: tl.constexpr):
     """x (+ residual, rounded to x's dtype as the unfused path stores the sum) as float32 [rows, chunk], 0 outside."""
     mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
@@ -63,7 +63,7 @@ def row_rstd(x_ptr, res_ptr, M, K, stride_xm, stride_rm, eps,
     offs_q = tl.arange(0, ROWS)
     sq = tl.zeros([ROWS, PRE_K], dtype=tl.float32)
     for k0 in range(0, K, PRE_K):
-        s = _row_sum(x_ptr, res_ptr, offs_q, k0 + tl.arange(0, PRE_K), M, K, stride_xm, stride_rm, ADD)
+        s = row_sum(x_ptr, res_ptr, offs_q, k0 + tl.arange(0, PRE_K), M, K, stride_xm, stride_rm, ADD)
         sq += s * s
     rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
     if OUT_ROWS != ROWS:
@@ -83,7 +83,7 @@ def input_chunk(
     rstd: row_rstd's vector, of ROWS rows with COMPACT, else BLOCK_M (unused without NORM).
     """
     P_ROWS: tl.constexpr = ROWS if COMPACT else BLOCK_M
-    a = _row_sum(x_ptr, res_ptr, tl.arange(0, P_ROWS), offs_k, M, K, stride_xm, stride_rm, ADD)
+    a = row_sum(x_ptr, res_ptr, tl.arange(0, P_ROWS), offs_k, M, K, stride_xm, stride_rm, ADD)
     if NORM:
         # Rounded once, below, as the previous in-loop prologue did (the unfused RMSNorm also rounds the
         # normed row before the norm weight: a second 16-bit rounding the kernel tests' bounds leave out).
@@ -100,7 +100,7 @@ def input_chunk(
 def residual_slice(x_ptr, res_ptr, program, M, K, stride_xm, stride_rm, ROWS: tl.constexpr, SLICE_K: tl.constexpr):
     """This program's slice of x + residual [ROWS, SLICE_K], rounded as input_chunk rounds it."""
     offs_s = program * SLICE_K + tl.arange(0, SLICE_K)
-    return _row_sum(x_ptr, res_ptr, tl.arange(0, ROWS), offs_s, M, K, stride_xm, stride_rm, True)
+    return row_sum(x_ptr, res_ptr, tl.arange(0, ROWS), offs_s, M, K, stride_xm, stride_rm, True)
 
 
 @triton.jit
