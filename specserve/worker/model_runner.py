@@ -18,7 +18,6 @@ from specserve.spec_decode.draft_inputs import gather_draft_inputs
 from specserve.spec_decode.greedy_verify import greedy_verify
 from specserve.spec_decode.rejection_sampler import draw_randomness, rejection_sample
 from specserve.spec_decode.speculator import DraftInput, Speculator
-from specserve.transfer import to_device
 from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager, default_capture_sizes
 from specserve.worker.cudagraph_mode import CUDAGraphMode
 from specserve.worker.graph_recorder import AttentionSplitter
@@ -63,9 +62,9 @@ class ModelRunner:
         max_blocks_per_req = -(-(config.max_model_len + MAX_SPECULATIVE_TOKENS) // self.block_size) + 1
         spec = config.speculative_config
         # Extras a step stages beside its inputs, per request at most: the in-flight row (5), sampling or
-        # verification indices (k + 3), the drafter's request row (5) and its rows (2); and one value of
+        # verification indices (k + 4), the drafter's request row (5) and its rows (2); and one value of
         # alignment padding per extra.
-        extras = config.max_num_seqs * (15 + MAX_SPECULATIVE_TOKENS) + 16
+        extras = config.max_num_seqs * (16 + MAX_SPECULATIVE_TOKENS) + 16
         self.buffers = InputBuffers(config.max_num_seqs, config.max_num_batched_tokens, max_blocks_per_req, self.device,
                                     extra_capacity=extras)
         self.outputs = StepOutputs(config.max_num_seqs, spec.num_speculative_tokens if spec else 0, self.device)
@@ -289,8 +288,7 @@ class ModelRunner:
         drafts = torch.where(slots < num[:, None], b.input_ids[index[:, 1:]], -1)
         draft_probs = None
         if self.speculator.draft_probs is not None and not batch.all_greedy:
-            rows = to_device([self._row(r.request_id) for r in reqs], self.device)
-            draft_probs = self.speculator.draft_probs[rows, :k]
+            draft_probs = self.speculator.draft_probs[b.staged_extra("verify_draft_rows"), :k]
         if batch.all_greedy and forced is None:
             # Greedy rows read no randomness: skip drawing [N, V] exponentials (an expanded view of one
             # value costs no memory).
@@ -369,6 +367,10 @@ class StepPlan:
             extras["verify_index"] = last[:, None] - num[:, None] + np.minimum(j[None, :], num[:, None])
             extras["verify_drafts"] = num
             extras["verify_rows"] = np.array(verify_rows, dtype=np.int64)
+            if drafts_on_device:
+                # Where the drafter kept each verified request's draft probabilities (sampled verification).
+                extras["verify_draft_rows"] = np.array([row_of(sched.scheduled[i].request.request_id)
+                                                        for i in verify_rows], dtype=np.int64)
         if drafts_on_device and sampling:
             extras["draft_requests"] = np.array(draft_requests, dtype=np.int64)
             # Each drafting request's row of the drafter's per-request state (row_of: request id -> row).
