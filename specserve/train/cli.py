@@ -19,6 +19,8 @@ _HELP = {
     "sampled_fraction": "share of prompts answered a second time by sampling",
     "sampled_temperature": "temperature of those sampled answers",
     "question_temperature": "temperature at which the target writes its prompts",
+    "templated_fraction": "without --prompts: share of prompts built from hand-written templates rather than "
+                          "written by the target",
     "follow_up_fraction": "share of greedy answers followed up in a second round (another turn, or the answer "
                           "as a passage to summarise or extract from)",
     "max_num_seqs": "concurrent requests while generating",
@@ -36,6 +38,8 @@ _HELP = {
     "grad_clip": "gradient-norm clip",
     "ttt_steps": "draft steps unrolled per position in training (cover the k you serve with)",
     "step_weight_decay": "loss weight of unrolled step j is this to the power j",
+    "soft_labels": "train against the target's next-token distribution over the draft vocabulary "
+                   "(--no-soft-labels: against the data's tokens)",
     "val_fraction": "share of sequences held out to report accuracy",
     "train_seconds": "time budget of training: the planned steps shrink to fit, after timing the first (0: no limit)",
     "save_every": "checkpoint every this many steps",

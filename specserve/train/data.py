@@ -2,7 +2,8 @@
 
 A head is trained to predict what the target will say, so the target writes
 the data: with a prompt file it answers those prompts; without one it first
-writes the prompts itself (questions.py); a second round then follows up on
+writes the prompts itself (questions.py), beside requests built from
+hand-written templates (request_templates.py); a second round then follows up on
 its greedy answers (another turn, or the answer as a passage to work on).
 Every prompt is answered greedily and a share of them again by sampling, so
 the data resembles both the greedy and the sampled serving the head will
@@ -27,6 +28,7 @@ from specserve.prompt_files import load_prompt_file, prompt_token_ids
 from specserve.sampling_params import SamplingParams
 from specserve.train.config import TrainConfig
 from specserve.train.questions import STOP, follow_up_conversations, question_seeds
+from specserve.train.request_templates import templated_requests
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +89,9 @@ def run_requests(llm, prompts: list[list[int]], params: list[SamplingParams], de
     return results
 
 
-def write_questions(llm, cfg: TrainConfig, deadline: float | None) -> list[list[dict]]:
-    """Prompts the target writes itself (questions.py), as one-turn conversations."""
-    seeds = question_seeds(cfg.num_prompts, cfg.seed)
+def write_questions(llm, cfg: TrainConfig, n: int, deadline: float | None) -> list[list[dict]]:
+    """n prompts the target writes itself (questions.py), as one-turn conversations."""
+    seeds = question_seeds(n, cfg.seed)
     asks = [prompt_token_ids(llm, [{"role": "user", "content": s.instruction}])
             + llm.tokenizer.encode(s.reply_start, add_special_tokens=False) for s in seeds]
     # A question needs room for itself and then for an answer below max_seq_len.
@@ -143,7 +145,12 @@ def generate_data(cfg: TrainConfig, work: Path) -> tuple[list[Sequence], DataSta
         conversations = load_prompt_file(cfg.prompts, limit=cfg.num_prompts)
     else:
         question_deadline = start + QUESTION_TIME_SHARE * cfg.data_seconds if cfg.data_seconds else None
-        conversations = write_questions(llm, cfg, question_deadline)
+        templated = round(cfg.templated_fraction * cfg.num_prompts)
+        written = (write_questions(llm, cfg, cfg.num_prompts - templated, question_deadline)
+                   if templated < cfg.num_prompts else [])
+        conversations = written + [[{"role": "user", "content": r}] for r in templated_requests(templated, cfg.seed)]
+        # Both kinds in every stretch of the queue, so a data budget that runs out cuts them alike.
+        random.Random(f"{cfg.seed}:prompt-order").shuffle(conversations)
         save_prompts(work / "prompts.jsonl", conversations)
     stats.question_seconds = time.monotonic() - start - stats.load_seconds
     first_deadline = None

@@ -1,4 +1,5 @@
-"""The target, run teacher-forced over whole sequences: the hidden states the head reads.
+"""The target, run teacher-forced over whole sequences: the hidden states the head reads, and what the
+target itself would say next at every position.
 
 This is the engine's own model class (LlamaForCausalLM with aux_hidden_layers
 set, as the runner sets it for an EAGLE-3 speculator) under plain causal
@@ -6,11 +7,16 @@ attention, so the head trains on the same layer inputs it is fed when serving.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specserve.models.loader import build_model, open_model_source
 from specserve.train.attention import CausalAttention, DenseBatch
 from specserve.train.batches import Batch
+
+# Rows of target logits computed at once: the full-vocabulary logits of a whole batch would take gigabytes.
+_LOGIT_ROWS = 4096
 
 
 def plain_torch(model: torch.nn.Module) -> None:
@@ -19,6 +25,19 @@ def plain_torch(model: torch.nn.Module) -> None:
     for m in model.modules():
         if getattr(m, "fused", False):
             m.fused = False
+
+
+@dataclass
+class TargetStates:
+    aux: torch.Tensor  # [B * L, n_aux * hidden]: the auxiliary hidden states the head reads
+    final: torch.Tensor  # [B * L, hidden]: the target's last normed hidden states, what its lm_head reads
+
+
+@dataclass
+class NextTokens:
+    """The target's own prediction of the token after each position."""
+    greedy: torch.Tensor  # [N] int64: its argmax over the whole vocabulary
+    draft_probs: torch.Tensor  # [N, draft vocab] float32: its distribution renormalised over the draft vocabulary
 
 
 class TargetFeatures:
@@ -31,9 +50,17 @@ class TargetFeatures:
         return self.model.model.embed_tokens
 
     @torch.no_grad()
-    def __call__(self, batch: Batch) -> torch.Tensor:
-        """[B * L, n_aux * hidden]: the auxiliary hidden states at every position of the batch."""
+    def __call__(self, batch: Batch) -> TargetStates:
         b, n = batch.ids.shape
         positions = torch.arange(n, device=batch.ids.device).repeat(b)
-        _, aux = self.model(batch.ids.flatten(), positions, [None] * self.arch.num_layers, DenseBatch(b, n))
-        return torch.cat(aux, dim=-1)
+        final, aux = self.model(batch.ids.flatten(), positions, [None] * self.arch.num_layers, DenseBatch(b, n))
+        return TargetStates(torch.cat(aux, dim=-1), final)
+
+    @torch.no_grad()
+    def next_tokens(self, final: torch.Tensor, draft_to_target: torch.Tensor) -> NextTokens:
+        greedy, probs = [], []
+        for chunk in final.split(_LOGIT_ROWS):
+            logits = self.model.compute_logits(chunk)
+            greedy.append(logits.argmax(dim=-1))
+            probs.append(torch.softmax(logits[:, draft_to_target], dim=-1))
+        return NextTokens(torch.cat(greedy), torch.cat(probs))

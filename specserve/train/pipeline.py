@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 SEQUENCES_NAME = "sequences.jsonl"
 # Settings that shape the training trajectory: a checkpoint only resumes a run that agrees on all of them.
 _IDENTITY_FIELDS = ("draft_vocab_size", "epochs", "steps", "batch_size", "lr", "warmup_steps", "weight_decay",
-                    "grad_clip", "ttt_steps", "step_weight_decay", "val_fraction", "seed")
+                    "grad_clip", "ttt_steps", "step_weight_decay", "soft_labels", "val_fraction", "seed")
 
 
 @dataclass

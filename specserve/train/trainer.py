@@ -114,10 +114,11 @@ class Trainer:
             return self._unrolled_loss(batch)
 
     def _unrolled_loss(self, batch):
-        aux = self.features(batch)
+        states = self.features(batch)
+        teacher = self.features.next_tokens(states.final, self.draft_to_target) if self.cfg.soft_labels else None
         with self._autocast():
-            return unrolled_loss(self.head, aux, batch, self.target_to_draft, self.draft_to_target,
-                                 self.cfg.ttt_steps, self.cfg.step_weight_decay)
+            return unrolled_loss(self.head, states.aux, batch, self.target_to_draft, self.draft_to_target,
+                                 self.cfg.ttt_steps, self.cfg.step_weight_decay, teacher)
 
     def train_step(self, sequences: list[Sequence]) -> tuple[float, list[float]]:
         """One optimizer step; (loss, accuracy of each unrolled step) on the batch."""

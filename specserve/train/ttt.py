@@ -12,6 +12,13 @@ A row counts where the drafter could stand there: its first token x_{i+1}
 is one the target generated (i >= prompt length - 1) and the token to
 predict exists. Tokens outside the draft vocabulary cannot be proposed: they
 are left out of the loss and counted as misses in the accuracy.
+
+With the target's own next-token predictions (soft labels, as EAGLE-3 trains),
+step j's row is scored against the target's distribution after x_{i+j+1}
+(renormalised over the draft vocabulary; the loss is the KL divergence to it) rather than the one token the data
+holds, and its accuracy is agreement with the target's greedy choice: every
+row then teaches the whole ranking, and sampled answers teach what greedy
+serving will ask for.
 """
 from __future__ import annotations
 
@@ -23,11 +30,12 @@ import torch.nn.functional as F
 
 from specserve.train.attention import DenseBatch, UnrolledKV
 from specserve.train.batches import Batch
+from specserve.train.features import NextTokens
 
 
 @dataclass
 class UnrolledResult:
-    loss: torch.Tensor  # scalar, the weighted sum of the steps' mean cross-entropies
+    loss: torch.Tensor  # scalar, the weighted sum of the steps' mean cross-entropies (KL divergences, soft)
     correct: torch.Tensor  # [steps] counted rows whose argmax draft is the target's token
     counted: torch.Tensor  # [steps] rows that count
 
@@ -47,7 +55,10 @@ def unroll(head, aux: torch.Tensor, ids: torch.Tensor, steps: int) -> Iterator[t
 
 
 def unrolled_loss(head, aux: torch.Tensor, batch: Batch, target_to_draft: torch.Tensor,
-                  draft_to_target: torch.Tensor, steps: int, step_weight_decay: float) -> UnrolledResult:
+                  draft_to_target: torch.Tensor, steps: int, step_weight_decay: float,
+                  teacher: NextTokens | None = None) -> UnrolledResult:
+    """teacher: the target's predictions at every position of the batch (soft labels); None trains on
+    the data's tokens."""
     n = batch.ids.shape[1]
     targets_of = F.pad(batch.ids, (0, steps + 1))
     row = torch.arange(n, device=batch.ids.device)[None, :]
@@ -56,11 +67,20 @@ def unrolled_loss(head, aux: torch.Tensor, batch: Batch, target_to_draft: torch.
     for j, normed in enumerate(unroll(head, aux, batch.ids, steps)):
         counts = (row >= batch.prompt_lengths[:, None] - 1) & (row + j + 2 < batch.lengths[:, None])
         rows = counts.flatten().nonzero().squeeze(1)
-        targets = targets_of[:, j + 2: j + 2 + n].flatten()[rows]
         logits = head.lm_head(normed[rows]).float()
-        labels = target_to_draft[targets]
+        if teacher is None:
+            targets = targets_of[:, j + 2: j + 2 + n].flatten()[rows]
+            labels = target_to_draft[targets]
+            ce = F.cross_entropy(logits, labels.clamp(min=0), reduction="none")
+        else:
+            # The prediction of x_{i+j+2} is the target's at position i + j + 1, in the same sequence.
+            targets = teacher.greedy[rows + j + 1]
+            labels = target_to_draft[targets]
+            # KL divergence: the cross-entropy less the target's own entropy, so a perfect draft scores 0
+            # as with hard labels.
+            probs = teacher.draft_probs[rows + j + 1]
+            ce = (torch.xlogy(probs, probs) - probs * F.log_softmax(logits, dim=-1)).sum(dim=-1)
         in_vocab = labels >= 0
-        ce = F.cross_entropy(logits, labels.clamp(min=0), reduction="none")
         loss = loss + step_weight_decay**j * (ce * in_vocab).sum() / in_vocab.sum().clamp(min=1)
         correct.append((draft_to_target[logits.argmax(dim=-1)] == targets).sum())
         counted.append(counts.sum())

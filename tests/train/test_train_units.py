@@ -9,6 +9,7 @@ from specserve.train.batches import collate, epoch_batches, split
 from specserve.train.data import Sequence
 from specserve.train.questions import (FOLLOW_UPS, PASSAGE_TASKS, TASK_OPENERS, TOPICS, QuestionSeed,
                                        follow_up_conversations, is_repetitive, question_seeds)
+from specserve.train.request_templates import CATEGORIES, templated_requests
 from specserve.train.schedule import FLOOR, WarmupCosine
 
 
@@ -35,6 +36,16 @@ def test_a_question_is_the_opener_and_what_the_target_wrote():
     seed = QuestionSeed("chess", "How do I")
     assert seed.question(" get better at endgames?  ") == "How do I get better at endgames?"
     assert QuestionSeed("poetry", "Summarize").question(" it.") is None  # too short to be a request
+
+
+def test_templated_requests_are_distinct_seeded_and_take_turns_by_category():
+    requests = templated_requests(400, seed=1)
+    assert len(requests) == len(set(requests)) == 400
+    assert templated_requests(400, seed=1) == requests != templated_requests(400, seed=2)
+    assert all(len(r.split()) >= 6 for r in requests)
+    # The first of each round comes from the categories in order: writing first, extraction's passages sixth.
+    assert requests[0].startswith("Write a ") and "\n\n" in requests[5]
+    assert len(CATEGORIES) == 8
 
 
 PROSE = ("Volcanoes form where magma rises through the crust. Pressure builds in a chamber below the surface "

@@ -11,6 +11,7 @@ from specserve.models.arch_config import ArchConfig
 from specserve.models.eagle3 import Eagle3Head
 from specserve.train.attention import UnrolledAttention
 from specserve.train.batches import Batch
+from specserve.train.features import NextTokens
 from specserve.train.ttt import unroll, unrolled_loss
 
 BLOCK = 16
@@ -121,3 +122,49 @@ def test_loss_weights_later_steps_by_the_decay():
     rows = torch.arange(0, 6)  # i >= 0 and i + 3 < 9
     ce = torch.nn.functional.cross_entropy(train.lm_head(normed[rows]).float(), ids[0, rows + 3])
     torch.testing.assert_close(two, one + 0.5 * ce)
+
+
+def one_hot_teacher(ids: torch.Tensor, vocab: int) -> NextTokens:
+    """A target certain of the data's next token at every position (the last position predicts token 0)."""
+    nxt = torch.nn.functional.pad(ids[:, 1:], (0, 1)).flatten()
+    return NextTokens(nxt, torch.nn.functional.one_hot(nxt, vocab).float())
+
+
+def test_soft_labels_of_a_certain_target_are_the_hard_loss():
+    train, _ = heads()
+    ids = torch.randint(0, 50, (2, 11), generator=torch.Generator().manual_seed(5))
+    batch, identity = Batch(ids, torch.tensor([11, 8]), torch.tensor([2, 3])), torch.arange(50)
+    aux = torch.randn(22, 96, generator=torch.Generator().manual_seed(6))
+    hard = unrolled_loss(train, aux, batch, identity, identity, 3, 0.8)
+    soft = unrolled_loss(train, aux, batch, identity, identity, 3, 0.8, one_hot_teacher(ids, 50))
+    torch.testing.assert_close(soft.loss, hard.loss)
+    assert soft.correct.tolist() == hard.correct.tolist() and soft.counted.tolist() == hard.counted.tolist()
+
+
+def test_soft_loss_is_kl_divergence_from_the_targets_distribution_in_float64():
+    train, _ = heads(draft_vocab=40)
+    g = torch.Generator().manual_seed(7)
+    n, steps, prompt = 9, 2, 3
+    ids = torch.randint(0, 50, (1, n), generator=g)
+    aux = torch.randn(n, 96, generator=g)
+    probs = torch.softmax(3 * torch.randn(n, 50, generator=g), dim=-1)
+    greedy = probs.argmax(dim=-1)
+    greedy[4] = 49  # outside the draft vocabulary 0..39 below: left out of the loss
+    target_to_draft = torch.where(torch.arange(50) < 40, torch.arange(50), -1)
+    draft_probs = probs[:, :40] / probs[:, :40].sum(dim=-1, keepdim=True)
+    result = unrolled_loss(train, aux, Batch(ids, torch.tensor([n]), torch.tensor([prompt])), target_to_draft,
+                           torch.arange(40), steps, 0.5, NextTokens(greedy, draft_probs))
+    with torch.no_grad():
+        normed = list(unroll(train, aux, ids, steps))
+    want, correct = 0.0, []
+    for j in range(steps):
+        rows = [i for i in range(prompt - 1, n) if i + j + 2 < n]
+        logp = torch.log_softmax(train.lm_head(normed[j][rows]).double(), dim=-1)
+        teacher_rows = [i + j + 1 for i in rows]
+        p = draft_probs[teacher_rows].double()
+        ce = (p * (p.log() - logp)).sum(dim=-1)
+        keep = torch.tensor([greedy[r] < 40 for r in teacher_rows])
+        want += 0.5**j * ce[keep].mean().item()
+        correct.append(int((logp.argmax(dim=-1) == greedy[teacher_rows]).sum()))
+    assert abs(result.loss.item() - want) < 1e-4
+    assert result.correct.tolist() == correct

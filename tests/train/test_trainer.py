@@ -23,6 +23,7 @@ from specserve.train.config import TrainConfig
 from specserve.train.data import generate_data, load_sequences, run_requests
 from specserve.train.export import export_head
 from specserve.train.pipeline import SEQUENCES_NAME, make_trainer, train_eagle3
+from specserve.train.request_templates import templated_requests
 from specserve.train.ttt import unroll
 from specserve.train.vocab import build_draft_vocab
 
@@ -52,7 +53,7 @@ def config(target, out, **kw) -> TrainConfig:
     base = dict(target=str(target), out=str(out), num_prompts=18, max_new_tokens=24, max_seq_len=96,
                 follow_up_fraction=0.0, max_num_seqs=32, kv_cache_memory_gb=0.01, data_seconds=None,
                 draft_vocab_size=200, epochs=12, batch_size=4, lr=5e-3, ttt_steps=3, val_fraction=0.2,
-                train_seconds=None, save_every=5, device="cpu", progress=False)
+                train_seconds=None, save_every=5, device="cpu", progress=False, soft_labels=False)
     return TrainConfig(**{**base, **kw})
 
 
@@ -86,9 +87,11 @@ def test_run_writes_a_loadable_head_and_reports_each_phase(trained):
     assert len(summary.validation.accuracy) == cfg.ttt_steps
 
 
-def test_loss_falls(trained, tmp_path):
+@pytest.mark.parametrize("soft_labels", [False, True])
+def test_loss_falls(trained, tmp_path, soft_labels):
     cfg, _ = trained
-    trainer = trainer_for(config(cfg.target, tmp_path / "head", steps=40), data_dir=cfg.work_dir)[0]
+    trainer = trainer_for(config(cfg.target, tmp_path / "head", steps=40, soft_labels=soft_labels),
+                          data_dir=cfg.work_dir)[0]
     losses = [trainer.train_step([trainer.train_set[i] for i in range(k % 5, k % 5 + 4)])[0] for k in range(40)]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.5 * first, losses
@@ -126,7 +129,7 @@ def test_engine_accepts_exactly_what_the_training_forward_predicts(trained):
     for seq in greedy:
         batch = collate([seq])
         with torch.no_grad():
-            normed = list(unroll(trainer.head, trainer.features(batch), batch.ids, k))
+            normed = list(unroll(trainer.head, trainer.features(batch).aux, batch.ids, k))
         drafts = [trainer.draft_to_target[trainer.head.lm_head(h).argmax(-1)].tolist() for h in normed]
         ids, p = seq.ids, len(seq.prompt_ids) - 1
         while p + 2 < len(ids):
@@ -172,9 +175,11 @@ def test_command_with_resume_reuses_the_data_and_the_finished_checkpoint(trained
     weights = (summary.out / "model.safetensors").read_bytes()
     args = ["train-eagle", "--resume", "--no-progress"]
     for f in fields(TrainConfig):
-        value = getattr(cfg, f.name)
-        if value is not None and not isinstance(value, bool):
-            args += ["--" + f.name.replace("_", "-"), str(value)]
+        value, flag = getattr(cfg, f.name), f.name.replace("_", "-")
+        if isinstance(value, bool):
+            args += [] if f.name in ("resume", "progress") else ["--" + ("" if value else "no-") + flag]
+        elif value is not None:
+            args += ["--" + flag, str(value)]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert f"data: reused {summary.num_sequences} answers" in out and f"; {summary.steps} steps" in out
@@ -206,7 +211,9 @@ def test_the_target_writes_its_own_prompts_then_follows_up_on_its_answers(target
                  follow_up_fraction=1.0)
     sequences, stats = generate_data(cfg, tmp_path / "work")
     written = load_prompt_file(tmp_path / "work" / "prompts.jsonl")
-    assert stats.prompts == len(written) > 0
+    assert stats.prompts == len(written) > 3
+    # Half from hand-written templates, the rest written by the target.
+    assert set(templated_requests(3, cfg.seed)) <= {c[0]["content"] for c in written}
     assert all(len(c[0]["content"].split()) >= 4 for c in written)
     assert all(0 < len(s.response_ids) <= 8 and s.temperature == 0.0 for s in sequences)
     first, second = sequences[:stats.prompts], sequences[stats.prompts:]
