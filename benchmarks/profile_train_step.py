@@ -58,8 +58,8 @@ def main() -> None:
     cfg = TrainConfig(target=str(root), out=str(root / "out"), device="cuda", batch_size=a.batch_size,
                       ttt_steps=a.ttt_steps, progress=False)
     features = RandomFeatures(str(root), aux)
-    head = build_head(target, head_arch(head_config(target, vocab.size, aux)), vocab, aux, features.embed_tokens,
-                      "cuda", 0)
+    head = build_head(target, head_arch(head_config(target, vocab.size, aux)), vocab, aux, features.model,
+                      "cuda", 0, cfg.warm_start)
     trainer = Trainer(cfg, features, head, vocab, seqs, [], {})
     # Batches of different lengths, as in a real run (shape-specialised kernels replan per shape).
     batches = [seqs[i::4][: a.batch_size] for i in range(4)]

@@ -21,6 +21,8 @@ _HELP = {
     "question_temperature": "temperature at which the target writes its prompts",
     "templated_fraction": "without --prompts: share of prompts built from hand-written templates rather than "
                           "written by the target",
+    "word_topic_fraction": "without --prompts: share of prompt topics drawn from the words of the target's "
+                           "vocabulary rather than the curated list",
     "follow_up_fraction": "share of greedy answers followed up in a second round (another turn, or the answer "
                           "as a passage to summarise or extract from)",
     "max_num_seqs": "concurrent requests while generating",
@@ -40,6 +42,7 @@ _HELP = {
     "step_weight_decay": "loss weight of unrolled step j is this to the power j",
     "soft_labels": "train against the target's next-token distribution over the draft vocabulary "
                    "(--no-soft-labels: against the data's tokens)",
+    "warm_start": "start the head's lm_head, final norm and fc from the target's (--no-warm-start: random)",
     "val_fraction": "share of sequences held out to report accuracy",
     "train_seconds": "time budget of training: the planned steps shrink to fit, after timing the first (0: no limit)",
     "save_every": "checkpoint every this many steps",

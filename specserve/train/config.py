@@ -39,6 +39,9 @@ class TrainConfig:
     # Without a prompt file: share of the prompts built from hand-written templates (request_templates.py)
     # rather than written by the target.
     templated_fraction: float = 0.5
+    # Without a prompt file: share of prompt topics that are words of the target's vocabulary rather than
+    # the curated list (questions.py).
+    word_topic_fraction: float = 0.6
     # Share of the greedy first answers that get a follow-up request, answered in a second round.
     follow_up_fraction: float = 1.0
     max_num_seqs: int = 256
@@ -70,7 +73,9 @@ class TrainConfig:
     step_weight_decay: float = 0.8
     # Score each draft against the target's whole next-token distribution (as EAGLE-3 trains) rather than
     # the one token the data holds; accuracy is then agreement with the target's greedy choice.
-    soft_labels: bool = True
+    soft_labels: bool = False
+    # Start the head's lm_head, final norm and fc from the target (trainer.start_from_target) rather than noise.
+    warm_start: bool = True
     # Share of sequences held out to report accuracy on data the head did not train on.
     val_fraction: float = 0.05
     # Shrink the planned steps, after timing the first ones, so training ends within this (None: no limit).
@@ -94,7 +99,7 @@ class TrainConfig:
             check(isinstance(value, int) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
         check(self.steps is None or self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
         check(self.max_seq_len >= 16, "max_seq_len", f"must be >= 16 tokens, got {self.max_seq_len}")
-        for name in ("sampled_fraction", "follow_up_fraction", "templated_fraction"):
+        for name in ("sampled_fraction", "follow_up_fraction", "templated_fraction", "word_topic_fraction"):
             check(0.0 <= getattr(self, name) <= 1.0, name, f"must be in [0, 1], got {getattr(self, name)}")
         for name in ("sampled_temperature", "question_temperature", "lr", "grad_clip", "step_weight_decay",
                      "max_shard_mb"):

@@ -27,7 +27,7 @@ from specserve.outputs import RequestOutput
 from specserve.prompt_files import load_prompt_file, prompt_token_ids
 from specserve.sampling_params import SamplingParams
 from specserve.train.config import TrainConfig
-from specserve.train.questions import STOP, follow_up_conversations, question_seeds
+from specserve.train.questions import STOP, follow_up_conversations, question_seeds, topic_mix, vocabulary_words
 from specserve.train.request_templates import templated_requests
 
 logger = logging.getLogger(__name__)
@@ -89,9 +89,9 @@ def run_requests(llm, prompts: list[list[int]], params: list[SamplingParams], de
     return results
 
 
-def write_questions(llm, cfg: TrainConfig, n: int, deadline: float | None) -> list[list[dict]]:
-    """n prompts the target writes itself (questions.py), as one-turn conversations."""
-    seeds = question_seeds(n, cfg.seed)
+def write_questions(llm, cfg: TrainConfig, n: int, topics: list[str], deadline: float | None) -> list[list[dict]]:
+    """n prompts the target writes itself (questions.py) about topics, as one-turn conversations."""
+    seeds = question_seeds(n, cfg.seed, topics)
     asks = [prompt_token_ids(llm, [{"role": "user", "content": s.instruction}])
             + llm.tokenizer.encode(s.reply_start, add_special_tokens=False) for s in seeds]
     # A question needs room for itself and then for an answer below max_seq_len.
@@ -145,10 +145,12 @@ def generate_data(cfg: TrainConfig, work: Path) -> tuple[list[Sequence], DataSta
         conversations = load_prompt_file(cfg.prompts, limit=cfg.num_prompts)
     else:
         question_deadline = start + QUESTION_TIME_SHARE * cfg.data_seconds if cfg.data_seconds else None
+        topics = topic_mix(vocabulary_words(llm.tokenizer), cfg.num_prompts, cfg.word_topic_fraction, cfg.seed)
         templated = round(cfg.templated_fraction * cfg.num_prompts)
-        written = (write_questions(llm, cfg, cfg.num_prompts - templated, question_deadline)
+        written = (write_questions(llm, cfg, cfg.num_prompts - templated, topics, question_deadline)
                    if templated < cfg.num_prompts else [])
-        conversations = written + [[{"role": "user", "content": r}] for r in templated_requests(templated, cfg.seed)]
+        conversations = written + [[{"role": "user", "content": r}]
+                                   for r in templated_requests(templated, cfg.seed, topics)]
         # Both kinds in every stretch of the queue, so a data budget that runs out cuts them alike.
         random.Random(f"{cfg.seed}:prompt-order").shuffle(conversations)
         save_prompts(work / "prompts.jsonl", conversations)

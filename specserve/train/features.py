@@ -45,10 +45,6 @@ class TargetFeatures:
         self.model, self.arch = build_model(open_model_source(target), dtype, device, CausalAttention(), aux_layers)
         plain_torch(self.model)
 
-    @property
-    def embed_tokens(self) -> torch.nn.Embedding:
-        return self.model.model.embed_tokens
-
     @torch.no_grad()
     def __call__(self, batch: Batch) -> TargetStates:
         b, n = batch.ids.shape

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 SEQUENCES_NAME = "sequences.jsonl"
 # Settings that shape the training trajectory: a checkpoint only resumes a run that agrees on all of them.
 _IDENTITY_FIELDS = ("draft_vocab_size", "epochs", "steps", "batch_size", "lr", "warmup_steps", "weight_decay",
-                    "grad_clip", "ttt_steps", "step_weight_decay", "soft_labels", "val_fraction", "seed")
+                    "grad_clip", "ttt_steps", "step_weight_decay", "soft_labels", "warm_start", "val_fraction", "seed")
 
 
 @dataclass
@@ -64,7 +64,8 @@ def make_trainer(cfg: TrainConfig, target: ArchConfig, aux_layers: tuple[int, ..
     train, val = split(sequences, cfg.val_fraction, cfg.seed)
     features = TargetFeatures(cfg.target, aux_layers, cfg.torch_dtype, cfg.device)
     config = head_config(target, vocab.size, aux_layers)
-    head = build_head(target, head_arch(config), vocab, aux_layers, features.embed_tokens, cfg.device, cfg.seed)
+    head = build_head(target, head_arch(config), vocab, aux_layers, features.model, cfg.device, cfg.seed,
+                      cfg.warm_start)
     identity = {name: getattr(cfg, name) for name in _IDENTITY_FIELDS}
     identity.update(aux_layers=list(aux_layers), data=data_digest)
     return Trainer(cfg, features, head, vocab, train, val, identity), config

@@ -33,6 +33,23 @@ TOPICS = (
     "nutrition", "robots", "the water cycle", "moving to a new city",
 )
 
+# Whole words of the target's vocabulary make topics too: a few dozen subjects leave most of what users ask
+# about (places, people, things) out of the data, and the head then drafts such words poorly.
+MIN_WORD_LETTERS = 5
+
+
+def vocabulary_words(tokenizer) -> list[str]:
+    """The target's tokens that are a space and a word of MIN_WORD_LETTERS letters or more, sorted."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    return sorted({t[1:] for t in texts if t.startswith(" ") and t[1:].isalpha() and len(t) > MIN_WORD_LETTERS})
+
+
+def topic_mix(words: Sequence[str], n: int, word_fraction: float, seed: int) -> list[str]:
+    """n topics, each a vocabulary word with probability word_fraction (when there are any), else a curated one."""
+    rng = random.Random(f"{seed}:topics")
+    return [rng.choice(words) if rng.random() < word_fraction and words else rng.choice(TOPICS) for _ in range(n)]
+
+
 # The opening words of each task kind; the target continues them into a whole request.
 TASK_OPENERS = (
     "Can you explain", "Write a short story", "Write a Python function", "Solve this math problem:",
@@ -70,9 +87,9 @@ class QuestionSeed:
         return text if len(text.split()) >= MIN_WORDS else None
 
 
-def question_seeds(n: int, seed: int) -> list[QuestionSeed]:
+def question_seeds(n: int, seed: int, topics: Sequence[str] = TOPICS) -> list[QuestionSeed]:
     """n seeds, cycling through every (topic, task kind) pair in a seeded order."""
-    pairs = [QuestionSeed(topic, opener) for topic in TOPICS for opener in TASK_OPENERS]
+    pairs = [QuestionSeed(topic, opener) for topic in dict.fromkeys(topics) for opener in TASK_OPENERS]
     random.Random(seed).shuffle(pairs)
     return (pairs * (n // len(pairs) + 1))[:n]
 

@@ -12,7 +12,7 @@ generator so that thousands of requests differ.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from specserve.train.questions import TOPICS
 
@@ -76,19 +76,19 @@ ADJECTIVES = ("great", "terrible", "disappointing", "excellent", "average", "sur
 PRODUCTS = ("phone", "blender", "laptop", "pair of running shoes", "coffee maker", "novel", "hotel stay", "movie")
 
 
-def _writing(rng: random.Random) -> str:
+def _writing(rng: random.Random, topics: Sequence[str]) -> str:
     extra = rng.sample(CONSTRAINTS, rng.randint(1, 2))
-    return (f"Write a {rng.choice(FORMS)} about {rng.choice(TOPICS)} for {rng.choice(AUDIENCES)}. "
+    return (f"Write a {rng.choice(FORMS)} about {rng.choice(topics)} for {rng.choice(AUDIENCES)}. "
             + " ".join(extra))
 
 
-def _roleplay(rng: random.Random) -> str:
-    situation = rng.choice(SITUATIONS).format(topic=rng.choice(TOPICS))
+def _roleplay(rng: random.Random, topics: Sequence[str]) -> str:
+    situation = rng.choice(SITUATIONS).format(topic=rng.choice(topics))
     opener = rng.choice(("Pretend you are {p}.", "Act as {p}.", "Imagine you are {p}.", "You are {p}."))
     return f"{opener.format(p=rng.choice(PERSONAS))} {situation} Stay in character."
 
 
-def _reasoning(rng: random.Random) -> str:
+def _reasoning(rng: random.Random, topics: Sequence[str]) -> str:
     a, b, c = rng.sample(NAMES, 3)
     n, m = rng.randint(2, 15), rng.randint(2, 12)
     x = rng.randint(1, 9)
@@ -113,7 +113,7 @@ def _reasoning(rng: random.Random) -> str:
             "once. How many handshakes happen? Explain how you got the answer.")
 
 
-def _math(rng: random.Random) -> str:
+def _math(rng: random.Random, topics: Sequence[str]) -> str:
     a, b, c = rng.randint(2, 12), rng.randint(1, 40), rng.randint(41, 120)
     kind = rng.randrange(7)
     if kind == 0:
@@ -133,7 +133,7 @@ def _math(rng: random.Random) -> str:
     return f"A rectangle has a perimeter of {2 * (b + c)} cm and a length of {c} cm. What is its area?"
 
 
-def _coding(rng: random.Random) -> str:
+def _coding(rng: random.Random, topics: Sequence[str]) -> str:
     if rng.random() < 0.2:
         return ("Given tables customers(id, name, city), products(id, name, price) and orders(id, customer_id, "
                 "product_id, amount, created_at), write a "
@@ -141,7 +141,7 @@ def _coding(rng: random.Random) -> str:
     return f"Write a {rng.choice(LANGUAGES)} function that {rng.choice(CODE_TASKS)}.{rng.choice(CODE_EXTRAS)}"
 
 
-def _news_passage(rng: random.Random) -> str:
+def _news_passage(rng: random.Random, topics: Sequence[str]) -> str:
     lines = []
     for company in rng.sample(COMPANIES, rng.randint(2, 4)):
         year = rng.randint(2015, 2024)
@@ -152,12 +152,12 @@ def _news_passage(rng: random.Random) -> str:
     return " ".join(lines)
 
 
-def _extraction(rng: random.Random) -> str:
+def _extraction(rng: random.Random, topics: Sequence[str]) -> str:
     if rng.random() < 0.5:
         ask = rng.choice(("Extract each company's name, city, revenue and year, and return them as JSON.",
                           "Which company had the highest revenue? Answer, then list the others in order.",
                           "Summarize these reports in one sentence per company."))
-        return f"{_news_passage(rng)}\n\n{ask}"
+        return f"{_news_passage(rng, topics)}\n\n{ask}"
     reviews = [f"Review {i + 1}: The {rng.choice(PRODUCTS)} was {rng.choice(ADJECTIVES)}. "
                f"{rng.choice(('I would buy it again.', 'It broke after a week.', 'Shipping was slow.', 'Worth it.'))}"
                for i in range(rng.randint(3, 5))]
@@ -165,40 +165,40 @@ def _extraction(rng: random.Random) -> str:
             + "\n".join(reviews))
 
 
-def _stem(rng: random.Random) -> str:
+def _stem(rng: random.Random, topics: Sequence[str]) -> str:
     kind = rng.randrange(3)
     if kind == 0:
         x, y = rng.choice(CONCEPT_PAIRS)
         return f"What is the difference between {x} and {y}? Give an example of each."
     if kind == 1:
         return f"Explain step by step how {rng.choice(PROCESSES)}. {rng.choice(CONSTRAINTS)}"
-    return f"Explain {rng.choice(TOPICS)} to {rng.choice(AUDIENCES)}, and suggest a simple experiment or example."
+    return f"Explain {rng.choice(topics)} to {rng.choice(AUDIENCES)}, and suggest a simple experiment or example."
 
 
-def _humanities(rng: random.Random) -> str:
+def _humanities(rng: random.Random, topics: Sequence[str]) -> str:
     kind = rng.randrange(3)
     if kind == 0:
         return f"Discuss the main causes and consequences of {rng.choice(EVENTS)}. {rng.choice(CONSTRAINTS)}"
     if kind == 1:
         p, q = rng.sample(THINKERS, 2)
         return f"Compare the ideas of {p} and {q} about society. Where do they agree, and where do they differ?"
-    return (f"What can people today learn from {rng.choice(EVENTS)} about {rng.choice(TOPICS)}? "
+    return (f"What can people today learn from {rng.choice(EVENTS)} about {rng.choice(topics)}? "
             "Give three lessons with a short explanation each.")
 
 
-CATEGORIES: dict[str, Callable[[random.Random], str]] = {
+CATEGORIES: dict[str, Callable[[random.Random, Sequence[str]], str]] = {
     "writing": _writing, "roleplay": _roleplay, "reasoning": _reasoning, "math": _math, "coding": _coding,
     "extraction": _extraction, "stem": _stem, "humanities": _humanities,
 }
 
 
-def templated_requests(n: int, seed: int) -> list[str]:
-    """n distinct requests (fewer only if the templates run out), the categories taking turns."""
+def templated_requests(n: int, seed: int, topics: Sequence[str] = TOPICS) -> list[str]:
+    """n distinct requests about topics (fewer only if the templates run out), the categories taking turns."""
     rng = random.Random(f"{seed}:templates")
     makers = list(CATEGORIES.values())
     out: dict[str, None] = {}
     tries = 0
     while len(out) < n and tries < 20 * n:
-        out[makers[tries % len(makers)](rng)] = None
+        out[makers[tries % len(makers)](rng, topics)] = None
         tries += 1
     return list(out)

@@ -44,17 +44,32 @@ class Evaluation:
 
 
 def build_head(target: ArchConfig, head_arch: ArchConfig, vocab: DraftVocab, aux_layers: tuple[int, ...],
-               embed_tokens: torch.nn.Embedding, device: str, seed: int) -> Eagle3Head:
+               target_model: torch.nn.Module, device: str, seed: int, warm_start: bool) -> Eagle3Head:
     """A fresh EAGLE-3 head, initialised from seed, over the target's (frozen, shared) token embedding."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         head = Eagle3Head(head_arch, UnrolledAttention(), vocab.size, target.hidden_size, aux_layers)
     head.d2t.copy_(vocab.d2t)
     head = head.to(device)
+    if warm_start:
+        start_from_target(head, target_model, vocab)
     # Not trained and not exported: both loaders give the head the target's embedding when serving.
-    head.embed_tokens = embed_tokens
+    head.embed_tokens = target_model.model.embed_tokens
     plain_torch(head)
     return head
+
+
+@torch.no_grad()
+def start_from_target(head: Eagle3Head, target_model: torch.nn.Module, vocab: DraftVocab) -> None:
+    """Start the head where the target already is: its lm_head rows and final norm are the target's for the
+    draft vocabulary, and fc passes the last auxiliary layer's input through. The head's first prediction is
+    then the target's own reading of that layer (a rough guess at the next token), so training only has to
+    move it one token on, and rare tokens begin with the target's output directions instead of noise."""
+    head.lm_head.weight.copy_(target_model.lm_head.weight[vocab.draft_to_target.to(head.lm_head.weight.device)])
+    head.norm.weight.copy_(target_model.model.norm.weight)
+    hidden = head.cfg.hidden_size
+    head.fc.weight.zero_()
+    head.fc.weight[:, -hidden:] = torch.eye(hidden)
 
 
 class Trainer:

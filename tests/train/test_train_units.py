@@ -8,7 +8,8 @@ import pytest
 from specserve.train.batches import collate, epoch_batches, split
 from specserve.train.data import Sequence
 from specserve.train.questions import (FOLLOW_UPS, PASSAGE_TASKS, TASK_OPENERS, TOPICS, QuestionSeed,
-                                       follow_up_conversations, is_repetitive, question_seeds)
+                                       follow_up_conversations, is_repetitive, question_seeds, topic_mix,
+                                       vocabulary_words)
 from specserve.train.request_templates import CATEGORIES, templated_requests
 from specserve.train.schedule import FLOOR, WarmupCosine
 
@@ -46,6 +47,27 @@ def test_templated_requests_are_distinct_seeded_and_take_turns_by_category():
     # The first of each round comes from the categories in order: writing first, extraction's passages sixth.
     assert requests[0].startswith("Write a ") and "\n\n" in requests[5]
     assert len(CATEGORIES) == 8
+    about = templated_requests(40, seed=1, topics=["zeppelins"])
+    assert sum("zeppelins" in r for r in about) >= 10
+
+
+class WordTokenizer:
+    tokens = [" the", " Francisco", " Hawaii", "ing", " 2024", " a-b", " Oahu", " quantum"]
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def batch_decode(self, ids):
+        return [self.tokens[i[0]] for i in ids]
+
+
+def test_vocabulary_words_are_whole_words_and_mix_with_the_curated_topics():
+    words = vocabulary_words(WordTokenizer())
+    assert words == ["Francisco", "Hawaii", "quantum"]  # a space and five letters or more
+    mix = topic_mix(words, 2000, 0.6, seed=0)
+    assert abs(sum(t in words for t in mix) / 2000 - 0.6) < 0.05
+    assert set(mix) - set(words) <= set(TOPICS)
+    assert topic_mix([], 5, 0.6, seed=0) == topic_mix(words, 5, 0.0, seed=0)
 
 
 PROSE = ("Volcanoes form where magma rises through the crust. Pressure builds in a chamber below the surface "

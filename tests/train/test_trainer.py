@@ -23,6 +23,7 @@ from specserve.train.config import TrainConfig
 from specserve.train.data import generate_data, load_sequences, run_requests
 from specserve.train.export import export_head
 from specserve.train.pipeline import SEQUENCES_NAME, make_trainer, train_eagle3
+from specserve.train.questions import topic_mix, vocabulary_words
 from specserve.train.request_templates import templated_requests
 from specserve.train.ttt import unroll
 from specserve.train.vocab import build_draft_vocab
@@ -213,14 +214,15 @@ def test_the_target_writes_its_own_prompts_then_follows_up_on_its_answers(target
     written = load_prompt_file(tmp_path / "work" / "prompts.jsonl")
     assert stats.prompts == len(written) > 3
     # Half from hand-written templates, the rest written by the target.
-    assert set(templated_requests(3, cfg.seed)) <= {c[0]["content"] for c in written}
+    tokenizer = load_tokenizer(open_model_source(str(target)))
+    topics = topic_mix(vocabulary_words(tokenizer), 6, cfg.word_topic_fraction, cfg.seed)
+    assert set(templated_requests(3, cfg.seed, topics)) <= {c[0]["content"] for c in written}
     assert all(len(c[0]["content"].split()) >= 4 for c in written)
     assert all(0 < len(s.response_ids) <= 8 and s.temperature == 0.0 for s in sequences)
     first, second = sequences[:stats.prompts], sequences[stats.prompts:]
     assert 0 < stats.follow_ups == len(second) <= len(first) and stats.sequences == len(sequences)
     # Every second-round prompt quotes a first-round answer (as the assistant's turn or as a passage).
     # The random target writes stray bytes, which decode and re-encode differently: compare their printable ASCII.
-    tokenizer = load_tokenizer(open_model_source(str(target)))
 
     def text(ids: list[int]) -> str:
         decoded = tokenizer.decode(ids, skip_special_tokens=True)
