@@ -39,7 +39,7 @@ def _check_fit(head: ArchConfig, target: ArchConfig, what: str) -> None:
                    f"{target.vocab_size}; use a {what} trained for this target")
 
 
-def _load_head(cfg: SpeculativeConfig, target_model, target: ArchConfig, backend):
+def load_head(cfg: SpeculativeConfig, target_model, target: ArchConfig, backend):
     from specserve.models.eagle import EagleHead
     from specserve.models.eagle3 import Eagle3Head, default_aux_layers
     from specserve.models.loader import safetensors_weights
@@ -92,7 +92,7 @@ def build_speculator(cfg: SpeculativeConfig, runner, backend) -> Speculator:
         return DraftModelSpeculator(model, caches, **common)
     from specserve.spec_decode.eagle.speculator import EagleSpeculator
 
-    head = _load_head(cfg, runner.model, target, backend).to(device=runner.device, dtype=runner.dtype)
+    head = load_head(cfg, runner.model, target, backend).to(device=runner.device, dtype=runner.dtype)
     head = head.eval().requires_grad_(False)
     (cache,) = runner.allocate_kv_caches(head.cfg, num_layers=1)
     logger.info("%s head loaded from %s", cfg.method.upper(), cfg.model)
