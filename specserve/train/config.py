@@ -40,8 +40,8 @@ class TrainConfig:
     # rather than written by the target.
     templated_fraction: float = 0.5
     # Without a prompt file: share of prompt topics that are words of the target's vocabulary rather than
-    # the curated list (questions.py).
-    word_topic_fraction: float = 0.6
+    # the curated list (questions.py). Off until a GPU run measures it against MT-bench (BENCHMARKS.md).
+    word_topic_fraction: float = 0.0
     # Share of the greedy first answers that get a follow-up request, answered in a second round.
     follow_up_fraction: float = 1.0
     max_num_seqs: int = 256
@@ -74,8 +74,9 @@ class TrainConfig:
     # Score each draft against the target's whole next-token distribution (as EAGLE-3 trains) rather than
     # the one token the data holds; accuracy is then agreement with the target's greedy choice.
     soft_labels: bool = False
-    # Start the head's lm_head, final norm and fc from the target (trainer.start_from_target) rather than noise.
-    warm_start: bool = True
+    # Start the head's lm_head, final norm and fc from the target (trainer.start_from_target) rather than
+    # noise. Off until a GPU run measures it (BENCHMARKS.md).
+    warm_start: bool = False
     # Share of sequences held out to report accuracy on data the head did not train on.
     val_fraction: float = 0.05
     # Shrink the planned steps, after timing the first ones, so training ends within this (None: no limit).

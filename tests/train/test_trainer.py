@@ -88,11 +88,11 @@ def test_run_writes_a_loadable_head_and_reports_each_phase(trained):
     assert len(summary.validation.accuracy) == cfg.ttt_steps
 
 
-@pytest.mark.parametrize("soft_labels", [False, True])
-def test_loss_falls(trained, tmp_path, soft_labels):
+@pytest.mark.parametrize("soft_labels,warm_start", [(False, False), (True, False), (False, True)])
+def test_loss_falls(trained, tmp_path, soft_labels, warm_start):
     cfg, _ = trained
-    trainer = trainer_for(config(cfg.target, tmp_path / "head", steps=40, soft_labels=soft_labels),
-                          data_dir=cfg.work_dir)[0]
+    trainer = trainer_for(config(cfg.target, tmp_path / "head", steps=40, soft_labels=soft_labels,
+                                 warm_start=warm_start), data_dir=cfg.work_dir)[0]
     losses = [trainer.train_step([trainer.train_set[i] for i in range(k % 5, k % 5 + 4)])[0] for k in range(40)]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.5 * first, losses
@@ -209,7 +209,7 @@ def test_a_time_budget_shrinks_the_plan_once_the_pace_is_known(trained, tmp_path
 
 def test_the_target_writes_its_own_prompts_then_follows_up_on_its_answers(target, tmp_path):
     cfg = config(target, tmp_path / "head", num_prompts=6, max_new_tokens=8, max_seq_len=320, sampled_fraction=0.0,
-                 follow_up_fraction=1.0)
+                 follow_up_fraction=1.0, word_topic_fraction=0.5)
     sequences, stats = generate_data(cfg, tmp_path / "work")
     written = load_prompt_file(tmp_path / "work" / "prompts.jsonl")
     assert stats.prompts == len(written) > 3
