@@ -84,15 +84,21 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
         self.req_blocks: dict[str, list[Block]] = {}
+        # The same blocks' ids, kept beside them so a step reads a request's block table without rebuilding it.
+        self.req_block_ids: dict[str, list[int]] = {}
         # Hashes of each request's full blocks, computed once as tokens arrive.
         self.req_hashes: dict[str, list[int]] = {}
+        # How many of each request's leading blocks were already offered to the cache: each step then hashes
+        # and caches only the blocks it filled, not all of them again.
+        self.req_num_cached: dict[str, int] = {}
 
     @property
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / self.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+        """The request's block table (the manager's own list: read it, do not change it)."""
+        return self.req_block_ids.get(request_id, [])
 
     def _block_hashes(self, req: Request) -> list[int]:
         hashes = self.req_hashes.setdefault(req.request_id, [])
@@ -130,36 +136,49 @@ class KVCacheManager:
         """Reserve blocks for num_new_tokens after num_computed_tokens (plus lookahead slots for drafts);
         False if the pool is short."""
         blocks = self.req_blocks.setdefault(req.request_id, [])
+        ids = self.req_block_ids.setdefault(req.request_id, [])
         num_computed = num_computed_tokens + len(new_computed_blocks) * self.block_size
         total = min(num_computed + num_new_tokens + num_lookahead, self.max_model_len + num_lookahead)
         need = -(-total // self.block_size) - len(blocks) - len(new_computed_blocks)
-        evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if need > self.pool.num_free - evictable_hits:
+        if new_computed_blocks:
+            evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+            if need > self.pool.num_free - evictable_hits:
+                return False
+            self.pool.touch(list(new_computed_blocks))
+            blocks.extend(new_computed_blocks)
+            ids.extend(b.block_id for b in new_computed_blocks)
+        elif need > self.pool.num_free:
             return False
-        self.pool.touch(list(new_computed_blocks))
-        blocks.extend(new_computed_blocks)
         if need > 0:
-            blocks.extend(self.pool.allocate(need))
+            fresh = self.pool.allocate(need)
+            blocks.extend(fresh)
+            ids.extend(b.block_id for b in fresh)
         self._cache_full_blocks(req, num_computed + num_new_tokens)
         return True
 
     def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
         if not self.enable_caching:
             return
+        done = self.req_num_cached.get(req.request_id, 0)
+        if (done + 1) * self.block_size > num_tokens:
+            return  # no block filled since the last call
         # Only tokens already known are hashed: draft tokens being verified are not.
         hashes = self._block_hashes(req)
         blocks = self.req_blocks[req.request_id]
         num_full = min(num_tokens // self.block_size, len(hashes))
-        for i in range(num_full):
+        for i in range(done, num_full):
             self.pool.cache(blocks[i], hashes[i])
+        self.req_num_cached[req.request_id] = max(done, num_full)
 
     def free(self, req: Request) -> None:
-        self.pool.release(self.req_blocks.pop(req.request_id, []))
+        self.reset_for_recompute(req)
         self.req_hashes.pop(req.request_id, None)
 
     def reset_for_recompute(self, req: Request) -> None:
         """Preemption: give the blocks back but keep the hashes (the tokens are unchanged)."""
         self.pool.release(self.req_blocks.pop(req.request_id, []))
+        self.req_block_ids.pop(req.request_id, None)
+        self.req_num_cached.pop(req.request_id, None)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
