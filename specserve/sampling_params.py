@@ -32,6 +32,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # False: outputs carry token ids only (text stays empty), which saves a share of the host's time per
+    # token at large batches; stop strings then cannot be matched.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +73,9 @@ class SamplingParams:
             bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}; use 1 to disable")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", f"every stop string must be a non-empty string, got {self.stop!r}")
+        if self.stop and not self.detokenize:
+            bad("stop", "stop strings are matched in the output text, which detokenize=False turns off; "
+                "use stop_token_ids, or detokenize=True")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be non-negative token ids, got {self.stop_token_ids!r}")
         if self.seed is not None and not isinstance(self.seed, int):

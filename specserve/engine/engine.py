@@ -102,7 +102,8 @@ class LLMEngine:
             )
         req = Request(request_id, ids, params, self.eos_token_ids, limit,
                       prompt=prompt if isinstance(prompt, str) else None, device=self.config.device)
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params)
+        if params.detokenize:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params)
         self.scheduler.add_request(req)
         return request_id
 
@@ -159,9 +160,9 @@ class LLMEngine:
         return outputs
 
     def _output(self, req: Request, n_before: int) -> RequestOutput:
-        detok = self._detok[req.request_id]
+        detok = self._detok.get(req.request_id)  # None without detokenization
         # Tokens past an EOS or stop token were already cut by the request itself.
-        stop = detok.update(req.output_token_ids[n_before:])
+        stop = detok.update(req.output_token_ids[n_before:]) if detok else None
         if stop is not None:
             req.truncate_output(n_before + detok.num_consumed)
             req.stop_reason = stop
@@ -173,8 +174,8 @@ class LLMEngine:
         finished = req.is_finished
         if finished:
             self.scheduler.finish(req, req.status)
-            del self._detok[req.request_id]
-        delta = detok.get_delta(finished)
+            self._detok.pop(req.request_id, None)
+        delta = detok.get_delta(finished) if detok else ""
         req.released_text += delta
         lp = req.logprobs if req.params.logprobs is not None else None
         completion = CompletionOutput(

@@ -112,7 +112,7 @@ def write_questions(llm, cfg: TrainConfig, n: int, topics: list[str], deadline: 
 def answer(llm, conversations: list[list[dict]], cfg: TrainConfig, deadline: float | None,
            desc: str = "Answering") -> list[tuple[list[dict], Sequence, str]]:
     """(conversation, answer, its text): greedy answers to every conversation, plus sampled ones to a
-    seeded share of them."""
+    seeded share of them (whose text is left empty: only greedy answers are followed up)."""
     prompts = [(c, prompt_token_ids(llm, c)) for c in conversations]
     fitting = [(c, p) for c, p in prompts if cfg.max_seq_len - len(p) >= MIN_ANSWER_ROOM]
     if len(fitting) < len(prompts):
@@ -122,13 +122,18 @@ def answer(llm, conversations: list[list[dict]], cfg: TrainConfig, deadline: flo
     sampled = rng.sample(range(len(fitting)), round(cfg.sampled_fraction * len(fitting)))
     jobs = [(c, p, 0.0) for c, p in fitting] + [(*fitting[i], cfg.sampled_temperature) for i in sampled]
 
+    # Without text while generating (the host's time per token counts at hundreds of sequences); the greedy
+    # answers that follow-ups quote are decoded once at the end.
     def params(prompt: list[int], temperature: float) -> SamplingParams:
-        return SamplingParams(temperature=temperature, max_tokens=min(cfg.max_new_tokens, cfg.max_seq_len - len(prompt)))
+        room = cfg.max_seq_len - len(prompt)
+        return SamplingParams(temperature=temperature, max_tokens=min(cfg.max_new_tokens, room), detokenize=False)
 
     outs = run_requests(llm, [p for _, p, _ in jobs], [params(p, t) for _, p, t in jobs], deadline, desc,
                         cfg.progress)
-    return [(c, Sequence(p, o.outputs[0].token_ids, t), o.outputs[0].text) for (c, p, t), o in zip(jobs, outs)
+    kept = [(c, Sequence(p, o.outputs[0].token_ids, t)) for (c, p, t), o in zip(jobs, outs)
             if o is not None and o.outputs[0].token_ids]
+    return [(c, s, llm.tokenizer.decode(s.response_ids, skip_special_tokens=True) if s.temperature == 0 else "")
+            for c, s in kept]
 
 
 def generate_data(cfg: TrainConfig, work: Path) -> tuple[list[Sequence], DataStats]:

@@ -1,10 +1,12 @@
 """Stop token ids, max_tokens, sharded checkpoints, and the command line."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import make_hf_model
 from specserve import LLM, SamplingParams
+from specserve.errors import InvalidRequestError
 from specserve.entrypoints.cli import main
 
 
@@ -49,3 +51,16 @@ def test_cli_generate(tiny_llama, capsys):
 def test_cli_reports_bad_input_without_a_traceback(capsys):
     assert main(["generate", "hi", "--model", "/no/such/model"]) == 2
     assert "error: unknown model" in capsys.readouterr().err
+
+
+def test_without_detokenization_the_tokens_are_the_same_and_the_text_empty(tiny_llama):
+    llm = LLM(str(tiny_llama[0]), max_model_len=128)
+    params = dict(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [[5, 6, 7], [9, 10]]
+    with_text = llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
+    bare = llm.generate(prompts, SamplingParams(**params, detokenize=False), use_tqdm=False)
+    for a, b in zip(with_text, bare):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids and a.outputs[0].text
+        assert b.outputs[0].text == "" and b.outputs[0].finish_reason == "length"
+    with pytest.raises(InvalidRequestError, match="stop: stop strings are matched in the output text"):
+        SamplingParams(stop=["\n"], detokenize=False)
