@@ -140,19 +140,13 @@ class KVCacheManager:
         num_computed = num_computed_tokens + len(new_computed_blocks) * self.block_size
         total = min(num_computed + num_new_tokens + num_lookahead, self.max_model_len + num_lookahead)
         need = -(-total // self.block_size) - len(blocks) - len(new_computed_blocks)
-        if new_computed_blocks:
-            evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-            if need > self.pool.num_free - evictable_hits:
-                return False
-            self.pool.touch(list(new_computed_blocks))
-            blocks.extend(new_computed_blocks)
-            ids.extend(b.block_id for b in new_computed_blocks)
-        elif need > self.pool.num_free:
+        evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if need > self.pool.num_free - evictable_hits:
             return False
-        if need > 0:
-            fresh = self.pool.allocate(need)
-            blocks.extend(fresh)
-            ids.extend(b.block_id for b in fresh)
+        self.pool.touch(list(new_computed_blocks))
+        added = list(new_computed_blocks) + (self.pool.allocate(need) if need > 0 else [])
+        blocks.extend(added)
+        ids.extend(b.block_id for b in added)
         self._cache_full_blocks(req, num_computed + num_new_tokens)
         return True
 

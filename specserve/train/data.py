@@ -150,7 +150,8 @@ def generate_data(cfg: TrainConfig, work: Path) -> tuple[list[Sequence], DataSta
         conversations = load_prompt_file(cfg.prompts, limit=cfg.num_prompts)
     else:
         question_deadline = start + QUESTION_TIME_SHARE * cfg.data_seconds if cfg.data_seconds else None
-        topics = topic_mix(vocabulary_words(llm.tokenizer), cfg.num_prompts, cfg.word_topic_fraction, cfg.seed)
+        words = vocabulary_words(llm.tokenizer) if cfg.word_topic_fraction else []
+        topics = topic_mix(words, cfg.num_prompts, cfg.word_topic_fraction, cfg.seed)
         templated = round(cfg.templated_fraction * cfg.num_prompts)
         written = (write_questions(llm, cfg, cfg.num_prompts - templated, topics, question_deadline)
                    if templated < cfg.num_prompts else [])

@@ -141,7 +141,7 @@ def _coding(rng: random.Random, topics: Sequence[str]) -> str:
     return f"Write a {rng.choice(LANGUAGES)} function that {rng.choice(CODE_TASKS)}.{rng.choice(CODE_EXTRAS)}"
 
 
-def _news_passage(rng: random.Random, topics: Sequence[str]) -> str:
+def _news_passage(rng: random.Random) -> str:
     lines = []
     for company in rng.sample(COMPANIES, rng.randint(2, 4)):
         year = rng.randint(2015, 2024)
@@ -157,7 +157,7 @@ def _extraction(rng: random.Random, topics: Sequence[str]) -> str:
         ask = rng.choice(("Extract each company's name, city, revenue and year, and return them as JSON.",
                           "Which company had the highest revenue? Answer, then list the others in order.",
                           "Summarize these reports in one sentence per company."))
-        return f"{_news_passage(rng, topics)}\n\n{ask}"
+        return f"{_news_passage(rng)}\n\n{ask}"
     reviews = [f"Review {i + 1}: The {rng.choice(PRODUCTS)} was {rng.choice(ADJECTIVES)}. "
                f"{rng.choice(('I would buy it again.', 'It broke after a week.', 'Shipping was slow.', 'Worth it.'))}"
                for i in range(rng.randint(3, 5))]

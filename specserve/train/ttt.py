@@ -15,10 +15,10 @@ are left out of the loss and counted as misses in the accuracy.
 
 With the target's own next-token predictions (soft labels, as EAGLE-3 trains),
 step j's row is scored against the target's distribution after x_{i+j+1}
-(renormalised over the draft vocabulary; the loss is the KL divergence to it) rather than the one token the data
-holds, and its accuracy is agreement with the target's greedy choice: every
-row then teaches the whole ranking, and sampled answers teach what greedy
-serving will ask for.
+(renormalised over the draft vocabulary; the loss is the KL divergence to
+it) rather than the one token the data holds, and its accuracy is agreement
+with the target's greedy choice: every row then teaches the whole ranking,
+and sampled answers teach what greedy serving will ask for.
 """
 from __future__ import annotations
 
