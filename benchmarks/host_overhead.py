@@ -30,10 +30,10 @@ PARTS = (("scheduler", "schedule"), ("scheduler", "update"), ("engine", "_output
          ("runner", "_target_forward"))
 
 
-def measure(root: Path, batch: int, prompt_len: int, steps: int, detokenize: bool) -> dict[str, float]:
+def measure(root: Path, batch: int, prompt_len: int, steps: int, detokenize: bool, output_kind: str) -> dict[str, float]:
     """Milliseconds per step: in total and in each part of PARTS."""
     llm = LLM(str(root), device="cpu", max_model_len=2048, max_num_seqs=batch, load_format="dummy",
-              num_kv_blocks=batch * (prompt_len + steps + 40) // 16 + 64)
+              num_kv_blocks=max(batch * (prompt_len + steps + 40) // 16, 2048 // 16) + 64)
     engine = llm.engine
     owners = {"scheduler": engine.scheduler, "engine": engine, "runner": engine.runner}
     totals: dict[str, float] = defaultdict(float)
@@ -49,7 +49,8 @@ def measure(root: Path, batch: int, prompt_len: int, steps: int, detokenize: boo
                 totals[_key] += time.perf_counter() - t
 
         setattr(owners[owner], name, timed)
-    params = SamplingParams(temperature=0, max_tokens=steps + 10, ignore_eos=True, detokenize=detokenize)
+    params = SamplingParams(temperature=0, max_tokens=steps + 10, ignore_eos=True, detokenize=detokenize,
+                            output_kind=output_kind)
     for i in range(batch):
         engine.add_request([3 + (i * 7 + j) % 4000 for j in range(prompt_len)], params)
     while any(r.num_output_tokens < 2 for r in engine.scheduler.running) or engine.scheduler.waiting:
@@ -74,11 +75,12 @@ def main() -> None:
     _save_tokenizer(root, STAND_IN["vocab_size"])
     print("us per request per step (host time; runner.launch includes the stand-in's forward)")
     keys = ["step"] + [f"{o}.{n}" for o, n in PARTS]
-    print(f"{'batch':>5} {'detokenize':>10} " + " ".join(f"{k:>22}" for k in keys))
+    print(f"{'batch':>5} {'detokenize':>10} {'output_kind':>11} " + " ".join(f"{k:>22}" for k in keys))
     for batch in a.batch_sizes:
-        for detokenize in (True, False):
-            ms = measure(root, batch, a.prompt_len, a.steps, detokenize)
-            print(f"{batch:>5} {str(detokenize):>10} " + " ".join(f"{1000 * ms[k] / batch:>22.1f}" for k in keys))
+        for detokenize, kind in ((True, "cumulative"), (True, "delta"), (False, "cumulative"), (False, "final_only")):
+            ms = measure(root, batch, a.prompt_len, a.steps, detokenize, kind)
+            print(f"{batch:>5} {str(detokenize):>10} {kind:>11} "
+                  + " ".join(f"{1000 * ms[k] / batch:>22.1f}" for k in keys))
 
 
 if __name__ == "__main__":

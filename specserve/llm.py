@@ -1,7 +1,7 @@
 """The offline API: LLM(model=...).generate(prompts, SamplingParams) and LLM.chat(messages)."""
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from tqdm import tqdm
 
@@ -9,7 +9,7 @@ from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
 from specserve.errors import InvalidRequestError
 from specserve.outputs import RequestOutput
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -37,6 +37,10 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequestError("sampling_params", f"got {len(params)} for {len(prompts)} prompts; give one, or one per prompt")
+        # Only the final outputs are returned, so the engine need not build the ones in between.
+        final_only = {id(sp): replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+                      for sp in params if isinstance(sp, SamplingParams)}
+        params = [final_only.get(id(sp), sp) for sp in params]
         # A bad prompt withdraws the ones queued before it, so nothing is left half-run.
         ids = []
         try:

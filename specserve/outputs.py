@@ -13,6 +13,9 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
+    """Everything generated so far, or with RequestOutputKind.DELTA only what is new since the previous output
+    (cumulative_logprob stays a total)."""
+
     index: int
     text: str
     token_ids: list[int]
@@ -30,6 +33,7 @@ class CompletionOutput:
 @dataclass
 class RequestMetrics:
     num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     num_model_tokens: int = 0  # tokens the model actually ran for this request
     num_preemptions: int = 0
@@ -46,7 +50,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    # Text released by this step alone (for streaming).
+    # What is new since the request's previous output (for streaming).
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)

@@ -1,11 +1,21 @@
 """Per-request sampling parameters, validated at construction."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from specserve.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs a request yields (vLLM's names). Building a cumulative output copies everything generated
+    so far, O(length) per request per step, which the other two kinds avoid."""
+
+    CUMULATIVE = "cumulative"  # every step: everything so far
+    DELTA = "delta"  # every step: only what is new since the request's previous output
+    FINAL_ONLY = "final_only"  # once, when the request ends: everything
 
 
 @dataclass
@@ -35,8 +45,15 @@ class SamplingParams:
     # False: outputs carry token ids only (text stays empty), which saves a share of the host's time per
     # token at large batches; stop strings then cannot be matched.
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        if not isinstance(self.output_kind, RequestOutputKind):
+            kinds = {k.value: k for k in RequestOutputKind}
+            if not isinstance(self.output_kind, str) or self.output_kind not in kinds:
+                raise InvalidRequestError("output_kind", f"must be a RequestOutputKind or one of {sorted(kinds)}, "
+                                          f"got {self.output_kind!r}")
+            self.output_kind = kinds[self.output_kind]
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

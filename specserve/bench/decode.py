@@ -325,9 +325,11 @@ class DecodeTiming:
 
 def time_engine(engine, prompts: list[list[int]], new_tokens: int) -> DecodeTiming:
     """Decode tokens/s of one batch: from the step that gives the last request its first token to the end."""
-    from specserve.sampling_params import SamplingParams
+    from specserve.sampling_params import RequestOutputKind, SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    # Delta outputs: cumulative ones would time the copy of every request's tokens at every step.
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
     stats = engine.spec_stats
     steps0, emitted0 = stats.num_steps, stats.num_emitted
     ids = [engine.add_request(p, params) for p in prompts]
@@ -335,7 +337,7 @@ def time_engine(engine, prompts: list[list[int]], new_tokens: int) -> DecodeTimi
     start, before = None, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
-            counts[out.request_id] = len(out.outputs[0].token_ids)
+            counts[out.request_id] = out.metrics.num_output_tokens
         if start is None and len(counts) == len(ids):
             start, before = time.perf_counter(), sum(counts.values())
     seconds = time.perf_counter() - start

@@ -15,7 +15,7 @@ from specserve.engine.scheduler import Scheduler
 from specserve.errors import InvalidRequestError
 from specserve.models.loader import build_model, load_tokenizer, open_model_source
 from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import RequestOutputKind, SamplingParams
 from specserve.spec_decode.factory import build_speculator
 from specserve.spec_decode.metrics import SpecDecodeStats
 from specserve.worker.cudagraph_mode import CUDAGraphMode
@@ -156,10 +156,14 @@ class LLMEngine:
         for req in updated:
             n_before = before[req.request_id]
             req.logprobs.extend(result.logprobs.get(req.request_id, [])[: req.num_output_tokens - n_before])
-            outputs.append(self._output(req, n_before))
+            out = self._output(req, n_before)
+            if out is not None:
+                outputs.append(out)
         return outputs
 
-    def _output(self, req: Request, n_before: int) -> RequestOutput:
+    def _output(self, req: Request, n_before: int) -> RequestOutput | None:
+        """The request's output after a step that gave it tokens past n_before, in its output kind; None for a
+        FINAL_ONLY request that goes on."""
         detok = self._detok.get(req.request_id)  # None without detokenization
         # Tokens past an EOS or stop token were already cut by the request itself.
         stop = detok.update(req.output_token_ids[n_before:]) if detok else None
@@ -167,7 +171,6 @@ class LLMEngine:
             req.truncate_output(n_before + detok.num_consumed)
             req.stop_reason = stop
             req.status = RequestStatus.FINISHED_STOPPED
-        new_tokens = req.output_token_ids[n_before:]
         now = time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now
@@ -175,20 +178,33 @@ class LLMEngine:
         if finished:
             self.scheduler.finish(req, req.status)
             self._detok.pop(req.request_id, None)
+        kind = req.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        # Only text and tokens the caller has not had yet: a FINAL_ONLY request's caller has had nothing.
         delta = detok.get_delta(finished) if detok else ""
-        req.released_text += delta
+        new_tokens = req.output_token_ids[0 if kind is RequestOutputKind.FINAL_ONLY else n_before:]
         lp = req.logprobs if req.params.logprobs is not None else None
+        if kind is RequestOutputKind.CUMULATIVE:
+            req.released_text += delta
+            text, token_ids = req.released_text, list(req.output_token_ids)
+        elif kind is RequestOutputKind.DELTA:
+            text, token_ids, lp = delta, new_tokens, None if lp is None else lp[n_before:]
+        else:
+            text, token_ids = delta, new_tokens
         completion = CompletionOutput(
             index=0,
-            text=req.released_text,
-            token_ids=list(req.output_token_ids),
-            cumulative_logprob=sum(next(iter(d.values())).logprob for d in lp) if lp else None,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=(sum(next(iter(d.values())).logprob for d in req.logprobs)
+                                if lp is not None else None),
             logprobs=lp,
             finish_reason=req.status.value if finished else None,
             stop_reason=req.stop_reason,
         )
         metrics = RequestMetrics(
             num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_model_tokens=req.num_model_tokens,
             num_preemptions=req.num_preemptions,

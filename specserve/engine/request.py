@@ -68,7 +68,7 @@ class Request:
             self.generator.manual_seed(params.seed)
         self.logprobs: list[dict] = []
         self.first_token_time: float | None = None
-        # Text already handed to the caller (stop-string look-ahead holds the rest back).
+        # Text already handed to the caller of a cumulative request (stop-string look-ahead holds the rest back).
         self.released_text = ""
 
     @property

@@ -44,11 +44,11 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     )
 
 
-def sampling_params(a: argparse.Namespace):
+def sampling_params(a: argparse.Namespace, output_kind: str = "cumulative"):
     from specserve.sampling_params import SamplingParams
 
     return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
-                          max_tokens=a.max_tokens, seed=a.request_seed, stop=a.stop)
+                          max_tokens=a.max_tokens, seed=a.request_seed, stop=a.stop, output_kind=output_kind)
 
 
 def cmd_generate(a: argparse.Namespace) -> None:
@@ -81,7 +81,7 @@ def format_spec_stats(s: dict) -> str:
 def cmd_chat(a: argparse.Namespace) -> None:
     from specserve.llm import LLM
 
-    params = sampling_params(a)
+    params = sampling_params(a, output_kind="delta")
     llm = LLM(a.model, **engine_kwargs(a))
     engine = llm.engine
     history = [{"role": "system", "content": a.system}] if a.system else []
@@ -103,7 +103,7 @@ def cmd_chat(a: argparse.Namespace) -> None:
             for out in engine.step():
                 if out.request_id == rid:
                     print(out.delta_text, end="", flush=True)
-                    reply = out.outputs[0].text
+                    reply += out.delta_text
         print()
         history.append({"role": "assistant", "content": reply})
 

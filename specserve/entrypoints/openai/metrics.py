@@ -72,7 +72,7 @@ class ServerMetrics:
         if last is None:
             return
         m = last.metrics
-        n = len(last.outputs[0].token_ids)
+        n = m.num_output_tokens
         self.prompt_tokens.inc(m.num_prompt_tokens)
         self.generation_tokens.inc(n)
         # The engine's times are time.monotonic() readings, so the same clock ends aborted requests.

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field
 
 from specserve.errors import InvalidRequestError
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import RequestOutputKind, SamplingParams
 
 # Bounds that keep integers inside the int64 tensors and generators they end up in.
 TopK = Annotated[int, Field(ge=-1, lt=2**31)]
@@ -60,7 +60,9 @@ class _SamplingRequest(BaseModel):
                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                      top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                      min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+        # A stream sends what is new at each step; a whole answer needs only the end.
+        kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, output_kind=kind,
                               **{k: v for k, v in given.items() if v is not None})
 
 

@@ -55,7 +55,7 @@ async def until_disconnect(request: Request, awaitable: Awaitable):
 
 
 def usage(out: RequestOutput) -> Usage:
-    n_prompt, n_out = out.metrics.num_prompt_tokens, len(out.outputs[0].token_ids)
+    n_prompt, n_out = out.metrics.num_prompt_tokens, out.metrics.num_output_tokens
     return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=out.metrics.num_cached_tokens))
 

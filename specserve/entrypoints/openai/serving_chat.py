@@ -56,16 +56,13 @@ async def _chunks(serving: OpenAIServing, body: ChatCompletionRequest, request_i
 
     # As OpenAI does, the first chunk carries the role alone.
     yield chunk(DeltaMessage(role="assistant", content=""))
-    num_sent = 0  # tokens whose logprobs went out
     async for out in outputs:
-        c = out.outputs[0]
+        c = out.outputs[0]  # this step's new tokens (RequestOutputKind.DELTA)
         logprobs = None
         if body.logprobs:
-            logprobs = chat_logprobs(serving.tokenizer, c.token_ids[num_sent:], c.logprobs[num_sent:],
-                                     body.top_logprobs or 0)
-            num_sent = len(c.token_ids)
+            logprobs = chat_logprobs(serving.tokenizer, c.token_ids, c.logprobs, body.top_logprobs or 0)
         # Steps whose text is held back (a possible stop string, an unfinished character) send nothing.
-        if out.delta_text or out.finished or (logprobs and logprobs.content):
-            yield chunk(DeltaMessage(content=out.delta_text), logprobs=logprobs, finish_reason=c.finish_reason)
+        if c.text or out.finished or (logprobs and logprobs.content):
+            yield chunk(DeltaMessage(content=c.text), logprobs=logprobs, finish_reason=c.finish_reason)
     if body.include_usage:
         yield ChatCompletionChunk(id=request_id, model=serving.model_name, choices=[], usage=usage(out))

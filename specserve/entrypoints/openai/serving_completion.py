@@ -34,17 +34,15 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, req
 
 async def _chunks(serving: OpenAIServing, body: CompletionRequest, request_id: str,
                   outputs: Outputs) -> AsyncIterator[CompletionResponse]:
-    num_sent, text_offset = 0, 0  # tokens whose logprobs went out, and where their text ends
+    text_offset = 0  # where the text of the tokens whose logprobs went out ends
     async for out in outputs:
-        c = out.outputs[0]
+        c = out.outputs[0]  # this step's new tokens (RequestOutputKind.DELTA)
         logprobs = None
         if body.logprobs is not None:
-            logprobs, text_offset = completion_logprobs(serving.tokenizer, c.token_ids[num_sent:],
-                                                        c.logprobs[num_sent:], text_offset)
-            num_sent = len(c.token_ids)
+            logprobs, text_offset = completion_logprobs(serving.tokenizer, c.token_ids, c.logprobs, text_offset)
         # Steps whose text is held back (a possible stop string, an unfinished character) send nothing.
-        if out.delta_text or out.finished or (logprobs and logprobs.tokens):
-            choice = CompletionChoice(text=out.delta_text, logprobs=logprobs, finish_reason=c.finish_reason)
+        if c.text or out.finished or (logprobs and logprobs.tokens):
+            choice = CompletionChoice(text=c.text, logprobs=logprobs, finish_reason=c.finish_reason)
             yield CompletionResponse(id=request_id, model=serving.model_name, choices=[choice])
     if body.include_usage:
         yield CompletionResponse(id=request_id, model=serving.model_name, choices=[], usage=usage(out))
