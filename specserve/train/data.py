@@ -25,10 +25,11 @@ from tqdm import tqdm
 from specserve.errors import ConfigError
 from specserve.outputs import RequestOutput
 from specserve.prompt_files import load_prompt_file, prompt_token_ids
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import RequestOutputKind, SamplingParams
 from specserve.train.config import TrainConfig
 from specserve.train.questions import STOP, follow_up_conversations, question_seeds, topic_mix, vocabulary_words
 from specserve.train.request_templates import templated_requests
+from specserve.worker.cudagraph import default_capture_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,8 @@ class DataStats:
 
 def run_requests(llm, prompts: list[list[int]], params: list[SamplingParams], deadline: float | None, desc: str,
                  progress: bool) -> list[RequestOutput | None]:
-    """Outputs of all requests, in order; at the deadline the unfinished ones are aborted and left None."""
+    """Final outputs of all requests (whose params ask for final outputs only), in order; at the deadline the
+    unfinished ones are aborted and left None."""
     engine = llm.engine
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     slot = {rid: i for i, rid in enumerate(ids)}
@@ -80,11 +82,10 @@ def run_requests(llm, prompts: list[list[int]], params: list[SamplingParams], de
                 for rid in unfinished:
                     engine.abort_request(rid)
                 break
-            for out in engine.step():
-                tokens += len(out.delta_token_ids)
-                if out.finished:
-                    results[slot[out.request_id]] = out
-                    bar.update(1)
+            for out in engine.step():  # final outputs only (RequestOutputKind.FINAL_ONLY)
+                tokens += len(out.outputs[0].token_ids)
+                results[slot[out.request_id]] = out
+                bar.update(1)
             bar.set_postfix(tok_s=f"{tokens / max(time.monotonic() - start, 1e-9):.0f}", refresh=False)
     return results
 
@@ -100,7 +101,8 @@ def write_questions(llm, cfg: TrainConfig, n: int, topics: list[str], deadline: 
     if not fitting:
         raise ConfigError("max_seq_len", f"{cfg.max_seq_len} tokens leave no room to ask the target for prompts "
                           f"(the request alone takes {min(map(len, asks))}); raise --max-seq-len or give --prompts")
-    params = SamplingParams(temperature=cfg.question_temperature, top_p=0.95, max_tokens=room, stop=[STOP])
+    params = SamplingParams(temperature=cfg.question_temperature, top_p=0.95, max_tokens=room, stop=[STOP],
+                            output_kind=RequestOutputKind.FINAL_ONLY)
     outs = run_requests(llm, [asks[i] for i in fitting], [params] * len(fitting), deadline, "Writing prompts",
                         cfg.progress)
     questions = {seeds[i].question(o.outputs[0].text) for i, o in zip(fitting, outs) if o is not None}
@@ -126,7 +128,8 @@ def answer(llm, conversations: list[list[dict]], cfg: TrainConfig, deadline: flo
     # answers that follow-ups quote are decoded once at the end.
     def params(prompt: list[int], temperature: float) -> SamplingParams:
         room = cfg.max_seq_len - len(prompt)
-        return SamplingParams(temperature=temperature, max_tokens=min(cfg.max_new_tokens, room), detokenize=False)
+        return SamplingParams(temperature=temperature, max_tokens=min(cfg.max_new_tokens, room), detokenize=False,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
 
     outs = run_requests(llm, [p for _, p, _ in jobs], [params(p, t) for _, p, t in jobs], deadline, desc,
                         cfg.progress)
@@ -136,6 +139,18 @@ def answer(llm, conversations: list[list[dict]], cfg: TrainConfig, deadline: flo
             for c, s in kept]
 
 
+def data_engine_options(cfg: TrainConfig) -> dict:
+    """Engine options past the defaults for answering at hundreds of sequences. Each step then holds
+    max_num_seqs decodes plus the prompts of requests that replace finished ones, more tokens than the
+    engine's default graphs cover (256), and a small target run eagerly spends its step launching
+    kernels: the step's token budget leaves room for those prompts and graphs cover all of it."""
+    options = {"kv_cache_memory_gb": cfg.kv_cache_memory_gb} if cfg.kv_cache_memory_gb else {}
+    if cfg.on_cuda:
+        budget = max(2 * cfg.max_num_seqs, 512)
+        options.update(max_num_batched_tokens=budget, cudagraph_capture_sizes=default_capture_sizes(budget))
+    return options
+
+
 def generate_data(cfg: TrainConfig, work: Path) -> tuple[list[Sequence], DataStats]:
     """Run the target over the prompts (written first when none are given); also saves them to `work`."""
     from specserve.llm import LLM
@@ -143,8 +158,7 @@ def generate_data(cfg: TrainConfig, work: Path) -> tuple[list[Sequence], DataSta
     start = time.monotonic()
     deadline = start + cfg.data_seconds if cfg.data_seconds else None
     llm = LLM(cfg.target, device=cfg.device, dtype=cfg.dtype, max_model_len=cfg.max_seq_len,
-              max_num_seqs=cfg.max_num_seqs, seed=cfg.seed,
-              **({"kv_cache_memory_gb": cfg.kv_cache_memory_gb} if cfg.kv_cache_memory_gb else {}))
+              max_num_seqs=cfg.max_num_seqs, seed=cfg.seed, **data_engine_options(cfg))
     stats = DataStats(load_seconds=time.monotonic() - start)
     if cfg.prompts:
         conversations = load_prompt_file(cfg.prompts, limit=cfg.num_prompts)

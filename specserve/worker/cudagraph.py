@@ -39,8 +39,8 @@ class CUDAGraphMismatchError(RuntimeError):
 
 
 def default_capture_sizes(limit: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to 256 (as vLLM), capped at `limit`."""
-    sizes = [1, 2, 4] + list(range(8, 257, 8))
+    """1, 2, 4, 8, then every 8 up to 256 (as vLLM) and every 32 past it, capped at `limit`."""
+    sizes = [1, 2, 4] + list(range(8, 257, 8)) + list(range(288, limit + 1, 32))
     return [s for s in sizes if s <= limit] or [limit]
 
 

@@ -6,7 +6,8 @@ import math
 import pytest
 
 from specserve.train.batches import collate, epoch_batches, split
-from specserve.train.data import Sequence
+from specserve.train.config import TrainConfig
+from specserve.train.data import Sequence, data_engine_options
 from specserve.train.questions import (FOLLOW_UPS, PASSAGE_TASKS, TASK_OPENERS, TOPICS, QuestionSeed,
                                        follow_up_conversations, is_repetitive, question_seeds, topic_mix,
                                        vocabulary_words)
@@ -127,3 +128,13 @@ def test_split_holds_out_a_seeded_share():
     assert sorted(map(id, train + val)) == sorted(map(id, data))
     assert split(data, 0.25, seed=3) == (train, val)
     assert split(data, 0.0, seed=3) == (data, [])
+
+
+def test_the_data_engine_covers_large_batches_with_graphs_on_cuda():
+    cfg = TrainConfig(target="smollm2-135m", out="/tmp/head", max_num_seqs=512, kv_cache_memory_gb=16)
+    assert data_engine_options(cfg) == {"kv_cache_memory_gb": 16}  # on the CPU: no graphs, default budget
+    cfg.device = "cuda"  # as the config would read on a GPU machine
+    options = data_engine_options(cfg)
+    assert options["max_num_batched_tokens"] == 1024
+    sizes = options["cudagraph_capture_sizes"]
+    assert sizes[-1] == 1024 and 512 in sizes and sizes == sorted(sizes)

@@ -69,6 +69,18 @@ def test_capture_sizes_respect_limits():
     assert {d.mode for d in descs} == {M.FULL, M.PIECEWISE}
     assert default_capture_sizes(256)[:5] == [1, 2, 4, 8, 16] and default_capture_sizes(256)[-1] == 256
     assert default_capture_sizes(3) == [1, 2]
+    # Past 256 (large batches of a small model, train-eagle's data), every 32 tokens.
+    large = default_capture_sizes(1024)
+    assert large[:35] == default_capture_sizes(256) and large[35:] == list(range(288, 1025, 32))
+    assert default_capture_sizes(300)[-1] == 288
+
+
+def test_large_batches_of_a_small_model_replay_graphs():
+    # train-eagle's data engine at 512 sequences: 1,024 tokens a step, graphs up to that.
+    m = manager(M.FULL_AND_PIECEWISE, sizes=default_capture_sizes(1024), max_reqs=512, max_tokens=1024, k=0)
+    assert m.dispatch(512, 512, 1) == BatchDescriptor(M.FULL, 512, 512, 1)
+    assert m.dispatch(300, 300, 1) == BatchDescriptor(M.FULL, 320, 320, 1)
+    assert m.dispatch(700, 480, None) == BatchDescriptor(M.PIECEWISE, 704, 480, None)
 
 
 @pytest.mark.parametrize("mode", list(M))
