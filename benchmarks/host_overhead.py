@@ -1,6 +1,7 @@
 """The engine's host time per decode step, by part, at large batches (CPU).
 
-The model is a one-layer stand-in so small that its compute hardly counts: what is left is the Python
+The model is a one-layer stand-in whose forward and greedy sampling are replaced by stubs returning
+zeros (on a GPU they run on the device, and their CPU compute would only add noise here): what is left is the Python
 work every step does per request (scheduling, KV blocks, inputs, outputs and detokenization). On a GPU
 that work overlaps the device's step under asynchronous scheduling, and a small target at a large
 batch (train-eagle's data generation) waits on it once it is longer.
@@ -26,8 +27,7 @@ from specserve.sampling_params import SamplingParams
 STAND_IN = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=32, intermediate_size=64,
                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=4096,
                 max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True)
-PARTS = (("scheduler", "schedule"), ("scheduler", "update"), ("engine", "_output"), ("runner", "launch"),
-         ("runner", "_target_forward"))
+PARTS = (("scheduler", "schedule"), ("scheduler", "update"), ("engine", "_output"), ("runner", "launch"))
 
 
 def measure(root: Path, batch: int, prompt_len: int, steps: int, detokenize: bool, output_kind: str) -> dict[str, float]:
@@ -35,6 +35,9 @@ def measure(root: Path, batch: int, prompt_len: int, steps: int, detokenize: boo
     llm = LLM(str(root), device="cpu", max_model_len=2048, max_num_seqs=batch, load_format="dummy",
               num_kv_blocks=max(batch * (prompt_len + steps + 40) // 16, 2048 // 16) + 64)
     engine = llm.engine
+    hidden = STAND_IN["hidden_size"]
+    engine.runner._target_forward = lambda desc, metadata: (torch.zeros(desc.num_tokens, hidden), [])
+    engine.runner.model.greedy_tokens = lambda h: torch.zeros(h.shape[0], dtype=torch.int64)
     owners = {"scheduler": engine.scheduler, "engine": engine, "runner": engine.runner}
     totals: dict[str, float] = defaultdict(float)
     for owner, name in PARTS:
@@ -73,7 +76,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp())
     (root / "config.json").write_text(json.dumps(STAND_IN))
     _save_tokenizer(root, STAND_IN["vocab_size"])
-    print("us per request per step (host time; runner.launch includes the stand-in's forward)")
+    print("us per request per step (host time; the model's forward and argmax are stubs)")
     keys = ["step"] + [f"{o}.{n}" for o, n in PARTS]
     print(f"{'batch':>5} {'detokenize':>10} {'output_kind':>11} " + " ".join(f"{k:>22}" for k in keys))
     for batch in a.batch_sizes:

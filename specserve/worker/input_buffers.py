@@ -43,24 +43,23 @@ class InputBuffers:
     def prepare(
         self,
         input_ids: np.ndarray,
-        positions: np.ndarray,
         query_lens: np.ndarray,
         seq_lens: np.ndarray,
-        block_rows: list[list[int]],
+        table: np.ndarray,
         block_size: int,
         extras: dict[str, np.ndarray] | None = None,
     ) -> AttentionMetadata:
         """Stage the step's inputs (and the caller's extra int64 arrays, read back with staged()), copy them
-        to the device at once and spread them into the persistent buffers; returns the step's metadata."""
+        to the device at once and spread them into the persistent buffers; returns the step's metadata.
+        Each request's query is its last query_lens[i] positions before seq_lens[i]; table[i] holds its
+        block ids."""
         self._staging ^= 1
         num_reqs, num_tokens = len(query_lens), len(input_ids)
         qsl = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(query_lens, out=qsl[1:])
-        width = max(len(row) for row in block_rows)
-        table = np.zeros((num_reqs, width), dtype=np.int64)
-        for i, row in enumerate(block_rows):
-            table[i, : len(row)] = row
         req_of_token = np.repeat(np.arange(num_reqs), query_lens)
+        # Token t of request r sits at position seq_lens[r] - query_lens[r] + (t - qsl[r]).
+        positions = np.arange(num_tokens) + (seq_lens - qsl[1:])[req_of_token]
         slots = table[req_of_token, positions // block_size] * block_size + positions % block_size
         host = self._host[self._staging]
         layout = pack_step_inputs(host.numpy(), input_ids, positions, slots, seq_lens, qsl[1:], table, extras or {})

@@ -21,6 +21,7 @@ from specserve.spec_decode.speculator import DraftInput, Speculator
 from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager, default_capture_sizes
 from specserve.worker.cudagraph_mode import CUDAGraphMode
 from specserve.worker.graph_recorder import AttentionSplitter
+from specserve.worker.host_block_table import HostBlockTable
 from specserve.worker.inflight_inputs import take_inflight_inputs
 from specserve.worker.input_buffers import InputBuffers
 from specserve.worker.step_handle import PendingLogprobs, StepHandle
@@ -76,9 +77,11 @@ class ModelRunner:
         self.sampler = Sampler(generator)
         self.speculator: Speculator | None = None
         self.forced_acceptance_prob: float | None = None
-        # Each running request owns one row of per-request persistent state (the draft-probability buffer).
+        # Each running request owns one row of per-request persistent state: its block ids on the host, and
+        # with a drafter its draft probabilities.
         self.rows: dict[str, int] = {}
         self.free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self.host_block_table = HostBlockTable(config.max_num_seqs, max_blocks_per_req)
         self.graphs: CUDAGraphManager | None = None
         self.capture_seconds: float | None = None
         self.graph_memory_bytes: int | None = None
@@ -150,6 +153,7 @@ class ModelRunner:
             row = self.rows.pop(rid, None)
             if row is not None:
                 self.free_rows.append(row)
+                self.host_block_table.clear(row)
             if self.speculator is not None:
                 self.speculator.forget(rid)
 
@@ -168,7 +172,7 @@ class ModelRunner:
         """Enqueue the whole step on the device (inputs, forward, sampling, drafts, the copy of the results to
         the host) without waiting for it; resolve() reads the results."""
         self._release_rows(sched.finished + sched.preempted)
-        ids, pos, qlens, slens, rows, sampling, inflight = [], [], [], [], [], [], []
+        ids, qlens, slens, rows, sampling, inflight = [], [], [], [], [], []
         # Per scheduled request, for the drafter: (first token, count, drafting index or -1, drafts verified,
         # the prompt's next token for a chunk that does not sample)
         draft_requests = []
@@ -178,15 +182,16 @@ class ModelRunner:
             if s.from_device:
                 prev_row, prev_drafts = self._previous[req.request_id]
                 inflight.append((i, prev_row, offset, n, prev_drafts))
-                ids.append([0] * n)
+                ids.extend([0] * n)
             else:
                 known = req.all_token_ids
-                ids.append(known[start:start + n] if start + n <= len(known)
+                ids.extend(known[start:start + n] if start + n <= len(known)
                            else (known + s.spec_token_ids)[start:start + n])
-            pos.append(np.arange(start, start + n))
             qlens.append(n)
             slens.append(start + n)
-            rows.append(s.block_ids)
+            row = self._row(req.request_id)
+            self.host_block_table.sync(row, s.block_ids)
+            rows.append(row)
             if s.samples:
                 draft_requests.append((offset, n, len(sampling), len(s.spec_token_ids), 0))
                 sampling.append(i)
@@ -195,9 +200,9 @@ class ModelRunner:
             offset += n
         drafts_on_device = self.speculator is not None and self.speculator.on_device
         plan = StepPlan.build(sched, sampling, draft_requests, inflight, drafts_on_device, self._row)
-        input_ids = np.fromiter((t for chunk in ids for t in chunk), dtype=np.int64, count=offset)
-        metadata = self.buffers.prepare(input_ids, np.concatenate(pos).astype(np.int64), np.array(qlens, dtype=np.int64),
-                                        np.array(slens, dtype=np.int64), rows, self.block_size, plan.extras)
+        metadata = self.buffers.prepare(np.array(ids, dtype=np.int64), np.array(qlens, dtype=np.int64),
+                                        np.array(slens, dtype=np.int64), self.host_block_table.gather(rows),
+                                        self.block_size, plan.extras)
         b = self.buffers
         if inflight:
             take_inflight_inputs(b.staged_extra("inflight"), self.outputs.accepted, self.outputs.tokens,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specserve.attention.metadata import PAD_SLOT_ID
+from specserve.worker.host_block_table import HostBlockTable
 from specserve.worker.input_buffers import InputBuffers
 from specserve.worker.staged_inputs import pack_step_inputs, scatter_staged_inputs
 
@@ -83,13 +84,37 @@ def test_scatter_writes_every_buffer_with_padding(use_triton, num_reqs):
 
 def test_input_buffers_stage_extras_and_refuse_overflow():
     bufs = InputBuffers(4, 16, 5, torch.device(DEVICE), extra_capacity=8)
-    meta = bufs.prepare(np.array([5, 6, 7]), np.array([0, 1, 2]), np.array([3]), np.array([3]), [[2]], BLOCK_SIZE,
+    meta = bufs.prepare(np.array([5, 6, 7]), np.array([3]), np.array([3]), np.array([[2]]), BLOCK_SIZE,
                         {"rows": np.array([[1, 2], [3, 4]])})
     assert meta.num_tokens == 3 and bufs.slot_mapping[:3].tolist() == [8, 9, 10]
     assert bufs.staged_extra("rows").tolist() == [[1, 2], [3, 4]]
     with pytest.raises(RuntimeError, match="max_num_batched_tokens"):
-        bufs.prepare(np.array([5]), np.array([0]), np.array([1]), np.array([1]), [[2]], BLOCK_SIZE,
+        bufs.prepare(np.array([5]), np.array([1]), np.array([1]), np.array([[2]]), BLOCK_SIZE,
                      {"big": np.zeros(100, dtype=np.int64)})
+
+
+def test_prepare_places_each_query_after_its_cached_tokens():
+    # Request 0 computes its last 3 tokens of 2 blocks' worth, request 1 one token after 4 cached ones.
+    bufs = InputBuffers(4, 16, 5, torch.device(DEVICE))
+    table = np.array([[6, 3], [9, 0]])
+    qlens, seq_lens = np.array([3, 1]), np.array([BLOCK_SIZE + 2, 5])
+    bufs.prepare(np.array([11, 12, 13, 14]), qlens, seq_lens, table, BLOCK_SIZE)
+    positions = [p for q, n in zip(qlens, seq_lens) for p in range(n - q, n)]
+    owner = [r for r, q in enumerate(qlens) for _ in range(q)]
+    assert bufs.positions[:4].tolist() == positions
+    assert bufs.slot_mapping[:4].tolist() == [table[r, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                                              for r, p in zip(owner, positions)]
+
+
+def test_host_block_table_appends_clears_and_gathers():
+    t = HostBlockTable(3, 6)
+    t.sync(0, [4, 5])
+    t.sync(2, [7])
+    t.sync(0, [4, 5, 8])  # a block added since the last step
+    assert t.gather([2, 0]).tolist() == [[7, 0, 0], [4, 5, 8]]
+    t.clear(0)
+    t.sync(0, [1])  # the row's next request
+    assert t.gather([0, 2]).tolist() == [[1], [7]]
 
 
 @pytest.mark.gpu
