@@ -136,19 +136,20 @@ def layer_cases(shape: str, m: int, dtype: torch.dtype):
     positions = torch.full((m,), CONTEXT - 1, device="cuda")
     x, residual = (torch.randn(m, arch.hidden_size, device="cuda", dtype=dtype) for _ in range(2))
 
-    def run(fused: bool, small_m_max_tokens: int, fold_bytes: int = 0):
+    def run(fused: bool, small_m_max_tokens: int, fold: bool = False):
         def fn(i):
             set_fused_kernels(stack[i], fused)
             layers.SMALL_M_MAX_TOKENS = small_m_max_tokens
-            layers.FOLD_NORM_MAX_WEIGHT_BYTES = fold_bytes
+            layers.FOLD_NORM_MAX_WEIGHT_BYTES = 1 << 62 if fold else 0
+            layers.FOLD_NORM_ANY_WEIGHT_MAX_TOKENS = 0
             return stack[i](x, positions, rotary, caches[i], metadata, residual)
         return fn
 
-    # "norms folded" forces the folding on whatever the weight size (the default folds up to
-    # FOLD_NORM_MAX_WEIGHT_BYTES: SmolLM2 yes, Llama-3-8B no).
+    # "norms folded" forces the folding on whatever the weight size and "norms apart" forces it off (the
+    # default folds up to FOLD_NORM_MAX_WEIGHT_BYTES, SmolLM2, and at FOLD_NORM_ANY_WEIGHT_MAX_TOKENS).
     variants = {"torch ops": run(False, 0), "before: cublas+kernels": run(True, 0),
                 "small-M o_proj/down_proj, norms apart": run(True, 16),
-                "small-M, norms folded into qkv and gate_up": run(True, 16, 1 << 62)}
+                "small-M, norms folded into qkv and gate_up": run(True, 16, fold=True)}
     return nbytes, copies, variants
 
 
@@ -161,7 +162,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_fused_linear needs a CUDA device")
     dtype = getattr(torch, args.dtype)
-    default_max, default_fold = layers.SMALL_M_MAX_TOKENS, layers.FOLD_NORM_MAX_WEIGHT_BYTES
+    defaults = layers.SMALL_M_MAX_TOKENS, layers.FOLD_NORM_MAX_WEIGHT_BYTES, layers.FOLD_NORM_ANY_WEIGHT_MAX_TOKENS
     print(f"{torch.cuda.get_device_name()}, {args.dtype}; GPU us per call under a CUDA graph, weights rotated "
           f"over >= {ROTATION_BYTES >> 20} MB\n")
     print("| shape | M | op | variant | us | weight GB/s | floor us | vs cublas |")
@@ -187,7 +188,8 @@ def main() -> None:
                         mark = " (best)" if name == best else ""
                         print(f"| {shape} | {m} | {op} | {name}{mark} | {t:.2f} | {nbytes / t / 1e3:.0f} | "
                               f"{nbytes / PEAK_BYTES_PER_US:.2f} | {base / t:.2f}x |", flush=True)
-                layers.SMALL_M_MAX_TOKENS, layers.FOLD_NORM_MAX_WEIGHT_BYTES = default_max, default_fold
+                (layers.SMALL_M_MAX_TOKENS, layers.FOLD_NORM_MAX_WEIGHT_BYTES,
+                 layers.FOLD_NORM_ANY_WEIGHT_MAX_TOKENS) = defaults
 
 
 if __name__ == "__main__":

@@ -56,6 +56,10 @@ NORM_ONE_TOKEN = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=4
 # kernels: the model keeps its norms apart there, see models/layers.py).
 NORM_SMALL = SmallMConfig(block_n=16, block_k=64, num_warps=4, num_stages=4)
 NORM_LARGE = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
+# The qkv kernel at one token over a large weight (Llama-3-8B, 50 MB): 32 rotary pairs a program, 256 of K,
+# without the compact prologue, 22.3 us with rotary and the cache write; cuBLAS plus the norm and rotary
+# kernels 26.8, NORM_ONE_TOKEN's 16 pairs 27.7 (results/h100_2026-11-23_s5_fused_linear_8b.txt).
+QKV_NORM_ONE_TOKEN_LARGE = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
 
 # Triton's interpreter on CPU, where every program and every loop iteration costs Python time: blocks
 # large enough for tiny test models, small enough that test shapes of ~100 still span several blocks
@@ -108,6 +112,8 @@ def linear_config(weight: torch.Tensor, wide: bool, norm: bool = False, m: int =
 def qkv_config(weight: torch.Tensor, norm: bool = False, m: int = 16) -> SmallMConfig:
     """The qkv kernel's configuration; its block_n counts rotary pairs, half a tile's columns."""
     if norm:
+        if m == 1 and weight.device.type != "cpu" and weight_bytes(weight) > SMALL_WEIGHT_BYTES:
+            return _for_dtype(QKV_NORM_ONE_TOKEN_LARGE, weight)
         # The measured column tiles as pairs; 16 pairs at least (tl.dot's minimum width).
         cfg = _norm_config(weight, m)
         return replace(cfg, block_n=max(16, cfg.block_n // 2))

@@ -41,9 +41,11 @@ SMALL_M_MAX_TOKENS = 16
 # Up to this many weight bytes the norm in front of the qkv and gate/up projections (with the residual
 # add) folds into their small-M kernels, rotary + KV-cache write and SiLU-and-mul in the epilogues: on
 # SmolLM2-135M measured 1.16-1.42x cuBLAS plus the separate kernels at one token, 1.03-1.21x at four
-# (benchmarks/results/h100_2026-11-23_prologue_variants.txt). Llama-3-8B's projections (33 MB and more)
-# keep cuBLAS and the separate kernels: 1.06-1.09x at one token, slower at four.
+# (benchmarks/results/h100_2026-11-23_prologue_variants.txt).
 FOLD_NORM_MAX_WEIGHT_BYTES = SMALL_WEIGHT_BYTES
+# Up to this many tokens the norm folds whatever the weight: Llama-3-8B's qkv and gate/up (50 and 235 MB)
+# measured 1.09x and 1.06x cuBLAS plus the separate kernels at one token, 0.88x and 0.96x at four.
+FOLD_NORM_ANY_WEIGHT_MAX_TOKENS = 1
 
 
 def _small_m(module: FusableModule, x: torch.Tensor) -> bool:
@@ -63,7 +65,8 @@ def folds_norm(module: FusableModule, norm: nn.Module, linear: nn.Linear, x: tor
     """Whether norm (and the residual add) runs in the prologue of linear's small-M kernel over x: the one
     place that decides. norm may be nn.Identity (the EAGLE-1 head's layer has no input norm)."""
     return (isinstance(norm, RMSNorm) and _small_m(module, x)
-            and weight_bytes(linear.weight) <= FOLD_NORM_MAX_WEIGHT_BYTES)
+            and (weight_bytes(linear.weight) <= FOLD_NORM_MAX_WEIGHT_BYTES
+                 or x.shape[0] <= FOLD_NORM_ANY_WEIGHT_MAX_TOKENS))
 
 
 def add_and_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):

@@ -48,7 +48,7 @@ def kernels():
     # The small-M projections as SmolLM2 decodes one token (K = 576): the folded add + norm with the
     # one-token compact prologue, and the plain output projection.
     from specserve.kernels import fused_linear, qkv_rotary_cache
-    from specserve.kernels.small_m_configs import NORM_ONE_TOKEN, SMALL
+    from specserve.kernels.small_m_configs import NORM_ONE_TOKEN, QKV_NORM_ONE_TOKEN_LARGE, SMALL
 
     bf16, f32 = "*bf16", "*fp32"
     projection = dict(x_ptr=bf16, res_ptr=bf16, res_out_ptr=bf16, norm_w_ptr=bf16, w_ptr=bf16, out_ptr=bf16,
@@ -60,14 +60,19 @@ def kernels():
     yield fused_linear._fused_linear_kernel, dict(
         projection, ADD=False, NORM=False, SILU_MUL=False, COMPACT=False, ROWS=16, PRE_K=256, SLICE_K=16,
         BLOCK_N=SMALL.block_n, BLOCK_K=SMALL.block_k)
-    yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
+    qkv = dict(
         x_ptr=bf16, res_ptr=bf16, res_out_ptr=bf16, norm_w_ptr=bf16, w_ptr=bf16, bias_ptr=bf16, q_ptr=bf16,
         k_cache_ptr=bf16, v_cache_ptr=bf16, cos_ptr=f32, sin_ptr=f32, positions_ptr=p64, slot_mapping_ptr=p64,
         M=i32, K=i32, num_slots=i32, stride_xm=i32, stride_rm=i32, stride_rom=i32, stride_wn=i32, stride_qm=i32,
         stride_qh=i32, stride_pos=i32, stride_cb=i32, stride_cs=i32, stride_ch=i32, block_size=i32,
         num_heads=i32, num_kv_heads=i32, half=i32, eps="fp32", ADD=True, NORM=True, BIAS=False, DOT_FP32=False,
-        PAD_SLOT=PAD_SLOT_ID, COMPACT=True, ROWS=1, PRE_K=1024, SLICE_K=32, BLOCK_M=16, BLOCK_P=16,
-        BLOCK_K=NORM_ONE_TOKEN.block_k)
+        PAD_SLOT=PAD_SLOT_ID, ROWS=1, BLOCK_M=16)
+    yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
+        qkv, COMPACT=True, PRE_K=1024, SLICE_K=32, BLOCK_P=16, BLOCK_K=NORM_ONE_TOKEN.block_k)
+    # Llama-3-8B's one token (K = 4096, 96 programs).
+    yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
+        qkv, COMPACT=False, PRE_K=4096, SLICE_K=64, BLOCK_P=QKV_NORM_ONE_TOKEN_LARGE.block_n,
+        BLOCK_K=QKV_NORM_ONE_TOKEN_LARGE.block_k)
     yield inflight_inputs._take_inflight_inputs_kernel, dict(
         meta_ptr=p64, accepted_ptr=p64, accepted_stride=i32, tokens_ptr=p64, tokens_stride=i32, drafts_ptr=p64,
         drafts_stride=i32, input_ids_ptr=p64, positions_ptr=p64, seq_lens_ptr=p32, slot_mapping_ptr=p64,
@@ -81,7 +86,7 @@ def compile_for_hopper(index: int) -> None:
     triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=HOPPER)
 
 
-@pytest.mark.parametrize("index", range(8))
+@pytest.mark.parametrize("index", range(len(list(kernels()))))
 def test_step_kernel_compiles_for_the_h100(index):
     # In a process of its own: with TRITON_INTERPRET set (as tests on the CPU run) triton.jit makes
     # interpreted functions, which do not compile.

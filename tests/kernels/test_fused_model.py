@@ -219,12 +219,16 @@ def test_heads_other_paths(monkeypatch, small_m_max_tokens):
     check_head(head, arch.hidden_size, arch, torch.float32)
 
 
-@pytest.mark.parametrize("small_m_max_tokens,fold_bytes,linear_calls,qkv_calls", [
-    (16, layers.FOLD_NORM_MAX_WEIGHT_BYTES, 3, 1),  # folded: qkv+rotary+cache, o_proj, gate_up+SiLU, down_proj
-    (16, 0, 2, 0),  # weights above the folding limit (Llama-3-8B): o_proj and down_proj only
-    (0, layers.FOLD_NORM_MAX_WEIGHT_BYTES, 0, 0),
-], ids=["folded", "large_weights", "cublas_path"])
-def test_small_batches_run_small_m_kernels(monkeypatch, small_m_max_tokens, fold_bytes, linear_calls, qkv_calls):
+ONE_TOKEN_STEP = dict(q_lens=[1], seq_lens=[4])
+
+
+@pytest.mark.parametrize("small_m_max_tokens,fold_bytes,step,linear_calls,qkv_calls", [
+    (16, layers.FOLD_NORM_MAX_WEIGHT_BYTES, STEPS[1], 3, 1),  # folded: qkv+rotary+cache, o_proj, gate_up+SiLU, down_proj
+    (16, 0, STEPS[1], 2, 0),  # weights above the folding limit (Llama-3-8B): o_proj and down_proj only
+    (16, 0, ONE_TOKEN_STEP, 3, 1),  # ... except at one token, where every weight folds
+    (0, layers.FOLD_NORM_MAX_WEIGHT_BYTES, STEPS[1], 0, 0),
+], ids=["folded", "large_weights", "large_weights_one_token", "cublas_path"])
+def test_small_batches_run_small_m_kernels(monkeypatch, small_m_max_tokens, fold_bytes, step, linear_calls, qkv_calls):
     import specserve.kernels.fused_linear as fused_linear_module
     import specserve.kernels.qkv_rotary_cache as qkv_module
 
@@ -243,7 +247,7 @@ def test_small_batches_run_small_m_kernels(monkeypatch, small_m_max_tokens, fold
     model = LlamaForCausalLM(tiny_arch(num_layers=1), get_attention_backend("triton"))
     randomize(model)
     _, fused = both_paths(model, torch.float32)
-    step = make_step(**STEPS[1])
+    step = make_step(**step)
     with torch.no_grad():
         fused(step.input_ids, step.positions, new_caches(tiny_arch(), 1, torch.float32), step.metadata)
     assert calls == {"linear": linear_calls, "qkv": qkv_calls}
@@ -270,6 +274,7 @@ def test_folded_norms(monkeypatch, tokens, dtype):
     expected, expected_caches = run_target(plain, arch, dtype)
     actual, actual_caches = run_target(fused, arch, dtype)
     monkeypatch.setattr(layers, "FOLD_NORM_MAX_WEIGHT_BYTES", 0)
+    monkeypatch.setattr(layers, "FOLD_NORM_ANY_WEIGHT_MAX_TOKENS", 0)
     unfolded, unfolded_caches = run_target(fused, arch, dtype)
     for (h, aux), (h_ref, aux_ref), (h_unf, aux_unf) in zip(actual, expected, unfolded):
         assert_near(h, h_ref)
