@@ -16,6 +16,7 @@ from torch import nn
 
 from specserve.attention.backend import AttentionBackend
 from specserve.attention.metadata import AttentionMetadata
+from specserve.kernels.argmax import greedy_argmax
 from specserve.models.arch_config import ArchConfig
 from specserve.models.layers import (FusableModule, GatedMLP, RMSNorm, RotaryEmbedding, add_and_norm, folds_norm,
                                      output_projection, prologue_args)
@@ -135,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """compute_logits(hidden).argmax(-1) without the float32 copy (the conversion keeps the order)."""
-        return self.lm_head(hidden).argmax(dim=-1)
+        return greedy_argmax(self.lm_head(hidden))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def rename(name: str) -> str | None:

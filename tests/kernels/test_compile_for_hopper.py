@@ -73,6 +73,11 @@ def kernels():
     yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
         qkv, COMPACT=False, PRE_K=4096, SLICE_K=64, BLOCK_P=QKV_NORM_ONE_TOKEN_LARGE.block_n,
         BLOCK_K=QKV_NORM_ONE_TOKEN_LARGE.block_k)
+    from specserve.kernels import argmax
+
+    yield argmax._chunk_argmax_kernel, dict(x_ptr=bf16, stride_x=i32, n_cols=i32, val_ptr=f32, idx_ptr=p32,
+                                            CHUNK=argmax._CHUNK, BLOCK=argmax._BLOCK)
+    yield argmax._pick_chunk_kernel, dict(val_ptr=f32, idx_ptr=p32, out_ptr=p64, num_chunks=i32, CHUNKS=64)
     yield inflight_inputs._take_inflight_inputs_kernel, dict(
         meta_ptr=p64, accepted_ptr=p64, accepted_stride=i32, tokens_ptr=p64, tokens_stride=i32, drafts_ptr=p64,
         drafts_stride=i32, input_ids_ptr=p64, positions_ptr=p64, seq_lens_ptr=p32, slot_mapping_ptr=p64,
