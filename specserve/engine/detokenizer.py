@@ -19,7 +19,8 @@ class IncrementalDetokenizer:
     [prefix_offset, read_offset) were already turned into text and only give context,
     tokens from read_offset on are new, and the new text is decode(window) with
     decode(context) cut off its front. While the window's text ends in U+FFFD, a multi-byte
-    character still misses bytes from tokens not generated yet, so the text is held back.
+    character still misses bytes from tokens not generated yet, so the text is held back; an
+    output that finishes there ends in U+FFFD, as the decode of its tokens does.
 
     Usage per engine step: `update(new_ids)`; if it returns a stop string, keep only the
     first `num_consumed` of new_ids and finish the request; then `get_delta(finished)` gives
@@ -77,6 +78,8 @@ class IncrementalDetokenizer:
         len(longest stop string) - 1 characters are withheld: the next tokens could complete
         them into a stop string, and text already streamed cannot be taken back.
         """
+        if finished and self.stop_str is None:
+            self._text += self._decode_new_text(final=True)
         end = len(self._text)
         if not finished and self.stop_str is None:
             end -= max(self._max_stop_len - 1, 0)
@@ -86,12 +89,12 @@ class IncrementalDetokenizer:
         self._num_sent_chars = end
         return delta
 
-    def _decode_new_text(self) -> str:
+    def _decode_new_text(self, final: bool = False) -> str:
         context = self._decode(self._ids[self._prefix_offset:self._read_offset])
         window = self._decode(self._ids[self._prefix_offset:])
         # No longer than the context: the new tokens decode to nothing yet (e.g. skipped
         # special tokens); keep them in the window so they count as context once text follows.
-        if len(window) <= len(context) or window.endswith("\ufffd"):
+        if len(window) <= len(context) or (window.endswith("\ufffd") and not final):
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)

@@ -112,6 +112,20 @@ def test_smollm2_output_is_plain_decode(smollm2):
     assert detok.output_text == decode(smollm2, ids)
 
 
+@pytest.mark.parametrize("tokenizer_name", ["smollm2", "sentencepiece_style"])
+def test_output_cut_inside_a_character_ends_as_its_decode(request, tokenizer_name):
+    # A length limit can end the output between the tokens of one character: the held-back bytes are
+    # released at the finish, as the U+FFFD that decoding the output's tokens shows.
+    tokenizer = request.getfixturevalue(tokenizer_name)
+    prompt_ids = encode(tokenizer, "Write something:")
+    ids = encode(tokenizer, TEXTS[0])
+    cut = next(i for i in range(1, len(ids)) if decode(tokenizer, ids[:i]).endswith("\ufffd"))
+    expected = expected_output(tokenizer, prompt_ids, ids[:cut])
+    assert expected.endswith("\ufffd")
+    detok, deltas = stream(tokenizer, prompt_ids, SamplingParams(stop=["<never generated>"]), [[t] for t in ids[:cut]])
+    assert detok.output_text == expected and "".join(deltas) == expected
+
+
 def test_leading_space_from_prompt_context(sentencepiece_style):
     # Decoded alone, "▁world" loses its space; after the prompt it must keep it.
     output_ids = encode(sentencepiece_style, "world")
