@@ -61,13 +61,15 @@ class EngineStats:
     spec_num_drafted: int = 0
     spec_num_accepted: int = 0
     spec_acceptance_per_position: tuple[float, ...] = ()
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
 
     @classmethod
     def of(cls, engine: LLMEngine) -> "EngineStats":
         spec = engine.spec_stats
         return cls(len(engine.scheduler.running), len(engine.scheduler.waiting), engine.kv.usage,
                    engine.kv.prefix_cache_hit_rate, spec.num_drafted, spec.num_accepted,
-                   tuple(spec.acceptance_per_position))
+                   tuple(spec.acceptance_per_position), engine.num_prompt_tokens, engine.num_generated_tokens)
 
 
 @dataclass

@@ -49,6 +49,10 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, num_lookahead_tokens=spec.num_speculative_tokens if spec else 0)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._counter = itertools.count()
+        # Running totals for metrics: prompt tokens of admitted requests, and tokens generated, those of
+        # requests later aborted included (a FINAL_ONLY caller that left never sees them in an output).
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
         # Asynchronous scheduling: the step launched but not yet completed, and whether the next call must
         # complete it before scheduling again.
         self._inflight: StepHandle | None = None
@@ -105,6 +109,7 @@ class LLMEngine:
         if params.detokenize:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params)
         self.scheduler.add_request(req)
+        self.num_prompt_tokens += len(ids)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -157,6 +162,7 @@ class LLMEngine:
             n_before = before[req.request_id]
             req.logprobs.extend(result.logprobs.get(req.request_id, [])[: req.num_output_tokens - n_before])
             out = self._output(req, n_before)
+            self.num_generated_tokens += req.num_output_tokens - n_before
             if out is not None:
                 outputs.append(out)
         return outputs

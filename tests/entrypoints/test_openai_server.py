@@ -146,10 +146,13 @@ def test_disconnect_aborts_and_frees_blocks(plain):
             for i, _ in enumerate(r.iter_lines()):
                 if i == 4:
                     break  # leaving the block closes the connection mid-stream
+        generated = plain.wait_idle()["specserve:generation_tokens_total"]
         with pytest.raises(httpx.ReadTimeout):
             http.post("/v1/completions", json=body, timeout=0.3)
     m = plain.wait_idle()
     assert m["specserve:requests_total{finish_reason=abort}"] == before + 2
+    # The non-streamed request's caller left before any output: its tokens still count.
+    assert m["specserve:generation_tokens_total"] > generated
 
 
 BAD_INPUT = [

@@ -1,10 +1,10 @@
 """Prometheus metrics of one server, in their own registry so that several apps can live in
 one process (tests, embedding) without their metric names clashing.
 
-Two kinds: per-request metrics are observed by the server when a request ends;
-engine state (queue lengths, KV cache, speculative decoding) is read at scrape
-time from the snapshot the engine thread publishes, so a scrape never touches
-the engine itself.
+Two kinds: per-request metrics (latencies, finish reasons) are observed by the
+server when a request ends; engine state (queue lengths, KV cache, token totals,
+speculative decoding) is read at scrape time from the snapshot the engine thread
+publishes, so a scrape never touches the engine itself.
 """
 from __future__ import annotations
 
@@ -37,6 +37,11 @@ class EngineStatsCollector(Collector):
         yield GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate",
                                 "Fraction of queried prompt tokens found in the prefix cache.",
                                 value=s.prefix_cache_hit_rate)
+        yield CounterMetricFamily(PREFIX + "prompt_tokens", "Prompt tokens of admitted requests.",
+                                  value=s.num_prompt_tokens)
+        yield CounterMetricFamily(PREFIX + "generation_tokens",
+                                  "Tokens generated, those of requests aborted later included.",
+                                  value=s.num_generated_tokens)
         yield CounterMetricFamily(PREFIX + "spec_decode_num_drafted_tokens", "Draft tokens proposed.",
                                   value=s.spec_num_drafted)
         yield CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
@@ -55,8 +60,6 @@ class ServerMetrics:
         self.requests = Counter(PREFIX + "requests", "Requests ended, by finish reason "
                                 "(stop, length, abort: the client left, timeout, error).",
                                 ["finish_reason"], registry=r)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of ended requests.", registry=r)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
@@ -73,8 +76,6 @@ class ServerMetrics:
             return
         m = last.metrics
         n = m.num_output_tokens
-        self.prompt_tokens.inc(m.num_prompt_tokens)
-        self.generation_tokens.inc(n)
         # The engine's times are time.monotonic() readings, so the same clock ends aborted requests.
         end = m.finished_time if m.finished_time is not None else time.monotonic()
         self.e2e.observe(end - m.arrival_time)
