@@ -13,6 +13,7 @@ _HELP = {
                "default: the target writes its own from built-in topics",
     "work_dir": "data and checkpoints (default: OUT.work)",
     "resume": "reuse the work directory's data and continue from its checkpoint",
+    "data_only": "stop once the data is in the work directory; a later --resume run trains on it",
     "num_prompts": "prompts to answer (written by the target, or the first ones of --prompts)",
     "max_new_tokens": "longest answer",
     "max_seq_len": "longest prompt + answer",
@@ -79,7 +80,10 @@ def cmd_train_eagle(a: argparse.Namespace) -> None:
     for name in _BUDGETS:
         values[name] = values[name] or None
     summary = train_eagle3(TrainConfig(**values))
-    print(f"=== head written to {summary.out} ({len(summary.files)} weight file(s))")
+    if summary.files:
+        print(f"=== head written to {summary.out} ({len(summary.files)} weight file(s))")
+    else:
+        print(f"=== data written to {summary.out}; train on it with the same flags and --resume")
     if summary.data is None:
         print(f"data: reused {summary.num_sequences} answers ({summary.num_response_tokens} answer tokens) "
               "from the work directory")

@@ -26,6 +26,9 @@ class TrainConfig:
     work_dir: str | None = None
     # Reuse the work directory's data and continue from its checkpoint.
     resume: bool = False
+    # Stop once the data is in the work directory; a later run with resume trains on it (the two phases
+    # then fit in jobs, or device sessions, of their own).
+    data_only: bool = False
 
     # ---- data ----
     num_prompts: int = 1024
@@ -100,6 +103,8 @@ class TrainConfig:
             value = getattr(self, name)
             check(isinstance(value, int) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
         check(self.steps is None or self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
+        check(not (self.data_only and self.resume), "data_only",
+              "makes new data and resume reuses the old: give one of --data-only and --resume")
         check(self.max_seq_len >= 16, "max_seq_len", f"must be >= 16 tokens, got {self.max_seq_len}")
         for name in ("sampled_fraction", "follow_up_fraction", "templated_fraction", "word_topic_fraction"):
             check(0.0 <= getattr(self, name) <= 1.0, name, f"must be in [0, 1], got {getattr(self, name)}")

@@ -31,7 +31,7 @@ _IDENTITY_FIELDS = ("draft_vocab_size", "epochs", "steps", "batch_size", "lr", "
 
 @dataclass
 class TrainSummary:
-    out: Path
+    out: Path  # the head's directory; the work directory after a data-only run
     files: list[Path]
     data: DataStats | None  # None when the data of an earlier run was reused
     num_sequences: int
@@ -104,6 +104,9 @@ def train_eagle3(cfg: TrainConfig) -> TrainSummary:
     logger.info("Draft vocabulary: %d of %d target tokens, covering %.1f%% of the answers' tokens",
                 vocab.size, target.vocab_size, 100 * vocab.coverage)
     lap("vocab")
+    num_tokens = sum(len(s.response_ids) for s in sequences)
+    if cfg.data_only:
+        return TrainSummary(work, [], data_stats, len(sequences), num_tokens, vocab.coverage, 0, None, seconds)
 
     trainer, config = make_trainer(cfg, target, aux_layers, sequences, vocab,
                                    hashlib.sha256(sequences_path.read_bytes()).hexdigest())
@@ -113,7 +116,6 @@ def train_eagle3(cfg: TrainConfig) -> TrainSummary:
     validation = trainer.evaluate(trainer.val_set)
     lap("training")
 
-    num_tokens = sum(len(s.response_ids) for s in sequences)
     provenance = {"target": cfg.target, "sequences": len(sequences), "response_tokens": num_tokens,
                   "steps": trainer.step, "ttt_steps": cfg.ttt_steps, "draft_vocab_coverage": round(vocab.coverage, 4)}
     if validation is not None:

@@ -187,6 +187,15 @@ def test_command_with_resume_reuses_the_data_and_the_finished_checkpoint(trained
     assert (summary.out / "model.safetensors").read_bytes() == weights
 
 
+def test_data_only_then_resume_trains_on_that_data(target, prompt_file, tmp_path):
+    data = train_eagle3(config(target, tmp_path / "head", prompts=str(prompt_file), data_only=True))
+    assert data.files == [] and data.steps == 0 and data.data.sequences == data.num_sequences > 0
+    assert (data.out / SEQUENCES_NAME).is_file() and not (tmp_path / "head").exists()
+    head = train_eagle3(config(target, tmp_path / "head", prompts=str(prompt_file), resume=True, steps=4))
+    assert head.data is None and head.num_sequences == data.num_sequences and head.steps == 4
+    assert (tmp_path / "head" / "config.json").is_file()
+
+
 def test_resume_refuses_a_checkpoint_of_other_settings(trained, tmp_path):
     cfg, _ = trained
     first = trainer_for(config(cfg.target, tmp_path / "a", steps=4), data_dir=cfg.work_dir)[0]
@@ -249,6 +258,7 @@ def test_data_budget_spent_aborts_what_is_unfinished(target):
     (dict(follow_up_fraction=-0.1), "follow_up_fraction"),
     (dict(val_fraction=0.5), "val_fraction"), (dict(ttt_steps=0), "ttt_steps"), (dict(data_seconds=-1), "data_seconds"),
     (dict(prompts="/no/such.jsonl"), "prompts"), (dict(dtype="int8"), "dtype"), (dict(aux_layers=(-1,)), "aux_layers"),
+    (dict(data_only=True, resume=True), "data_only"),
 ])
 def test_bad_settings_name_their_field(tmp_path, kw, field):
     with pytest.raises(ConfigError) as e:
