@@ -43,8 +43,9 @@ SMALL_M_MAX_TOKENS = 16
 # SmolLM2-135M measured 1.16-1.42x cuBLAS plus the separate kernels at one token, 1.03-1.21x at four
 # (benchmarks/results/h100_2026-11-23_prologue_variants.txt).
 FOLD_NORM_MAX_WEIGHT_BYTES = SMALL_WEIGHT_BYTES
-# Up to this many tokens the norm folds whatever the weight: Llama-3-8B's qkv and gate/up (50 and 235 MB)
-# measured 1.09x and 1.06x cuBLAS plus the separate kernels at one token, 0.88x and 0.96x at four.
+# Up to this many tokens the norm folds whatever the weight: Llama-3-8B's qkv (+ rotary and cache write) and
+# gate/up (+ SiLU), 50 and 235 MB, measured 1.20x and 1.04x cuBLAS plus the separate kernels at one token
+# (results/h100_2026-11-23_s5_fused_linear_8b.txt), and 0.88x and 0.96x at four (prologue_variants.txt).
 FOLD_NORM_ANY_WEIGHT_MAX_TOKENS = 1
 
 
