@@ -1,6 +1,7 @@
 """Which kernels a decode step runs and how long each takes: the target's full decode graph under the
-torch profiler (kernels inside the replay), the GPU's idle time between engine steps, and cuBLAS
-GEMM efficiency at the model's decode shapes against the measured bandwidth.
+torch profiler (kernels inside the replay), the GPU's idle time between engine steps, where the host's
+time per step goes (a host-bound step waits little for the GPU), and cuBLAS GEMM efficiency at the
+model's decode shapes against the measured bandwidth.
 
     python benchmarks/profile_kernels.py [--models llama3-8b smollm2-shape] [--batch 1]
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -72,8 +74,43 @@ def profile_model(name: str, batch: int, top: int) -> None:
     print(kernel_table(prof, steps, top))
     while engine.has_unfinished_requests():
         engine.step()
+    host_split(engine, prompts)
     del engine
     torch.cuda.empty_cache()
+
+
+def host_split(engine: LLMEngine, prompts: list[list[int]], steps: int = 200) -> None:
+    """Wall time per engine step, split into enqueueing the step on the device (runner.launch), reading a
+    finished step's results (runner.resolve, which waits for the GPU) and the rest of the host's work
+    (scheduling, outputs, detokenization)."""
+    runner, spent = engine.runner, defaultdict(float)
+
+    def timed(name, fn):
+        def run(*args):
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                spent[name] += time.perf_counter() - start
+        return run
+
+    runner.launch, runner.resolve = timed("launch", runner.launch), timed("resolve (waits)", runner.resolve)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 20, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    for _ in range(10):
+        engine.step()
+    spent.clear()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = time.perf_counter() - start
+    parts = ", ".join(f"{name} {1e3 * t / steps:.3f}" for name, t in spent.items())
+    print(f"host per engine step: wall {1e3 * wall / steps:.3f} ms = {parts}, "
+          f"rest {1e3 * (wall - sum(spent.values())) / steps:.3f} ms")
+    del runner.launch, runner.resolve
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def gemm_table(shapes: dict[str, tuple[int, int]], ms: list[int], bandwidth: float) -> None:

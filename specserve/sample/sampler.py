@@ -13,6 +13,7 @@ from functools import cached_property
 import torch
 
 from specserve.engine.request import Request
+from specserve.kernels.argmax import greedy_argmax
 from specserve.transfer import to_device
 
 
@@ -163,7 +164,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         raw_logprobs = logits.log_softmax(dim=-1) if b.max_logprobs is not None else None
         logits = apply_min_tokens(apply_penalties(logits, b.requests), b.requests)
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_argmax(logits)
         if not b.all_greedy:
             sampled = sample_from_probs(filtered_probs(logits, b), b.generators, self.default_generator)
             tokens = torch.where(b.greedy, tokens, sampled)

@@ -10,6 +10,7 @@ import torch
 
 from specserve.config import EngineConfig
 from specserve.engine.scheduler import SchedulerOutput
+from specserve.kernels.argmax import greedy_argmax
 from specserve.models.arch_config import ArchConfig
 from specserve.outputs import Logprob
 from specserve.sample.sampler import Sampler, SamplerOutput, SamplingBatch, filtered_probs, token_logprobs
@@ -303,7 +304,7 @@ class ModelRunner:
             uniform, noise = draw_randomness(n, k, logits.shape[-1], batch.generators, self.device,
                                              self.sampler.default_generator)
         tokens, accepted = rejection_sample(drafts, num, draft_probs, target_probs, batch.greedy,
-                                            logits.argmax(dim=-1), uniform, noise, forced)
+                                            greedy_argmax(logits.flatten(0, 1)).view(n, k + 1), uniform, noise, forced)
         self.outputs.accepted.index_copy_(0, where, accepted)
         self.outputs.tokens[:, :k + 1].index_copy_(0, where, tokens)
         if batch.max_logprobs is not None:
