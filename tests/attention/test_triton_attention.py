@@ -187,20 +187,27 @@ def test_padding_tokens_get_exact_zeros_in_uninitialised_output(monkeypatch, pad
     assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padding tokens must produce exact zeros"
 
 
+@pytest.mark.parametrize("min_chunk", [16, 32, 512])
 @pytest.mark.parametrize("splits", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_keys_split_over_programs_combine_to_the_same_attention(monkeypatch, splits, dtype):
+def test_keys_split_over_programs_merge_to_the_same_attention(monkeypatch, min_chunk, splits, dtype):
     # Decode and verification with parts of every kind: several key tiles (BLOCK_N is 16 under the
-    # interpreter), one, none (a 1-token context leaves the later parts empty); padded requests and
-    # tokens, and an output allocated as NaN, so a row the combine missed shows.
+    # interpreter), one, none (a 1-token context has one part; min_chunk 512 keeps every context whole);
+    # padded requests and tokens, and an output allocated as NaN, so a row nobody wrote shows. Twice: the
+    # last part to finish resets the counts for the next launch.
     import specserve.attention.triton_backend as triton_backend
 
     monkeypatch.setattr(triton_backend, "num_kv_splits", lambda *args: splits)
+    monkeypatch.setattr(triton_backend, "MIN_CHUNK", min_chunk)
     monkeypatch.setattr(torch, "empty_like", lambda t: torch.full_like(t, math.nan))
-    batch = make_batch([1, 3, 1, 2], [70, 33, 1, 17], 9, 3, 64, dtype, pad_reqs=2, pad_tokens=3)
-    out, _ = assert_matches(batch, 0.125)
-    n = batch.num_real_tokens
-    assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padding tokens must produce exact zeros"
+    backend = TritonAttentionBackend()
+    for seed in (0, 1):
+        batch = make_batch([1, 3, 1, 2], [70, 33, 1, 17], 9, 3, 64, dtype, pad_reqs=2, pad_tokens=3, seed=seed)
+        out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.metadata, 0.125)
+        n = batch.num_real_tokens
+        torch.testing.assert_close(out[:n].double(), dense_attention(batch, 0.125), **TOLERANCE[dtype])
+        assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padding tokens must produce exact zeros"
+        assert not backend._counters(batch.q.device).any()
 
 
 @pytest.mark.parametrize("num_reqs,num_kv_heads,query_tiles,on_cpu,expected", [

@@ -73,6 +73,15 @@ def kernels():
     yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
         qkv, COMPACT=False, PRE_K=4096, SLICE_K=64, BLOCK_P=QKV_NORM_ONE_TOKEN_LARGE.block_n,
         BLOCK_K=QKV_NORM_ONE_TOKEN_LARGE.block_k)
+    from specserve.attention import triton_backend
+
+    # Llama-3-8B's decode at batch 1, keys split over 16 programs (atomics, L2 loads, a barrier).
+    yield triton_backend._paged_attention_kernel, dict(
+        q_ptr=bf16, k_cache_ptr=bf16, v_cache_ptr=bf16, out_ptr=bf16, query_start_loc_ptr=p32, seq_lens_ptr=p32,
+        block_table_ptr=p32, qk_scale="fp32", stride_qt=i32, stride_qh=i32, stride_ot=i32, stride_oh=i32,
+        stride_cb=i32, stride_cs=i32, stride_ch=i32, stride_bt=i32, block_size=i32, num_reqs=i32, num_tokens=i32,
+        GROUP=4, HEAD_DIM=128, BLOCK_M=16, BLOCK_Q=4, BLOCK_N=64, DOT_FP32=False, NUM_SPLITS=16,
+        MIN_CHUNK=triton_backend.MIN_CHUNK, part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32, counter_ptr=p32)
     from specserve.kernels import argmax
 
     yield argmax._chunk_argmax_kernel, dict(x_ptr=bf16, stride_x=i32, n_cols=i32, val_ptr=f32, idx_ptr=p32,
