@@ -3,7 +3,7 @@ torch profiler (kernels inside the replay), the GPU's idle time between engine s
 time per step goes (a host-bound step waits little for the GPU), and cuBLAS GEMM efficiency at the
 model's decode shapes against the measured bandwidth.
 
-    python benchmarks/profile_kernels.py [--models llama3-8b smollm2-shape] [--batch 1]
+    python benchmarks/profile_kernels.py [--models llama3-8b smollm2-shape] [--batch 1] [--host-profile N]
 """
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ def profile_model(name: str, batch: int, top: int, host_profile: int) -> None:
     prompts = make_prompts(batch, 64, engine.arch.vocab_size, 0)
     t = time_engine(engine, prompts, 64)
     print(f"\n=== {name} batch {batch}: engine {1e3 * batch / t.tok_s:.3f} ms/step ({t.tok_s:.0f} tok/s)")
-    # Before the torch profiler runs: after it, the same split read 1.16 ms a step against 0.83 (SmolLM2, H100).
+    # Before the torch profiler: once it had run, this split read 1.16 ms a step where the engine's own timing
+    # had read 0.83 before it (SmolLM2, H100).
     host_split(engine, prompts, host_profile)
     graphs = engine.runner.graphs
     desc = graphs.dispatch(batch, batch, 1)
