@@ -16,6 +16,18 @@ Padded request rows (q_len 0, seq_len 0) loop over no keys and store nothing.
 One extra request row of programs stores zeros for the query tokens past the
 last request's end (graph padding), so the output needs no separate fill
 and padded rows stay exactly zero, as a graph-vs-eager check compares them.
+
+Decode and verification batches too small to occupy the GPU (one query tile
+per request, fewer programs than SMs) split each request's keys over up to
+NUM_SPLITS programs (flash-decoding): at batch 1 Llama-3-8B has 8 KV heads,
+so 8 programs on 132 SMs would each walk the whole context alone. A context
+of at most MIN_CHUNK keys stays in one part, which writes the output as an
+unsplit program does. Otherwise each part stores its unnormalised output
+with its running max and sum, counts itself in with an atomic, and the last
+part to finish merges all parts in part order (so the result does not depend
+on which finished last) and resets the count: one launch, no second kernel.
+The split count follows from shapes only, so a captured graph keeps it for
+any context length; the counters assume one stream runs the attention.
 """
 from __future__ import annotations
 
@@ -58,13 +70,21 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,  # multiply in float32 whatever the input dtype
+    NUM_SPLITS: tl.constexpr,  # parts a tile's keys may split into (1: never)
+    MIN_CHUNK: tl.constexpr,  # fewest keys a part holds: shorter contexts stay whole
+    part_acc_ptr, part_max_ptr, part_sum_ptr,  # [num_tokens, num_heads, NUM_SPLITS(, HEAD_DIM)] float32
+    counter_ptr,  # int32 per (request, KV head, tile), zero between launches
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
-    tile_start = tl.program_id(2) * BLOCK_Q
+    split = tl.program_id(2) % NUM_SPLITS
+    tile = tl.program_id(2) // NUM_SPLITS
+    tile_start = tile * BLOCK_Q
     if req == num_reqs:
-        _zero_padding(out_ptr, query_start_loc_ptr + num_reqs, num_tokens, kv_head, tile_start,
-                      tl.num_programs(2) * BLOCK_Q, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_Q)
+        if split == 0:
+            _zero_padding(out_ptr, query_start_loc_ptr + num_reqs, num_tokens, kv_head, tile_start,
+                          tl.num_programs(2) // NUM_SPLITS * BLOCK_Q, stride_ot, stride_oh, GROUP, HEAD_DIM,
+                          BLOCK_M, BLOCK_Q)
         return
 
     q_start = tl.load(query_start_loc_ptr + req)
@@ -85,14 +105,21 @@ def _paged_attention_kernel(
     # Keys past this tile's last query position are invisible to all its rows.
     # A tile past the request's queries (or a padded request) reads no keys.
     tile_end = tl.minimum(q_len, tile_start + BLOCK_Q)
-    kv_end = tl.where(tile_start < q_len, seq_len - q_len + tile_end, 0)
+    kv_total = tl.where(tile_start < q_len, seq_len - q_len + tile_end, 0)
+    # This program's part of the keys: whole BLOCK_N tiles; parts past the keys have nothing to do.
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(kv_total, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    parts = tl.cdiv(kv_total, chunk)
+    if (split > 0) & (split >= parts):
+        return
+    kv_start = split * chunk
+    kv_end = tl.minimum(kv_total, kv_start + chunk)
 
     # A finite initial max keeps exp2(m_i - m_new) free of inf - inf in a row
     # that sees no key (only possible if q_len > seq_len, i.e. bad metadata).
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for start_n in range(0, kv_end, BLOCK_N):
+    for start_n in range(kv_start, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_valid = offs_n < kv_end
         # Positions map to cache slots through the block table; masked-off
@@ -115,10 +142,55 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v.to(dot_ty), input_precision="ieee")
         m_i = m_new
 
+    if NUM_SPLITS > 1:
+        if parts > 1:
+            part = ((q_start + tok).to(tl.int64) * tl.num_programs(1) * GROUP + head) * NUM_SPLITS + split
+            tl.store(part_max_ptr + part, m_i, mask=row_valid)
+            tl.store(part_sum_ptr + part, l_i, mask=row_valid)
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
+            # Every thread's stores are done before the count (released at GPU scope) says so.
+            tl.debug_barrier()
+            slot = (req * tl.num_programs(1) + kv_head) * (tl.num_programs(2) // NUM_SPLITS) + tile
+            if tl.atomic_add(counter_ptr + slot, 1, sem="acq_rel") != parts - 1:
+                return
+            tl.atomic_xchg(counter_ptr + slot, 0)
+            m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            first = part - split
+            for s in range(0, parts):
+                # From L2: other SMs wrote these.
+                m_s = tl.load(part_max_ptr + first + s, mask=row_valid, other=-1.0e30, cache_modifier=".cg")
+                l_s = tl.load(part_sum_ptr + first + s, mask=row_valid, other=0.0, cache_modifier=".cg")
+                acc_s = tl.load(part_acc_ptr + (first + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                                mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m_i, m_s)
+                alpha, beta = tl.exp2(m_i - m_new), tl.exp2(m_s - m_new)
+                l_i = l_i * alpha + l_s * beta
+                acc = acc * alpha[:, None] + acc_s * beta[:, None]
+                m_i = m_new
     # A row that saw no key outputs zero rather than NaN.
     acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_off = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(out_ptr + o_off[:, None] + offs_d[None, :], acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+# Programs a split decode batch aims for: about one per SM of an H100 (132). Under the CPU interpreter every
+# program costs Python time, and the tests set their own.
+SPLIT_TARGET_PROGRAMS = 128
+MAX_SPLITS = 32
+# Contexts up to this many keys stay in one part: at 64-192 keys an earlier two-kernel split cost more than it
+# saved on the H100 (BENCHMARKS.md, fifth session).
+MIN_CHUNK = 512
+
+
+def num_kv_splits(num_reqs: int, num_kv_heads: int, query_tiles: int, on_cpu: bool) -> int:
+    """Parts each request's keys split into: a power of two filling SPLIT_TARGET_PROGRAMS programs, for
+    batches of one query tile per request (decode, verification); 1 otherwise and on the CPU."""
+    programs = num_reqs * num_kv_heads
+    if on_cpu or query_tiles > 1 or 2 * programs > SPLIT_TARGET_PROGRAMS:
+        return 1
+    return min(MAX_SPLITS, 1 << (SPLIT_TARGET_PROGRAMS // programs).bit_length() - 1)
 
 
 # Keys per loop step of a 16-row tile (decode, short verification) with heads of <= 64: a small model's
@@ -144,6 +216,9 @@ def _tile_sizes(group: int, max_query_len: int, head_dim: int, on_cpu: bool) -> 
 class TritonAttentionBackend:
     name = "triton"
 
+    def __init__(self):
+        self._split_counters: dict[torch.device, torch.Tensor] = {}
+
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv_cache_triton(k, v, kv_cache, metadata.slot_mapping)
         return self.attend(q, kv_cache, metadata, scale)
@@ -164,8 +239,16 @@ class TritonAttentionBackend:
         block_m, block_n = _tile_sizes(group, metadata.max_query_len, head_dim, on_cpu)
         block_q = block_m // group
         k_cache, v_cache = kv_cache[0], kv_cache[1]
+        query_tiles = triton.cdiv(metadata.max_query_len, block_q)
+        splits = num_kv_splits(metadata.num_reqs, num_kv_heads, query_tiles, on_cpu)
+        parts, counters = [out] * 3, out
+        if splits > 1:
+            part = q.shape[0] * num_heads * splits
+            parts = [torch.empty(part * head_dim, device=q.device), torch.empty(part, device=q.device),
+                     torch.empty(part, device=q.device)]
+            counters = self._counters(q.device)
         # One more request row than requests: its programs zero the padding tokens.
-        grid = (metadata.num_reqs + 1, num_kv_heads, triton.cdiv(metadata.max_query_len, block_q))
+        grid = (metadata.num_reqs + 1, num_kv_heads, query_tiles * splits)
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
@@ -176,5 +259,13 @@ class TritonAttentionBackend:
             GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
             # The interpreter multiplies bfloat16 dot operands as raw integer bits.
             DOT_FP32=on_cpu and q.dtype == torch.bfloat16,
+            NUM_SPLITS=splits, MIN_CHUNK=MIN_CHUNK, part_acc_ptr=parts[0], part_max_ptr=parts[1],
+            part_sum_ptr=parts[2], counter_ptr=counters,
         )
         return out
+
+    def _counters(self, device: torch.device) -> torch.Tensor:
+        """The split counts' persistent zeros on device, one per (request, KV head) a split batch can have."""
+        if device not in self._split_counters:
+            self._split_counters[device] = torch.zeros(SPLIT_TARGET_PROGRAMS, dtype=torch.int32, device=device)
+        return self._split_counters[device]

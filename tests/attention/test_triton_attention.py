@@ -187,6 +187,43 @@ def test_padding_tokens_get_exact_zeros_in_uninitialised_output(monkeypatch, pad
     assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padding tokens must produce exact zeros"
 
 
+@pytest.mark.parametrize("min_chunk", [16, 32, 512])
+@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_keys_split_over_programs_merge_to_the_same_attention(monkeypatch, min_chunk, splits, dtype):
+    # Decode and verification with parts of every kind: several key tiles (BLOCK_N is 16 under the
+    # interpreter), one, none (a 1-token context has one part; min_chunk 512 keeps every context whole);
+    # padded requests and tokens, and an output allocated as NaN, so a row nobody wrote shows. Twice: the
+    # last part to finish resets the counts for the next launch.
+    import specserve.attention.triton_backend as triton_backend
+
+    monkeypatch.setattr(triton_backend, "num_kv_splits", lambda *args: splits)
+    monkeypatch.setattr(triton_backend, "MIN_CHUNK", min_chunk)
+    monkeypatch.setattr(torch, "empty_like", lambda t: torch.full_like(t, math.nan))
+    backend = TritonAttentionBackend()
+    for seed in (0, 1):
+        batch = make_batch([1, 3, 1, 2], [70, 33, 1, 17], 9, 3, 64, dtype, pad_reqs=2, pad_tokens=3, seed=seed)
+        out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.metadata, 0.125)
+        n = batch.num_real_tokens
+        torch.testing.assert_close(out[:n].double(), dense_attention(batch, 0.125), **TOLERANCE[dtype])
+        assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padding tokens must produce exact zeros"
+        assert not backend._counters(batch.q.device).any()
+
+
+@pytest.mark.parametrize("num_reqs,num_kv_heads,query_tiles,on_cpu,expected", [
+    (1, 8, 1, False, 16),  # Llama-3-8B decode at batch 1: 128 programs
+    (1, 3, 1, False, 32),  # SmolLM2: 96 (at most MAX_SPLITS parts)
+    (8, 8, 1, False, 2),
+    (16, 8, 1, False, 1),  # 128 programs already
+    (1, 8, 2, False, 1),  # several query tiles: a prefill
+    (1, 8, 1, True, 1),  # the interpreter
+])
+def test_split_count_fills_the_gpu_for_small_decode_batches(num_reqs, num_kv_heads, query_tiles, on_cpu, expected):
+    from specserve.attention.triton_backend import num_kv_splits
+
+    assert num_kv_splits(num_reqs, num_kv_heads, query_tiles, on_cpu) == expected
+
+
 # Same dtype in and out: the interpreter truncates float32 -> bfloat16 where the GPU rounds.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_kv_cache_write_matches_torch(dtype):

@@ -50,6 +50,20 @@ def test_large_mixed_batch(num_heads, num_kv_heads, head_dim, dtype):
     assert_matches(batch, head_dim**-0.5)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 8, 128), (9, 3, 64)])
+def test_small_decode_batches_split_their_keys(num_heads, num_kv_heads, head_dim):
+    # Batch 1 at a long context, and decode beside verification with a padded request row: each
+    # request's keys split over several programs (4 to 32 parts), padding tokens still exact zeros.
+    from specserve.attention.triton_backend import num_kv_splits
+
+    for q_lens, seq_lens, pad_reqs in (([1], [4000], 0), ([6, 1], [2500, 1], 1)):
+        batch = make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, torch.bfloat16, block_size=16,
+                           pad_reqs=pad_reqs, pad_tokens=2 * pad_reqs)
+        assert num_kv_splits(batch.metadata.num_reqs, num_kv_heads, 1, False) >= 4
+        out, _ = assert_matches(batch, head_dim**-0.5)
+        assert torch.all(out[batch.num_real_tokens:] == 0)
+
+
 def test_cuda_graph_replay_reads_metadata_at_replay():
     # Two padded verify batches of identical shapes; the second permutes the
     # sequence lengths and reshuffles the blocks. A graph captured on the first

@@ -73,16 +73,22 @@ def kernels():
     yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
         qkv, COMPACT=False, PRE_K=4096, SLICE_K=64, BLOCK_P=QKV_NORM_ONE_TOKEN_LARGE.block_n,
         BLOCK_K=QKV_NORM_ONE_TOKEN_LARGE.block_k)
-    # Decode attention (SmolLM2: 3 query heads a KV head, head_dim 64) and the fused add + RMSNorm.
     from specserve.attention import triton_backend
     from specserve.kernels import rmsnorm
 
-    yield triton_backend._paged_attention_kernel, dict(
+    attention = dict(
         q_ptr=bf16, k_cache_ptr=bf16, v_cache_ptr=bf16, out_ptr=bf16, query_start_loc_ptr=p32, seq_lens_ptr=p32,
         block_table_ptr=p32, qk_scale="fp32", stride_qt=i32, stride_qh=i32, stride_ot=i32, stride_oh=i32,
         stride_cb=i32, stride_cs=i32, stride_ch=i32, stride_bt=i32, block_size=i32, num_reqs=i32, num_tokens=i32,
-        GROUP=3, HEAD_DIM=64, BLOCK_M=16, BLOCK_Q=5, BLOCK_N=triton_backend.NARROW_HEAD_DECODE_BLOCK_N,
-        DOT_FP32=False)
+        BLOCK_M=16, DOT_FP32=False, MIN_CHUNK=triton_backend.MIN_CHUNK, part_acc_ptr=f32, part_max_ptr=f32,
+        part_sum_ptr=f32, counter_ptr=p32)
+    # Llama-3-8B's decode at batch 1, keys split over 16 programs (atomics, L2 loads, a barrier).
+    yield triton_backend._paged_attention_kernel, dict(
+        attention, GROUP=4, HEAD_DIM=128, BLOCK_Q=4, BLOCK_N=64, NUM_SPLITS=16)
+    # SmolLM2's (3 query heads a KV head, head_dim 64: 32 splits, wide key steps).
+    yield triton_backend._paged_attention_kernel, dict(
+        attention, GROUP=3, HEAD_DIM=64, BLOCK_Q=5, BLOCK_N=triton_backend.NARROW_HEAD_DECODE_BLOCK_N, NUM_SPLITS=32)
+    # The fused residual add + RMSNorm.
     yield rmsnorm._rms_norm_kernel, dict(
         x_ptr=bf16, residual_ptr=bf16, weight_ptr=bf16, out_ptr=bf16, heads=i32, stride_xt=i32, stride_xh=i32,
         stride_rt=i32, stride_rh=i32, n=i32, eps="fp32", ADD=True, BLOCK=1024)
