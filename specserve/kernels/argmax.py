@@ -18,6 +18,8 @@ import triton.language as tl
 MIN_VOCAB = 65536
 _BLOCK = 1024
 _CHUNK = 2048
+# Inside a CUDA graph a launch costs the host nothing, so the split pays from a few chunks a row on.
+CAPTURED_MIN_VOCAB = 4 * _CHUNK
 _MAX_CHUNKS = 128
 
 
@@ -69,8 +71,10 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(dim=-1) over [rows, vocab]: the split kernels for a large vocabulary on a GPU."""
-    if logits.is_cuda and MIN_VOCAB <= logits.shape[-1] <= _MAX_CHUNKS * _CHUNK and logits.stride(-1) == 1:
+def greedy_argmax(logits: torch.Tensor, captured: bool = False) -> torch.Tensor:
+    """logits.argmax(dim=-1) over [rows, vocab]: the split kernels for a large vocabulary on a GPU.
+    captured: the call is being recorded into a CUDA graph (a smaller vocabulary already pays)."""
+    min_vocab = CAPTURED_MIN_VOCAB if captured else MIN_VOCAB
+    if logits.is_cuda and min_vocab <= logits.shape[-1] <= _MAX_CHUNKS * _CHUNK and logits.stride(-1) == 1:
         return argmax_rows(logits)
     return logits.argmax(dim=-1)

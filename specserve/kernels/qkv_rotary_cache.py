@@ -72,6 +72,19 @@ def _qkv_rotary_cache_kernel(
     res_sum, rstd = prologue_rows(x_ptr, res_ptr, program, M, K, stride_xm, stride_rm, eps,
                                   ADD, NORM, COMPACT, ROWS, PRE_K, SLICE_K, BLOCK_M)
 
+    # The epilogue's loads are issued before the weight loop, so their chain (position, then its cos and
+    # sin) is in flight while the weights stream instead of adding its latency after them.
+    offs_m = tl.arange(0, BLOCK_M)
+    row_mask = offs_m < M
+    # Value heads load the tables too (a few hundred bytes from L2) and leave them unused.
+    pos = tl.load(positions_ptr + offs_m, mask=row_mask, other=0)
+    table = pos[:, None] * stride_pos + offs_p[None, :]
+    table_mask = row_mask[:, None] & p_mask[None, :]
+    cos = tl.load(cos_ptr + table, mask=table_mask, other=0.0)
+    sin = tl.load(sin_ptr + table, mask=table_mask, other=0.0)
+    # Tokens past the end of slot_mapping count as padding.
+    slots = tl.load(slot_mapping_ptr + offs_m, mask=offs_m < num_slots, other=PAD_SLOT)
+
     acc_lo = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -89,17 +102,8 @@ def _qkv_rotary_cache_kernel(
     lo = _finish_half(acc_lo, bias_ptr, lo_cols, p_mask, q_ptr, BIAS)
     hi = _finish_half(acc_hi, bias_ptr, lo_cols + half, p_mask, q_ptr, BIAS)
 
-    offs_m = tl.arange(0, BLOCK_M)
-    row_mask = offs_m < M
     if head < num_heads + num_kv_heads:
-        pos = tl.load(positions_ptr + offs_m, mask=row_mask, other=0)
-        table = pos[:, None] * stride_pos + offs_p[None, :]
-        table_mask = row_mask[:, None] & p_mask[None, :]
-        cos = tl.load(cos_ptr + table, mask=table_mask, other=0.0)
-        sin = tl.load(sin_ptr + table, mask=table_mask, other=0.0)
         lo, hi = lo * cos - hi * sin, hi * cos + lo * sin
-    # Tokens past the end of slot_mapping count as padding.
-    slots = tl.load(slot_mapping_ptr + offs_m, mask=offs_m < num_slots, other=PAD_SLOT)
     if head < num_heads:
         dst = q_ptr + offs_m[:, None] * stride_qm + head * stride_qh + offs_p[None, :]
         mask = row_mask[:, None] & p_mask[None, :]

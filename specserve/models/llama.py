@@ -134,9 +134,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """compute_logits(hidden).argmax(-1) without the float32 copy (the conversion keeps the order)."""
-        return greedy_argmax(self.lm_head(hidden))
+    def greedy_tokens(self, hidden: torch.Tensor, captured: bool = False) -> torch.Tensor:
+        """compute_logits(hidden).argmax(-1) without the float32 copy (the conversion keeps the order).
+        captured: the call is being recorded into a CUDA graph."""
+        return greedy_argmax(self.lm_head(hidden), captured)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def rename(name: str) -> str | None:

@@ -84,6 +84,8 @@ class ModelRunner:
         self.free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self.host_block_table = HostBlockTable(config.max_num_seqs, max_blocks_per_req)
         self.graphs: CUDAGraphManager | None = None
+        # Greedy sampling of a decode batch, one graph per full decode graph of the target (see _greedy_decode).
+        self.greedy_graphs: CUDAGraphManager | None = None
         self.capture_seconds: float | None = None
         self.graph_memory_bytes: int | None = None
 
@@ -116,10 +118,17 @@ class ModelRunner:
             splitter=splitter)
         start, used_before = time.perf_counter(), recorder.memory_in_use()
         self.graphs.capture(self._target_forward, self._prepare_capture)
+        decode = [d for d in self.graphs.capture_descriptors() if d.mode is CUDAGraphMode.FULL and d.query_len == 1]
+        self.greedy_graphs = CUDAGraphManager(
+            "greedy sampling", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+            uniform_query_lens=(1,), recorder=recorder, debug=cfg.debug_cudagraph)
+        self.greedy_graphs.capture(self._greedy_decode, self._prepare_capture, decode)
         if self.speculator is not None and hasattr(self.speculator, "capture_graphs"):
             self.speculator.capture_graphs(self.graphs, splitter, recorder, sizes, cfg.debug_cudagraph,
                                            self._prepare_capture, self.draft_base_positions, self.draft_block_table)
         self.buffers.reset()
+        # The greedy graphs' warm-up runs wrote outputs for rows no step has had yet.
+        self.outputs.packed.zero_()
         self.capture_seconds = time.perf_counter() - start
         self.graph_memory_bytes = recorder.memory_in_use() - used_before
         logger.info("CUDA graphs (%s): captured in %.1f s, %.0f MiB of GPU memory", mode.name, self.capture_seconds,
@@ -134,6 +143,18 @@ class ModelRunner:
     def _target_forward(self, desc: BatchDescriptor, metadata):
         n = desc.num_tokens
         return self.model(self.buffers.input_ids[:n], self.buffers.positions[:n], self.kv_caches, metadata)
+
+    def _greedy_decode(self, desc: BatchDescriptor, metadata):
+        """The greedy tokens of a decode batch written as its step outputs. The batch's row i is its token i,
+        so the sample and output indices are the identity, and one recording serves every batch padded to
+        desc.num_reqs (padded rows write rows of outputs that no request reads). Reads the target graph's
+        hidden states for the same descriptor."""
+        n = desc.num_reqs
+        hidden = self.graphs.graphs[desc.key].outputs[0][:n]
+        tokens = self.model.greedy_tokens(hidden, captured=True)
+        self.outputs.accepted[:n].zero_()
+        self.outputs.tokens[:n, 0].copy_(tokens)
+        return tokens
 
     def _run_target(self, num_tokens: int, query_lens: list[int], metadata):
         """Target forward for this step, replayed from a graph where one fits. Returns the descriptor
@@ -218,7 +239,7 @@ class ModelRunner:
             return handle
         # Requests without drafts take the plain sampler, which also applies penalties and min_tokens.
         if plan.sample_rows:
-            self._sample(hidden, sched, plan.sample_rows, handle)
+            self._sample(hidden, sched, plan.sample_rows, handle, desc)
         if plan.verify_rows:
             self._verify(hidden, sched, plan.verify_rows, handle)
         if self.speculator is not None and self.speculator.on_device:
@@ -251,11 +272,18 @@ class ModelRunner:
                 out.drafts[req.request_id] = d
         return out
 
-    def _sample(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle) -> None:
+    def _sample(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
+                desc: BatchDescriptor) -> None:
         reqs = [sched.scheduled[i].request for i in batch_rows]
-        h = hidden.index_select(0, self.buffers.staged_extra("sample_index"))
         batch = SamplingBatch.build(reqs, self.device)
-        if batch.all_greedy and batch.max_logprobs is None and not any(r.needs_host_tokens for r in reqs):
+        greedy = batch.all_greedy and batch.max_logprobs is None and not any(r.needs_host_tokens for r in reqs)
+        # A decode batch in a full graph where every request samples: its sampling is recorded too.
+        if greedy and len(batch_rows) == len(sched.scheduled) and desc.query_len == 1 \
+                and self.greedy_graphs is not None and self.greedy_graphs.has_graph(desc):
+            self.greedy_graphs.run(desc, self._greedy_decode, None)
+            return
+        h = hidden.index_select(0, self.buffers.staged_extra("sample_index"))
+        if greedy:
             result = SamplerOutput(self.model.greedy_tokens(h))
         else:
             result = self.sampler(self.model.compute_logits(h), batch)

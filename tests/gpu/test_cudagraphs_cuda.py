@@ -41,7 +41,7 @@ def count_replays(llm: LLM) -> dict[str, int]:
     runner = llm.engine.runner
     if runner.graphs is None:  # mode NONE
         return {}
-    managers = {"target": runner.graphs}
+    managers = {"target": runner.graphs, "greedy": runner.greedy_graphs}
     if runner.speculator is not None:
         spec = runner.speculator
         managers.update(prefill=spec.prefill_graphs, decode=spec.decode_graphs, loop=spec.greedy_loop_graphs)
@@ -69,6 +69,8 @@ def test_every_mode_replays_equal_eager_and_greedy_is_lossless(case, mode, spec)
         assert outs == ref[:n], f"mode {mode}, batch {n}"
     if mode != "NONE":
         assert counts["target"] > 0
+        # Without drafts, greedy decode batches sample inside a graph of their own.
+        assert (counts["greedy"] > 0) == (M[mode].has_full and not spec)
         if spec:
             assert counts["prefill"] > 0
             # Greedy: all decode steps replay as one graph per batch.

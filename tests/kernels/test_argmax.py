@@ -43,3 +43,22 @@ def test_llama3_vocabulary_on_the_gpu_as_greedy_decoding_calls_it():
     logits[7, [90_000, 3]] = 100.0
     assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
     assert greedy_argmax(logits)[7].item() == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_smollm2_vocabulary_replayed_from_a_cuda_graph():
+    # Recorded into a graph, greedy_argmax splits SmolLM2's 49,152 logits too; the replay reads new logits.
+    from specserve.kernels.argmax import greedy_argmax
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    logits = torch.randn(8, 49_152, device="cuda", generator=gen).to(torch.bfloat16)
+    greedy_argmax(logits, captured=True)  # compiles outside the recording
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = greedy_argmax(logits, captured=True)
+    logits.copy_(torch.randn(8, 49_152, device="cuda", generator=gen))
+    logits[3, [30_000, 7]] = 100.0
+    graph.replay()
+    assert torch.equal(out, logits.argmax(dim=-1))
+    assert out[3].item() == 7

@@ -73,6 +73,31 @@ def test_graph_modes_keep_greedy_output_and_dispatch_as_designed(case, mode):
     assert llm.engine.spec_stats.num_drafted > 0
 
 
+@pytest.mark.parametrize("mode", GRAPH_MODES, ids=lambda m: m.name)
+def test_greedy_decode_samples_in_its_own_graph_and_others_do_not(case, mode):
+    path, prompts, ref, _ = case
+    llm = LLM(str(path), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+              cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64])
+    runner = llm.engine.runner
+    runner.capture_graphs(mode, EagerRecorder(), llm.engine.attention_backend)
+    replays = []
+    original = runner.greedy_graphs.run
+    runner.greedy_graphs.run = lambda desc, *args: replays.append(desc) or original(desc, *args)
+    # Outputs of earlier steps must not leak into a graph's rows: the padded rows too are poisoned.
+    runner.outputs.packed.fill_(987654)
+    assert outputs(llm, prompts) == ref
+    assert bool(replays) == mode.has_full
+    assert all(d.mode is M.FULL and d.query_len == 1 for d in replays)
+    if mode.has_full:
+        assert {d.num_reqs for d in replays} >= {8, 1}  # 7 requests pad to 8; the last one alone
+    replays.clear()
+    # Logprobs and sampling need the logits: those batches sample eagerly, with the same tokens.
+    with_logprobs = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, with_logprobs, use_tqdm=False)] == ref
+    llm.generate(prompts[:2], SamplingParams(temperature=1.0, seed=1, max_tokens=4), use_tqdm=False)
+    assert not replays
+
+
 def test_sampled_batches_run_decode_steps_one_graph_at_a_time(case):
     _, prompts, _, _ = case
     llm, used = graphed_llm(case, M.FULL_AND_PIECEWISE)
