@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.small_m_configs import SmallMConfig, linear_config
-from specserve.kernels.small_m_prologue import (BLOCK_M, check_prologue, dot_in_float32, input_chunk, prologue_meta,
-                                                 prologue_rows, store_residual_slice)
+from specserve.kernels.small_m_prologue import (BLOCK_M, check_prologue, dot_in_float32, input_chunk, late_rstd,
+                                                 prologue_meta, prologue_rows, store_residual_slice)
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def _fused_linear_kernel(
     x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr,
     M, N, K, stride_xm, stride_rm, stride_rom, stride_wn, stride_om, eps,
     ADD: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, DOT_FP32: tl.constexpr,
-    COMPACT: tl.constexpr, ROWS: tl.constexpr, PRE_K: tl.constexpr, SLICE_K: tl.constexpr,
+    COMPACT: tl.constexpr, ROWS: tl.constexpr, PRE_K: tl.constexpr, SLICE_K: tl.constexpr, LATE_RSTD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -45,14 +45,14 @@ def _fused_linear_kernel(
     up_rows = w_ptr + (offs_n + N).to(tl.int64)[None, :] * stride_wn
 
     res_sum, rstd = prologue_rows(x_ptr, res_ptr, pid, M, K, stride_xm, stride_rm, eps,
-                                  ADD, NORM, COMPACT, ROWS, PRE_K, SLICE_K, BLOCK_M)
+                                  ADD, NORM, COMPACT, ROWS, PRE_K, SLICE_K, BLOCK_M, LATE_RSTD)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = input_chunk(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, M, K, stride_xm, stride_rm,
-                        ADD, NORM, COMPACT, ROWS, BLOCK_M).to(dot_ty)
+                        ADD, NORM, COMPACT, ROWS, BLOCK_M, LATE_RSTD).to(dot_ty)
         w_mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
         w = tl.load(gate_rows + offs_k[:, None], mask=w_mask, other=0.0)
         # IEEE: float32 operands must not silently drop to tf32.
@@ -60,6 +60,10 @@ def _fused_linear_kernel(
         if SILU_MUL:
             w_up = tl.load(up_rows + offs_k[:, None], mask=w_mask, other=0.0)
             acc_up = tl.dot(a, w_up.to(dot_ty), acc_up, input_precision="ieee")
+    if NORM and LATE_RSTD:
+        rstd = late_rstd(x_ptr, res_ptr, M, K, stride_xm, stride_rm, eps, ADD, ROWS, PRE_K, BLOCK_M)
+        acc = acc * rstd[:, None]
+        acc_up = acc_up * rstd[:, None]
 
     out_ty = out_ptr.dtype.element_ty
     # Rounded to the output dtype where the unfused path stores a tensor, so the paths differ in

@@ -23,8 +23,8 @@ import triton.language as tl
 
 from specserve.attention.metadata import PAD_SLOT_ID
 from specserve.kernels.small_m_configs import SmallMConfig, qkv_config
-from specserve.kernels.small_m_prologue import (BLOCK_M, check_prologue, dot_in_float32, input_chunk, prologue_meta,
-                                                 prologue_rows, store_residual_slice)
+from specserve.kernels.small_m_prologue import (BLOCK_M, check_prologue, dot_in_float32, input_chunk, late_rstd,
+                                                 prologue_meta, prologue_rows, store_residual_slice)
 
 
 @triton.jit
@@ -55,7 +55,7 @@ def _qkv_rotary_cache_kernel(
     stride_cb, stride_cs, stride_ch,  # the key and value caches share one layout
     block_size, num_heads, num_kv_heads, half, eps,
     ADD: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr, DOT_FP32: tl.constexpr, PAD_SLOT: tl.constexpr,
-    COMPACT: tl.constexpr, ROWS: tl.constexpr, PRE_K: tl.constexpr, SLICE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    COMPACT: tl.constexpr, ROWS: tl.constexpr, PRE_K: tl.constexpr, SLICE_K: tl.constexpr, LATE_RSTD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     head = tl.program_id(0)  # q heads, then k heads, then v heads, as the fused weight's rows
     pair_tile = tl.program_id(1)
@@ -70,7 +70,7 @@ def _qkv_rotary_cache_kernel(
     # The programs in order, for the slices of x + residual each stores.
     program = head * tl.num_programs(1) + pair_tile
     res_sum, rstd = prologue_rows(x_ptr, res_ptr, program, M, K, stride_xm, stride_rm, eps,
-                                  ADD, NORM, COMPACT, ROWS, PRE_K, SLICE_K, BLOCK_M)
+                                  ADD, NORM, COMPACT, ROWS, PRE_K, SLICE_K, BLOCK_M, LATE_RSTD)
 
     # The epilogue's loads are issued before the weight loop, so their chain (position, then its cos and
     # sin) is in flight while the weights stream instead of adding its latency after them.
@@ -90,13 +90,17 @@ def _qkv_rotary_cache_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = input_chunk(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, M, K, stride_xm, stride_rm,
-                        ADD, NORM, COMPACT, ROWS, BLOCK_M).to(dot_ty)
+                        ADD, NORM, COMPACT, ROWS, BLOCK_M, LATE_RSTD).to(dot_ty)
         w_mask = (offs_k[:, None] < K) & p_mask[None, :]
         w_lo = tl.load(lo_rows + offs_k[:, None], mask=w_mask, other=0.0)
         w_hi = tl.load(hi_rows + offs_k[:, None], mask=w_mask, other=0.0)
         # IEEE: float32 operands must not silently drop to tf32.
         acc_lo = tl.dot(a, w_lo.to(dot_ty), acc_lo, input_precision="ieee")
         acc_hi = tl.dot(a, w_hi.to(dot_ty), acc_hi, input_precision="ieee")
+    if NORM and LATE_RSTD:
+        rstd = late_rstd(x_ptr, res_ptr, M, K, stride_xm, stride_rm, eps, ADD, ROWS, PRE_K, BLOCK_M)
+        acc_lo = acc_lo * rstd[:, None]
+        acc_hi = acc_hi * rstd[:, None]
 
     out_ty = q_ptr.dtype.element_ty
     lo = _finish_half(acc_lo, bias_ptr, lo_cols, p_mask, q_ptr, BIAS)

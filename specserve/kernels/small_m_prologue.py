@@ -77,17 +77,21 @@ def row_rstd(x_ptr, res_ptr, M, K, stride_xm, stride_rm, eps,
 def input_chunk(
     x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, M, K, stride_xm, stride_rm,
     ADD: tl.constexpr, NORM: tl.constexpr, COMPACT: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+    LATE_RSTD: tl.constexpr,
 ):
     """The chunk [BLOCK_M, BLOCK_K] of the projection's input, in x's dtype (the weight's).
 
-    rstd: row_rstd's vector, of ROWS rows with COMPACT, else BLOCK_M (unused without NORM).
+    rstd: row_rstd's vector, of ROWS rows with COMPACT, else BLOCK_M (unused without NORM, and with
+    LATE_RSTD, where the caller scales its accumulator by late_rstd after the loop instead).
     """
     P_ROWS: tl.constexpr = ROWS if COMPACT else BLOCK_M
     a = row_sum(x_ptr, res_ptr, tl.arange(0, P_ROWS), offs_k, M, K, stride_xm, stride_rm, ADD)
     if NORM:
         # Rounded once, below, as the previous in-loop prologue did (the unfused RMSNorm also rounds the
         # normed row before the norm weight: a second 16-bit rounding the kernel tests' bounds leave out).
-        a = a * rstd[:, None] * tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
+        a = a * tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
+        if not LATE_RSTD:
+            a = a * rstd[:, None]
     a = a.to(x_ptr.dtype.element_ty)
     if COMPACT:
         # Row i of the tile is token row i % ROWS: rows past M repeat tokens and are never stored.
@@ -106,17 +110,25 @@ def residual_slice(x_ptr, res_ptr, program, M, K, stride_xm, stride_rm, ROWS: tl
 @triton.jit
 def prologue_rows(x_ptr, res_ptr, program, M, K, stride_xm, stride_rm, eps,
                   ADD: tl.constexpr, NORM: tl.constexpr, COMPACT: tl.constexpr, ROWS: tl.constexpr,
-                  PRE_K: tl.constexpr, SLICE_K: tl.constexpr, BLOCK_M: tl.constexpr):
+                  PRE_K: tl.constexpr, SLICE_K: tl.constexpr, BLOCK_M: tl.constexpr, LATE_RSTD: tl.constexpr):
     """What a program reads before its weight loop: (its slice of x + residual for store_residual_slice,
-    zeros without ADD; the rows' rstd for input_chunk, zeros without NORM)."""
+    zeros without ADD; the rows' rstd for input_chunk, zeros without NORM or with LATE_RSTD)."""
     res_sum = tl.zeros([ROWS, SLICE_K], dtype=tl.float32)
     if ADD:
         res_sum = residual_slice(x_ptr, res_ptr, program, M, K, stride_xm, stride_rm, ROWS, SLICE_K)
     rstd = tl.zeros([ROWS if COMPACT else BLOCK_M], dtype=tl.float32)
-    if NORM:
+    if NORM and not LATE_RSTD:
         rstd = row_rstd(x_ptr, res_ptr, M, K, stride_xm, stride_rm, eps, ADD, ROWS, PRE_K,
                         ROWS if COMPACT else BLOCK_M)
     return res_sum, rstd
+
+
+@triton.jit
+def late_rstd(x_ptr, res_ptr, M, K, stride_xm, stride_rm, eps,
+              ADD: tl.constexpr, ROWS: tl.constexpr, PRE_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The rows' rstd after the weight loop, one per accumulator row (0 past the ROWS token rows: a
+    COMPACT tile's repeats there are never stored)."""
+    return row_rstd(x_ptr, res_ptr, M, K, stride_xm, stride_rm, eps, ADD, ROWS, PRE_K, BLOCK_M)
 
 
 @triton.jit
@@ -133,7 +145,8 @@ def prologue_meta(x: torch.Tensor, norm: bool, compact: bool, num_programs: int)
     """The prologue's compile-time sizes for a launch of num_programs programs over x [M, K].
 
     ROWS: the token rows the prepass (and a COMPACT prologue) computes; without a norm BLOCK_M, so the plain
-    projection compiles once for every M. SLICE_K: each program's share of x + residual.
+    projection compiles once for every M. SLICE_K: each program's share of x + residual. LATE_RSTD: see
+    late_rstd_ok.
     """
     m, k = x.shape
     rows = triton.next_power_of_2(max(m, 1)) if norm else BLOCK_M
@@ -142,7 +155,17 @@ def prologue_meta(x: torch.Tensor, norm: bool, compact: bool, num_programs: int)
         COMPACT=norm and compact, ROWS=rows,
         PRE_K=max(16, min(triton.next_power_of_2(k), pre_k_max)),
         SLICE_K=max(16, triton.next_power_of_2(triton.cdiv(k, num_programs))),
+        LATE_RSTD=norm and late_rstd_ok(x),
     )
+
+
+def late_rstd_ok(x: torch.Tensor) -> bool:
+    """Whether the norm's rstd may scale the accumulator after the weight loop rather than each input
+    chunk before the dot. The prepass's reduction waits for x, and the weight loads of the loop, issued
+    after it, wait with it: after the loop it costs the weights' stream nothing. The dot's input is
+    then x * norm_weight un-normed, which a bfloat16 (or float32) row holds; a float16 one may overflow
+    where the residual stream is large, so float16 keeps the prepass first."""
+    return x.dtype != torch.float16
 
 
 def check_prologue(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None,
