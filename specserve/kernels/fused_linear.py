@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.small_m_configs import SmallMConfig, linear_config
-from specserve.kernels.small_m_prologue import (BLOCK_M, check_prologue, dot_in_float32, input_chunk, late_rstd,
-                                                 prologue_meta, prologue_rows, store_residual_slice)
+from specserve.kernels.small_m_prologue import (BLOCK_M, check_prologue, dot_in_float32, input_chunk, prologue_meta,
+                                                 prologue_rows, row_rstd, store_residual_slice)
 
 
 @triton.jit
@@ -61,7 +61,8 @@ def _fused_linear_kernel(
             w_up = tl.load(up_rows + offs_k[:, None], mask=w_mask, other=0.0)
             acc_up = tl.dot(a, w_up.to(dot_ty), acc_up, input_precision="ieee")
     if NORM and LATE_RSTD:
-        rstd = late_rstd(x_ptr, res_ptr, M, K, stride_xm, stride_rm, eps, ADD, ROWS, PRE_K, BLOCK_M)
+        # One per accumulator row; 0 past the ROWS token rows, whose COMPACT repeats are never stored.
+        rstd = row_rstd(x_ptr, res_ptr, M, K, stride_xm, stride_rm, eps, ADD, ROWS, PRE_K, BLOCK_M)
         acc = acc * rstd[:, None]
         acc_up = acc_up * rstd[:, None]
 

@@ -23,8 +23,8 @@ import triton.language as tl
 
 from specserve.attention.metadata import PAD_SLOT_ID
 from specserve.kernels.small_m_configs import SmallMConfig, qkv_config
-from specserve.kernels.small_m_prologue import (BLOCK_M, check_prologue, dot_in_float32, input_chunk, late_rstd,
-                                                 prologue_meta, prologue_rows, store_residual_slice)
+from specserve.kernels.small_m_prologue import (BLOCK_M, check_prologue, dot_in_float32, input_chunk, prologue_meta,
+                                                 prologue_rows, row_rstd, store_residual_slice)
 
 
 @triton.jit
@@ -98,7 +98,8 @@ def _qkv_rotary_cache_kernel(
         acc_lo = tl.dot(a, w_lo.to(dot_ty), acc_lo, input_precision="ieee")
         acc_hi = tl.dot(a, w_hi.to(dot_ty), acc_hi, input_precision="ieee")
     if NORM and LATE_RSTD:
-        rstd = late_rstd(x_ptr, res_ptr, M, K, stride_xm, stride_rm, eps, ADD, ROWS, PRE_K, BLOCK_M)
+        # One per accumulator row; 0 past the ROWS token rows, whose COMPACT repeats are never stored.
+        rstd = row_rstd(x_ptr, res_ptr, M, K, stride_xm, stride_rm, eps, ADD, ROWS, PRE_K, BLOCK_M)
         acc_lo = acc_lo * rstd[:, None]
         acc_hi = acc_hi * rstd[:, None]
 

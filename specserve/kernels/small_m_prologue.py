@@ -82,16 +82,16 @@ def input_chunk(
     """The chunk [BLOCK_M, BLOCK_K] of the projection's input, in x's dtype (the weight's).
 
     rstd: row_rstd's vector, of ROWS rows with COMPACT, else BLOCK_M (unused without NORM, and with
-    LATE_RSTD, where the caller scales its accumulator by late_rstd after the loop instead).
+    LATE_RSTD, where the caller scales its accumulator by row_rstd after the loop instead).
     """
     P_ROWS: tl.constexpr = ROWS if COMPACT else BLOCK_M
     a = row_sum(x_ptr, res_ptr, tl.arange(0, P_ROWS), offs_k, M, K, stride_xm, stride_rm, ADD)
     if NORM:
         # Rounded once, below, as the previous in-loop prologue did (the unfused RMSNorm also rounds the
         # normed row before the norm weight: a second 16-bit rounding the kernel tests' bounds leave out).
-        a = a * tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
         if not LATE_RSTD:
             a = a * rstd[:, None]
+        a = a * tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
     a = a.to(x_ptr.dtype.element_ty)
     if COMPACT:
         # Row i of the tile is token row i % ROWS: rows past M repeat tokens and are never stored.
@@ -121,14 +121,6 @@ def prologue_rows(x_ptr, res_ptr, program, M, K, stride_xm, stride_rm, eps,
         rstd = row_rstd(x_ptr, res_ptr, M, K, stride_xm, stride_rm, eps, ADD, ROWS, PRE_K,
                         ROWS if COMPACT else BLOCK_M)
     return res_sum, rstd
-
-
-@triton.jit
-def late_rstd(x_ptr, res_ptr, M, K, stride_xm, stride_rm, eps,
-              ADD: tl.constexpr, ROWS: tl.constexpr, PRE_K: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The rows' rstd after the weight loop, one per accumulator row (0 past the ROWS token rows: a
-    COMPACT tile's repeats there are never stored)."""
-    return row_rstd(x_ptr, res_ptr, M, K, stride_xm, stride_rm, eps, ADD, ROWS, PRE_K, BLOCK_M)
 
 
 @triton.jit

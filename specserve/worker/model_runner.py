@@ -277,9 +277,10 @@ class ModelRunner:
         reqs = [sched.scheduled[i].request for i in batch_rows]
         batch = SamplingBatch.build(reqs, self.device)
         greedy = batch.all_greedy and batch.max_logprobs is None and not any(r.needs_host_tokens for r in reqs)
-        # A decode batch in a full graph where every request samples: its sampling is recorded too.
-        if greedy and len(batch_rows) == len(sched.scheduled) and desc.query_len == 1 \
-                and self.greedy_graphs is not None and self.greedy_graphs.has_graph(desc):
+        # A decode batch in a full graph (the only descriptors greedy_graphs holds) where every request
+        # samples: its sampling is recorded too.
+        if greedy and len(batch_rows) == len(sched.scheduled) and self.greedy_graphs is not None \
+                and self.greedy_graphs.has_graph(desc):
             self.greedy_graphs.run(desc, self._greedy_decode, None)
             return
         h = hidden.index_select(0, self.buffers.staged_extra("sample_index"))
