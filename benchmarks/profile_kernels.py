@@ -4,6 +4,10 @@ time per step goes (a host-bound step waits little for the GPU), and cuBLAS GEMM
 model's decode shapes against the measured bandwidth.
 
     python benchmarks/profile_kernels.py [--models llama3-8b smollm2-shape] [--batch 1] [--host-profile N]
+                                         [--spec K:P]
+
+With --spec the engine speculates with a random EAGLE-3 head (k drafts, forced acceptance p, as
+`specserve bench decode --spec` runs it), and the replayed graph is the target's verification graph.
 """
 from __future__ import annotations
 
@@ -21,7 +25,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from specserve.bench.decode import make_prompts, measure_bandwidth, time_engine
 from specserve.bench.gpu_timing import gpu_ms
-from specserve.bench.models import SHAPES, prepare_model
+from specserve.bench.decode import SpecSetting
+from specserve.bench.models import SHAPES, prepare_model, write_random_eagle3_head
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
 from specserve.sampling_params import SamplingParams
@@ -42,23 +47,34 @@ def kernel_table(prof, per: int, top: int) -> str:
     return "\n".join(lines)
 
 
-def profile_model(name: str, batch: int, top: int, host_profile: int) -> None:
+def profile_model(name: str, batch: int, top: int, host_profile: int, spec: SpecSetting | None = None) -> None:
     root = Path(tempfile.mkdtemp())
     model = prepare_model(name, root, torch.bfloat16)
+    # Requests long enough that no measured step finds them finished, whatever a step emits.
+    tokens_per_step = 1 + (spec.k if spec else 0)
+    speculative = None
+    if spec is not None:
+        head = write_random_eagle3_head(root / "head", model.hf_config, torch.bfloat16, "cuda")
+        speculative = {"method": "eagle3", "model": str(head), "num_speculative_tokens": spec.k,
+                       "forced_acceptance_prob": spec.p}
     engine = LLMEngine(EngineConfig(model=model.path, load_format=model.load_format, device="cuda", dtype="bfloat16",
-                                    max_model_len=1024, max_num_seqs=8, enable_prefix_caching=False,
-                                    cudagraph_capture_sizes=[1, 2, 4, 8]))
+                                    max_model_len=1024 * tokens_per_step, max_num_seqs=8, enable_prefix_caching=False,
+                                    cudagraph_capture_sizes=[1, 2, 4, 8], speculative_config=speculative))
     prompts = make_prompts(batch, 64, engine.arch.vocab_size, 0)
     t = time_engine(engine, prompts, 64)
-    print(f"\n=== {name} batch {batch}: engine {1e3 * batch / t.tok_s:.3f} ms/step ({t.tok_s:.0f} tok/s)")
+    label = f" {spec.label}" if spec else ""
+    per_step = t.accept_len or 1.0
+    print(f"\n=== {name}{label} batch {batch}: engine {1e3 * batch * per_step / t.tok_s:.3f} ms/step "
+          f"({t.tok_s:.0f} tok/s, {per_step:.2f} tokens/step)")
     # Before the torch profiler: once it had run, this split read 1.16 ms a step where the engine's own timing
     # had read 0.83 before it (SmolLM2, H100).
-    host_split(engine, prompts, host_profile)
+    host_split(engine, prompts, host_profile, tokens_per_step)
     graphs = engine.runner.graphs
-    desc = graphs.dispatch(batch, batch, 1)
+    q = tokens_per_step
+    desc = graphs.dispatch(batch * q, batch, q)
     assert desc.mode is CUDAGraphMode.FULL, desc
     graph = graphs.graphs[desc.key]
-    print(f"target full decode graph replay: {gpu_ms(graph.replay, 100):.3f} ms (events, back to back)")
+    print(f"target full graph replay (query length {q}): {gpu_ms(graph.replay, 100):.3f} ms (events, back to back)")
     n = 10
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
@@ -67,7 +83,7 @@ def profile_model(name: str, batch: int, top: int, host_profile: int) -> None:
     print("kernels of one replay:")
     print(kernel_table(prof, n, top))
     # Engine steps: GPU busy time against wall time per step.
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=40 * tokens_per_step, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
     for _ in range(8):
@@ -83,7 +99,8 @@ def profile_model(name: str, batch: int, top: int, host_profile: int) -> None:
     torch.cuda.empty_cache()
 
 
-def host_split(engine: LLMEngine, prompts: list[list[int]], host_profile: int, steps: int = 200) -> None:
+def host_split(engine: LLMEngine, prompts: list[list[int]], host_profile: int, tokens_per_step: int = 1,
+               steps: int = 200) -> None:
     """Wall time per engine step, split into enqueueing the step on the device (runner.launch), reading a
     finished step's results (runner.resolve, which waits for the GPU) and the rest of the host's work
     (scheduling, outputs, detokenization); then, with host_profile > 0, the host functions that take
@@ -100,7 +117,7 @@ def host_split(engine: LLMEngine, prompts: list[list[int]], host_profile: int, s
         return run
 
     runner.launch, runner.resolve = timed("launch", runner.launch), timed("resolve (waits)", runner.resolve)
-    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 20, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=(2 * steps + 20) * tokens_per_step, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
     for _ in range(10):
@@ -157,10 +174,12 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="print the N host functions with the most own time over engine steps (cProfile)")
+    ap.add_argument("--spec", type=SpecSetting.parse, default=None, metavar="K:P",
+                    help="speculate with a random EAGLE-3 head: K drafts, forced acceptance P")
     a = ap.parse_args()
     bandwidth = measure_bandwidth("cuda")
     for name in a.models:
-        profile_model(name, a.batch, a.top, a.host_profile)
+        profile_model(name, a.batch, a.top, a.host_profile, a.spec)
     shapes = {}
     for name in a.models:
         s = SHAPES[name]

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from specserve.kernels.argmax import greedy_argmax
 from specserve.models.arch_config import ArchConfig
 from specserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from specserve.models.llama import Attention
@@ -72,13 +73,14 @@ class Eagle3Head(nn.Module):
         full = torch.full((h.shape[0], self.cfg.vocab_size), float("-inf"), device=h.device)
         return full.index_copy_(1, self.target_ids, draft)
 
-    def greedy_tokens(self, h: torch.Tensor) -> torch.Tensor:
-        """compute_logits(h).argmax(-1) in three launches instead of seven: the argmax over the draft
+    def greedy_tokens(self, h: torch.Tensor, captured: bool = False) -> torch.Tensor:
+        """compute_logits(h).argmax(-1) without the full-vocabulary float32 logits: the argmax over the draft
         vocabulary, mapped to target ids. Ties go to the lowest target id either way while draft ids map to
-        ascending target ids (as train-eagle writes them); otherwise this takes the full logits."""
+        ascending target ids (as train-eagle writes them); otherwise this takes the full logits.
+        captured: the call is being recorded into a CUDA graph (see greedy_argmax)."""
         if not self.target_ids_ascend:
-            return self.compute_logits(h).argmax(dim=-1)
-        return self.target_ids.index_select(0, self.lm_head(h).argmax(dim=-1))
+            return greedy_argmax(self.compute_logits(h), captured)
+        return self.target_ids.index_select(0, greedy_argmax(self.lm_head(h), captured))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rename(name: str) -> str | None:

@@ -25,6 +25,12 @@ class DraftModelSpeculator(ModelDrafter):
         self.model(self.target_input_ids[:num_tokens], self.target_positions[:num_tokens], self.kv_caches, metadata)
         return None, None
 
-    def decode_forward(self, tokens, feedback, positions, metadata):
+    def decode_hidden(self, tokens, feedback, positions, metadata):
         hidden, _ = self.model(tokens, positions, self.kv_caches, metadata)
-        return self.model.compute_logits(hidden), None
+        return hidden, None
+
+    def compute_logits(self, hidden):
+        return self.model.compute_logits(hidden)
+
+    def greedy_tokens(self, hidden, captured=False):
+        return self.model.greedy_tokens(hidden, captured)

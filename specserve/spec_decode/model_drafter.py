@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specserve.attention.metadata import AttentionMetadata
+from specserve.kernels.argmax import greedy_argmax
 from specserve.sample.sampler import filtered_probs, sample_from_probs
 from specserve.spec_decode.eagle_inputs import DraftStepBuffers, prepare_draft_step
 from specserve.spec_decode.speculator import DraftInput, Speculator
@@ -53,9 +54,13 @@ class ModelDrafter(Speculator):
         self.decode_tokens = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
         self.feedback = (torch.zeros(max_num_reqs, feedback_size, dtype=dtype, device=device)
                          if feedback_size else None)
+        # The prefill's hidden state at each request's last accepted token, from which the greedy loop's
+        # graph drafts token 1.
+        self.first_hidden = (torch.zeros(max_num_reqs, feedback_size, dtype=dtype, device=device)
+                             if feedback_size and self.first_draft_from_prefill else None)
         self.prefill_graphs: CUDAGraphManager | None = None
         self.decode_graphs: CUDAGraphManager | None = None
-        # Greedy batches run all decode steps, argmax included, as one graph per padded batch size.
+        # Greedy batches draft every token, argmax included, in one graph per padded batch size.
         self.greedy_loop_graphs: CUDAGraphManager | None = None
         self._loop_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # (base positions, block table)
         # Requests of the last propose(): rows at or past it of decode_tokens and feedback hold zeros.
@@ -63,15 +68,21 @@ class ModelDrafter(Speculator):
 
     # Subclasses. prefill_forward runs over the first num_tokens target tokens and returns
     # (hidden states for draft-1 logits, hidden states to feed back), either None for a drafter without them;
-    # decode_forward returns (float32 logits [n, V], hidden states to feed back or None).
+    # decode_hidden returns (hidden states for the logits, hidden states to feed back or None).
     def prefill_forward(self, num_tokens: int, target_out: tuple, metadata: AttentionMetadata):
         raise NotImplementedError
 
-    def decode_forward(self, tokens, feedback, positions, metadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def decode_hidden(self, tokens, feedback, positions, metadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [n, V] over the target vocabulary."""
         raise NotImplementedError
+
+    def greedy_tokens(self, hidden: torch.Tensor, captured: bool = False) -> torch.Tensor:
+        """compute_logits(hidden).argmax(-1); drafters override it with a cheaper path to the same tokens.
+        captured: the call is being recorded into a CUDA graph (see greedy_argmax)."""
+        return greedy_argmax(self.compute_logits(hidden), captured)
 
     # ---- graphs -------------------------------------------------------------------------------
 
@@ -100,14 +111,15 @@ class ModelDrafter(Speculator):
 
         def decode_prepare(desc: BatchDescriptor) -> AttentionMetadata:
             self.decode_tokens.zero_()
-            if self.feedback is not None:
-                self.feedback.zero_()
+            for state in (self.feedback, self.first_hidden):
+                if state is not None:
+                    state.zero_()
             prepare_draft_step(1, 0, base_positions, block_table, self.block_size, self.max_position,
                                self.step_buffers)
             return self._decode_metadata(desc, block_table, self.max_position)
 
         self.decode_graphs.capture(self._decode, decode_prepare)
-        if self.num_loop_steps > 0:
+        if self.num_loop_steps > 0 or self.first_hidden is not None:
             self._loop_inputs = (base_positions, block_table)
             self.greedy_loop_graphs = CUDAGraphManager(
                 "draft greedy loop", self.decode_graphs.mode, sizes, max_reqs, max_reqs, (1,), recorder, debug)
@@ -125,19 +137,22 @@ class ModelDrafter(Speculator):
         return self.num_speculative_tokens - int(self.first_draft_from_prefill)
 
     def _greedy_loop(self, desc: BatchDescriptor, metadata: AttentionMetadata) -> torch.Tensor:
-        """Every decode step of a greedy batch, metadata rebuilt on the device before each (seed #38311):
-        [n, num_loop_steps] drafts. Reads num_reqs from its device buffer, so one recording serves every
-        batch padded to desc.num_reqs."""
+        """Every draft of a greedy batch: [n, k]. Draft 1 from first_hidden where the prefill drafts (else
+        the loop starts from decode_tokens), then each decode step, metadata rebuilt on the device before
+        each (seed #38311). Reads num_reqs from its device buffer, so one recording serves every batch
+        padded to desc.num_reqs."""
         n = desc.num_reqs
         base_positions, block_table = self._loop_inputs
-        tokens = self.decode_tokens[:n]
         feedback = self.feedback[:n] if self.feedback is not None else None
         drafts = []
+        if self.first_hidden is not None:
+            drafts.append(self.greedy_tokens(self.first_hidden[:n], captured=True))
+        tokens = drafts[0] if drafts else self.decode_tokens[:n]
         for step in range(1, self.num_loop_steps + 1):
             prepare_draft_step(step, self.step_buffers.num_reqs, base_positions, block_table, self.block_size,
                                self.max_position, self.step_buffers)
-            logits, feedback = self.decode_forward(tokens, feedback, self.step_buffers.positions[:n], metadata)
-            tokens = logits.argmax(dim=-1)
+            hidden, feedback = self.decode_hidden(tokens, feedback, self.step_buffers.positions[:n], metadata)
+            tokens = self.greedy_tokens(hidden, captured=True)
             drafts.append(tokens)
         return torch.stack(drafts, dim=1)
 
@@ -152,7 +167,9 @@ class ModelDrafter(Speculator):
         # sees what the replay saw.
         n = desc.num_reqs
         feedback = self.feedback[:n] if self.feedback is not None else None
-        return self.decode_forward(self.decode_tokens[:n], feedback, self.step_buffers.positions[:n], metadata)
+        hidden, fed_back = self.decode_hidden(self.decode_tokens[:n], feedback, self.step_buffers.positions[:n],
+                                              metadata)
+        return self.compute_logits(hidden), fed_back
 
     def _decode_metadata(self, desc: BatchDescriptor, block_table: torch.Tensor, max_seq_len: int) -> AttentionMetadata:
         n, buf = desc.num_reqs, self.step_buffers
@@ -184,23 +201,25 @@ class ModelDrafter(Speculator):
             # Rows past n are padding for a full decode graph: in-range token ids, finite hidden states.
             # Only rows below n are written until n changes, so they stay so until then.
             self.decode_tokens[n:].zero_()
-            if self.feedback is not None:
-                self.feedback[n:].zero_()
+            for state in (self.feedback, self.first_hidden):
+                if state is not None:
+                    state[n:].zero_()
             self._rows_in_use = n
+        if self.feedback is not None and fed_back is not None:
+            torch.index_select(fed_back, 0, last, out=self.feedback[:n])
+        loop = self.greedy_loop_graphs
+        loop_desc = loop.dispatch(n, n, 1) if loop is not None and greedy else None
+        if loop_desc is not None and loop.has_graph(loop_desc):
+            if self.first_hidden is not None:
+                torch.index_select(for_logits, 0, last, out=self.first_hidden[:n])
+            else:
+                self.decode_tokens[:n].copy_(current)
+            self.step_buffers.num_reqs.fill_(n)
+            return loop.run(loop_desc, self._greedy_loop, loop.metadata[loop_desc.key])[:n]
         if for_logits is not None:
             h = for_logits.index_select(0, last)
             current = self.greedy_tokens(h) if greedy else self._pick(self.compute_logits(h), inp, 0)
             drafts.append(current)
-        if self.feedback is not None and fed_back is not None:
-            torch.index_select(fed_back, 0, last, out=self.feedback[:n])
-        loop = self.greedy_loop_graphs
-        if loop is not None and greedy:
-            desc = loop.dispatch(n, n, 1)
-            if loop.has_graph(desc):
-                self.decode_tokens[:n].copy_(current)
-                self.step_buffers.num_reqs.fill_(n)
-                rest = loop.run(desc, self._greedy_loop, loop.metadata[desc.key])[:n]
-                return torch.cat([current.unsqueeze(1), rest], dim=1) if drafts else rest
         step = 1
         while len(drafts) < k:
             self.decode_tokens[:n].copy_(current)
@@ -213,11 +232,6 @@ class ModelDrafter(Speculator):
             drafts.append(current)
             step += 1
         return torch.stack(drafts, dim=1)
-
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The greedy draft after each hidden state; drafters with a cheaper argmax than over compute_logits'
-        full-vocabulary float32 logits override this."""
-        return self.compute_logits(hidden).argmax(dim=-1)
 
     def _run_decode_step(self, n: int, step: int, inp: DraftInput) -> tuple[torch.Tensor, torch.Tensor | None]:
         graphs = self.decode_graphs

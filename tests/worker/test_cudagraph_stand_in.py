@@ -98,6 +98,38 @@ def test_greedy_decode_samples_in_its_own_graph_and_others_do_not(case, mode):
     assert not replays
 
 
+def recorded_drafts(llm: LLM, prompts) -> list[dict[str, list[int]]]:
+    """The drafts every step proposed, in step order (what the next step verifies)."""
+    runner, steps = llm.engine.runner, []
+    original = runner.resolve
+
+    def resolve(handle):
+        out = original(handle)
+        steps.append(dict(out.drafts))
+        return out
+
+    runner.resolve = resolve
+    outputs(llm, prompts)
+    return steps
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_loop_graph_drafts_what_eager_drafting_drafts(case, k):
+    path, prompts, _, head = case
+    eager = LLM(str(path), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": k})
+    llm, used = graphed_llm(case, M.FULL_DECODE_ONLY, k)
+    # Draft 1 comes from the prefill's hidden state copied into the loop's buffer: a stale or poisoned
+    # row there would change the drafts.
+    llm.engine.runner.speculator.first_hidden.fill_(float("nan"))
+    # Four requests, a capture size: a padded batch multiplies matrices of another height, whose float32
+    # sums differ in the last bits and may flip a near-tie between two draft logits (7 requests did).
+    graphed = recorded_drafts(llm, prompts[:4])
+    assert ("loop", M.FULL) in used
+    assert graphed == recorded_drafts(eager, prompts[:4])
+    assert sum(len(d) for step in graphed for d in step.values()) > 0
+
+
 def test_sampled_batches_run_decode_steps_one_graph_at_a_time(case):
     _, prompts, _, _ = case
     llm, used = graphed_llm(case, M.FULL_AND_PIECEWISE)
@@ -128,6 +160,7 @@ def test_poisoned_buffers_change_nothing(case):
               runner.draft_last_indices, runner.draft_last_tokens):
         t.fill_(987654)
     spec.feedback.fill_(float("nan"))
+    spec.first_hidden.fill_(float("nan"))
     assert outputs(llm, prompts) == ref
 
 

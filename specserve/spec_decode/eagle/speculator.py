@@ -32,13 +32,13 @@ class EagleSpeculator(ModelDrafter):
                                          target_hidden[:num_tokens], self.kv_cache, metadata)
         return for_logits, fed_back
 
-    def decode_forward(self, tokens, feedback, positions, metadata):
+    def decode_hidden(self, tokens, feedback, positions, metadata):
         fed_back, for_logits = self.head(tokens, positions, feedback, self.kv_cache, metadata)
-        return self.head.compute_logits(for_logits), fed_back
+        return for_logits, fed_back
 
     def compute_logits(self, hidden):
         return self.head.compute_logits(hidden)
 
-    def greedy_tokens(self, hidden):
+    def greedy_tokens(self, hidden, captured=False):
         greedy = getattr(self.head, "greedy_tokens", None)
-        return greedy(hidden) if greedy is not None else super().greedy_tokens(hidden)
+        return greedy(hidden, captured) if greedy is not None else super().greedy_tokens(hidden, captured)
