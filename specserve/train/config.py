@@ -43,8 +43,8 @@ class TrainConfig:
     # rather than written by the target.
     templated_fraction: float = 0.5
     # Without a prompt file: share of prompt topics that are words of the target's vocabulary rather than
-    # the curated list (questions.py): MT-bench asks about subjects no curated list foresees. The shipped
-    # SmolLM2 head, trained so, accepts 1.91 at k=5 on MT-bench against 1.76 without (BENCHMARKS.md).
+    # the curated list (questions.py): MT-bench asks about subjects no curated list foresees. A SmolLM2
+    # head trained so accepted 1.91 at k=5 on MT-bench against 1.76 without (BENCHMARKS.md).
     word_topic_fraction: float = 0.6
     # Share of the greedy first answers that get a follow-up request, answered in a second round.
     follow_up_fraction: float = 1.0
