@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from specserve.bench.decode import make_prompts, measure_bandwidth, time_engine
+from specserve.bench.decode import SpecSetting, make_prompts, measure_bandwidth, time_engine
 from specserve.bench.gpu_timing import gpu_ms
-from specserve.bench.decode import SpecSetting
 from specserve.bench.models import SHAPES, prepare_model, write_random_eagle3_head
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
@@ -70,7 +69,7 @@ def profile_model(name: str, batch: int, top: int, host_profile: int, spec: Spec
     # had read 0.83 before it (SmolLM2, H100).
     host_split(engine, prompts, host_profile, tokens_per_step)
     graphs = engine.runner.graphs
-    q = tokens_per_step
+    q = tokens_per_step  # query tokens per request of the target's graph
     desc = graphs.dispatch(batch * q, batch, q)
     assert desc.mode is CUDAGraphMode.FULL, desc
     graph = graphs.graphs[desc.key]

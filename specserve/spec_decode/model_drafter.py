@@ -58,12 +58,14 @@ class ModelDrafter(Speculator):
         # graph drafts token 1.
         self.first_hidden = (torch.zeros(max_num_reqs, feedback_size, dtype=dtype, device=device)
                              if feedback_size and self.first_draft_from_prefill else None)
+        # The buffers above with one row per request, which a padded decode or loop graph reads past n.
+        self._request_rows = [t for t in (self.decode_tokens, self.feedback, self.first_hidden) if t is not None]
         self.prefill_graphs: CUDAGraphManager | None = None
         self.decode_graphs: CUDAGraphManager | None = None
         # Greedy batches draft every token, argmax included, in one graph per padded batch size.
         self.greedy_loop_graphs: CUDAGraphManager | None = None
         self._loop_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # (base positions, block table)
-        # Requests of the last propose(): rows at or past it of decode_tokens and feedback hold zeros.
+        # Requests of the last propose(): rows at or past it of _request_rows hold zeros.
         self._rows_in_use = -1
 
     # Subclasses. prefill_forward runs over the first num_tokens target tokens and returns
@@ -110,10 +112,8 @@ class ModelDrafter(Speculator):
             "draft decode", target_graphs.mode.for_draft_decode(), sizes, max_reqs, max_reqs, (1,), recorder, debug)
 
         def decode_prepare(desc: BatchDescriptor) -> AttentionMetadata:
-            self.decode_tokens.zero_()
-            for state in (self.feedback, self.first_hidden):
-                if state is not None:
-                    state.zero_()
+            for rows in self._request_rows:
+                rows.zero_()
             prepare_draft_step(1, 0, base_positions, block_table, self.block_size, self.max_position,
                                self.step_buffers)
             return self._decode_metadata(desc, block_table, self.max_position)
@@ -200,10 +200,8 @@ class ModelDrafter(Speculator):
         if n != self._rows_in_use:
             # Rows past n are padding for a full decode graph: in-range token ids, finite hidden states.
             # Only rows below n are written until n changes, so they stay so until then.
-            self.decode_tokens[n:].zero_()
-            for state in (self.feedback, self.first_hidden):
-                if state is not None:
-                    state[n:].zero_()
+            for rows in self._request_rows:
+                rows[n:].zero_()
             self._rows_in_use = n
         if self.feedback is not None and fed_back is not None:
             torch.index_select(fed_back, 0, last, out=self.feedback[:n])
