@@ -21,7 +21,7 @@ from specserve.train.attention import CausalAttention
 from specserve.train.config import TrainConfig
 from specserve.train.data import Sequence
 from specserve.train.export import head_arch, head_config
-from specserve.train.features import TargetFeatures, plain_torch
+from specserve.train.features import TargetFeatures, attention_in_torch
 from specserve.train.trainer import Trainer, build_head
 from specserve.train.vocab import build_draft_vocab
 
@@ -34,7 +34,7 @@ class RandomFeatures(TargetFeatures):
     def __init__(self, path: str, aux_layers):
         self.model, self.arch = build_model(open_model_source(path), torch.bfloat16, "cuda", CausalAttention(),
                                             aux_layers, load_format="dummy")
-        plain_torch(self.model)
+        attention_in_torch(self.model)
 
 
 def main() -> None:

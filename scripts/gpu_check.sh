@@ -16,7 +16,7 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 status=0
 if [[ $what == tests || $what == all ]]; then
-    python -m pytest -m gpu -q -p no:cacheprovider tests/gpu tests/attention tests/kernels tests/worker \
+    python -m pytest -m gpu -q -p no:cacheprovider tests/gpu tests/attention tests/kernels tests/worker tests/train \
         tests/spec_decode tests/models 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|error|FAILED|ERROR"
     status=${PIPESTATUS[0]}
 fi

@@ -17,6 +17,12 @@ of step j is step j of the chain that starts at i (position i + j). Its
 query sees the step-0 keys of rows 0..i (causal) and, of each step 1..j, the
 key of row i itself: exactly the keys of that chain at inference, at the
 same positions, so the head trains on the attention pattern it drafts with.
+
+Step j > 0 is computed as two parts merged by their log-sum-exps: causal
+flash attention over the step-0 keys, and the j per-row scores of the row's
+own keys. A dense [L, (j + 1) L] mask over all steps' keys gives the same
+result but leaves flash for the masked kernel and computes every masked
+score: on an H100 that took a quarter of a SmolLM2 training step.
 """
 from __future__ import annotations
 
@@ -46,11 +52,75 @@ def _heads_first(x: torch.Tensor, shape: DenseBatch) -> torch.Tensor:
     return x.view(shape.batch, shape.length, x.shape[1], x.shape[2]).transpose(1, 2)
 
 
+def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Grouped-query keys or values [B, kv_heads, L, D] repeated to the query's heads."""
+    return x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **mask) -> torch.Tensor:
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
     o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scale, **mask)
     return o.transpose(1, 2).flatten(0, 1)
+
+
+# Columns added to the head dimension in CausalAttentionWithLse; flash kernels take multiples of 8.
+_LSE_PAD = 8
+
+
+class CausalAttentionWithLse(torch.autograd.Function):
+    """Causal attention [B, H, L, D] that also returns its log-sum-exp [B, H, L] (float32), with gradients
+    through both. Flash attention's backward takes the row term D = rowsum(grad_out * out) in
+    dS = P * (dP - D); since d lse / dS = P, lse's gradient g enters as D - g. The inputs get zero
+    columns, which change no score and no output, and backward sets one output column to 1 against a
+    grad_out column of -g so flash itself computes D - g."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float):
+        q, k, v = (F.pad(x, (0, _LSE_PAD)) for x in (q, k, v))
+        if q.is_cuda:
+            out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, True, False, scale=scale)
+            ctx.flash_state = (cum_q, cum_k, max_q, max_k, seed, offset)
+        else:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        ctx.scale = scale
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out[..., :-_LSE_PAD], lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        d = out.shape[-1] - _LSE_PAD
+        grad = F.pad(grad_out, (0, _LSE_PAD))
+        if grad_lse is not None:
+            out = out.clone()
+            out[..., d] = 1
+            grad[..., d] = -grad_lse.to(grad.dtype)
+        if q.is_cuda:
+            cum_q, cum_k, max_q, max_k, seed, offset = ctx.flash_state
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=ctx.scale)
+        else:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad, q, k, v, out, lse, 0.0, True, scale=ctx.scale)
+        return dq[..., :d], dk[..., :d], dv[..., :d], None
+
+
+def unrolled_step_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                            scale: float) -> torch.Tensor:
+    """Step j = len(keys) - 1 > 0: each row i attends to keys[0] at rows 0..i and to row i of keys[1..j].
+    q: [B, H, L, D]; keys, values: [B, kv_heads, L, D]. Returns [B * L, H, D]."""
+    heads = q.shape[1]
+    k0, v0 = (_expand_heads(x[0], heads).to(q.dtype) for x in (keys, values))
+    causal, lse = CausalAttentionWithLse.apply(q, k0, v0, scale)
+    own_keys = torch.stack([_expand_heads(k, heads) for k in keys[1:]], dim=-2).to(q.dtype)  # [B, H, L, j, D]
+    own_values = torch.stack([_expand_heads(v, heads) for v in values[1:]], dim=-2).to(q.dtype)
+    # The merge runs in float32 at least: the weights of a bf16 query's parts would round visibly.
+    acc = torch.promote_types(q.dtype, torch.float32)
+    own_scores = scale * (own_keys @ q.unsqueeze(-1)).squeeze(-1).to(acc)  # [B, H, L, j]
+    weights = torch.softmax(torch.cat((lse.to(acc).unsqueeze(-1), own_scores), dim=-1), dim=-1)
+    out = weights[..., :1] * causal.to(acc) + (weights[..., 1:].unsqueeze(-2) @ own_values.to(acc)).squeeze(-2)
+    return out.to(q.dtype).transpose(1, 2).flatten(0, 1)
 
 
 class CausalAttention:
@@ -72,11 +142,6 @@ class UnrolledAttention:
         q = _heads_first(q, metadata)
         kv_cache.keys.append(_heads_first(k, metadata))
         kv_cache.values.append(_heads_first(v, metadata))
-        step = len(kv_cache.keys) - 1
-        if step == 0:
+        if len(kv_cache.keys) == 1:
             return _attend(q, kv_cache.keys[0], kv_cache.values[0], scale, is_causal=True)
-        n = metadata.length
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        own = torch.eye(n, dtype=torch.bool, device=q.device).repeat(1, step)
-        keys, values = torch.cat(kv_cache.keys, dim=2), torch.cat(kv_cache.values, dim=2)
-        return _attend(q, keys, values, scale, attn_mask=torch.cat((causal, own), dim=1))
+        return unrolled_step_attention(q, kv_cache.keys, kv_cache.values, scale)

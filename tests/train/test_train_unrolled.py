@@ -9,7 +9,7 @@ from specserve.attention.metadata import AttentionMetadata
 from specserve.attention.torch_backend import TorchAttentionBackend
 from specserve.models.arch_config import ArchConfig
 from specserve.models.eagle3 import Eagle3Head
-from specserve.train.attention import UnrolledAttention
+from specserve.train.attention import UnrolledAttention, unrolled_step_attention
 from specserve.train.batches import Batch
 from specserve.train.features import NextTokens
 from specserve.train.ttt import unroll, unrolled_loss
@@ -168,3 +168,28 @@ def test_soft_loss_is_kl_divergence_from_the_targets_distribution_in_float64():
         correct.append(int((logp.argmax(dim=-1) == greedy[teacher_rows]).sum()))
     assert abs(result.loss.item() - want) < 1e-4
     assert result.correct.tolist() == correct
+
+
+def test_unrolled_step_attention_and_its_gradients_equal_a_dense_mask_in_float64():
+    """The flash-and-diagonal split of step j against one softmax over every step's keys under the dense
+    mask (the row's causal step-0 keys and its own keys of steps 1..j), outputs and all gradients."""
+    torch.manual_seed(0)
+    b, heads, kv_heads, n, d, j = 2, 4, 2, 7, 8, 3
+    q = torch.randn(b, heads, n, d, dtype=torch.float64, requires_grad=True)
+    keys = [torch.randn(b, kv_heads, n, d, dtype=torch.float64, requires_grad=True) for _ in range(j + 1)]
+    values = [torch.randn(b, kv_heads, n, d, dtype=torch.float64, requires_grad=True) for _ in range(j + 1)]
+    grad = torch.randn(b * n, heads, d, dtype=torch.float64)
+
+    def dense():
+        k = torch.cat(keys, dim=2).repeat_interleave(heads // kv_heads, dim=1)
+        v = torch.cat(values, dim=2).repeat_interleave(heads // kv_heads, dim=1)
+        mask = torch.cat((torch.ones(n, n, dtype=torch.bool).tril(), torch.eye(n, dtype=torch.bool).repeat(1, j)), 1)
+        scores = (q @ k.transpose(-1, -2) * 0.4).masked_fill(~mask, float("-inf"))
+        return (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).flatten(0, 1)
+
+    results = []
+    for attend in (dense, lambda: unrolled_step_attention(q, keys, values, 0.4)):
+        out = attend()
+        results.append((out, *torch.autograd.grad(out, [q, *keys, *values], grad)))
+    for reference, split in zip(*results):
+        torch.testing.assert_close(split, reference, rtol=1e-10, atol=1e-10)
