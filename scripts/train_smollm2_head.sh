@@ -5,11 +5,13 @@
 #
 # Training prompts are written by the target itself from built-in topics (never the evaluation set).
 # The shipped head (specserve/heads/smollm2_135m_eagle3) was trained on two data sets joined, about
-# 12 minutes on an H100 (BENCHMARKS.md, eighth session): data-only runs (--data-only) on
-#   A: --prompts human.jsonl (scripts/build_prompt_set.py: 8,240 prompts people wrote, from PyPI packages)
-#   B: --num-prompts 12000 --word-topic-fraction 0.6 (prompts the target wrote, and templated ones)
+# 18 minutes on an H100 (BENCHMARKS.md, ninth session): data-only runs (--data-only) on
+#   A: --prompts human.jsonl --sampled-fraction 1.0 --data-seconds 170 (scripts/build_prompt_set.py:
+#      8,240 prompts people wrote, from PyPI packages; each answered greedily and sampled)
+#   B: --num-prompts 24000 --word-topic-fraction 0.6 --seed 1 --data-seconds 348 (prompts the target
+#      wrote, and templated ones)
 # each with --max-num-seqs 512 --kv-cache-memory-gb 16, their sequences.jsonl concatenated into one
-# work directory, then training there with --resume --draft-vocab-size 12288 --train-seconds 320.
+# work directory, then training there with --resume --draft-vocab-size 12288 --train-seconds 524.
 # With the default budgets the training part takes about 7 minutes on an H100 (data <= 240 s,
 # training <= 150 s, plus model loads); the evaluation runs 7 engines (no speculation, k = 1..6) at
 # temperatures 0 and 1 over the evaluation prompts, a few minutes more. To split the two over
