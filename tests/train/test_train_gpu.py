@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dense_unrolled_attention import dense_step_attention, output_and_gradients
 from specserve.train.attention import unrolled_step_attention
 from specserve.train.batches import collate
 from specserve.train.data import Sequence
@@ -28,21 +29,11 @@ def test_unrolled_step_attention_on_cuda_in_bf16_matches_a_dense_mask_in_float32
     grad = torch.randn(b * n, heads, d, device="cuda")
     scale = d**-0.5
 
-    def dense():
-        k = torch.cat(keys, dim=2).float().repeat_interleave(heads // kv_heads, dim=1)
-        v = torch.cat(values, dim=2).float().repeat_interleave(heads // kv_heads, dim=1)
-        mask = torch.cat((torch.ones(n, n, dtype=torch.bool, device="cuda").tril(),
-                          torch.eye(n, dtype=torch.bool, device="cuda").repeat(1, j)), dim=1)
-        scores = (q.float() @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
-        return (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).flatten(0, 1)
-
-    results = []
-    for attend in (dense, lambda: unrolled_step_attention(q, keys, values, scale)):
-        out = attend()
-        results.append([x.float() for x in (out, *torch.autograd.grad(out, [q, *keys, *values], grad.to(out.dtype)))])
-    for reference, split in zip(*results):
+    reference = output_and_gradients(lambda: dense_step_attention(q, keys, values, scale), q, keys, values, grad)
+    split = output_and_gradients(lambda: unrolled_step_attention(q, keys, values, scale), q, keys, values, grad)
+    for want, got in zip(reference, split):
         # bf16 rounding of the output and of the gradients flash writes (about 2^-8 of their scale).
-        torch.testing.assert_close(split, reference, atol=0.02 * reference.abs().max().item(), rtol=0.02)
+        torch.testing.assert_close(got.float(), want, atol=0.02 * want.abs().max().item(), rtol=0.02)
 
 
 def test_target_features_with_the_serving_norms_match_plain_torch_on_cuda(tiny_llama):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dense_unrolled_attention import dense_step_attention, output_and_gradients
 from single_thread import one_thread  # noqa: F401  (autouse)
 from specserve.attention.metadata import AttentionMetadata
 from specserve.attention.torch_backend import TorchAttentionBackend
@@ -180,16 +181,7 @@ def test_unrolled_step_attention_and_its_gradients_equal_a_dense_mask_in_float64
     values = [torch.randn(b, kv_heads, n, d, dtype=torch.float64, requires_grad=True) for _ in range(j + 1)]
     grad = torch.randn(b * n, heads, d, dtype=torch.float64)
 
-    def dense():
-        k = torch.cat(keys, dim=2).repeat_interleave(heads // kv_heads, dim=1)
-        v = torch.cat(values, dim=2).repeat_interleave(heads // kv_heads, dim=1)
-        mask = torch.cat((torch.ones(n, n, dtype=torch.bool).tril(), torch.eye(n, dtype=torch.bool).repeat(1, j)), 1)
-        scores = (q @ k.transpose(-1, -2) * 0.4).masked_fill(~mask, float("-inf"))
-        return (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).flatten(0, 1)
-
-    results = []
-    for attend in (dense, lambda: unrolled_step_attention(q, keys, values, 0.4)):
-        out = attend()
-        results.append((out, *torch.autograd.grad(out, [q, *keys, *values], grad)))
-    for reference, split in zip(*results):
-        torch.testing.assert_close(split, reference, rtol=1e-10, atol=1e-10)
+    reference = output_and_gradients(lambda: dense_step_attention(q, keys, values, 0.4), q, keys, values, grad)
+    split = output_and_gradients(lambda: unrolled_step_attention(q, keys, values, 0.4), q, keys, values, grad)
+    for want, got in zip(reference, split):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
