@@ -29,7 +29,10 @@ _HELP = {
     "max_num_seqs": "concurrent requests while generating",
     "kv_cache_memory_gb": "KV cache of the generating engine in GB (default: 8 on CUDA)",
     "data_seconds": "time budget of data generation; what finished is kept (0: no limit)",
-    "draft_vocab_size": "target tokens the head can draft (the most frequent in the answers)",
+    "init_from": "an exported head (directory or shipped name) to continue training on this run's data; it "
+                 "keeps its draft vocabulary and auxiliary layers (default: a fresh head)",
+    "draft_vocab_size": "target tokens the head can draft, the most frequent in the answers (default: 8192, "
+                        "or --init-from's)",
     "aux_layers": "target layers whose inputs the head reads (default: EAGLE-3's early, middle, late)",
     "max_shard_mb": "largest weight file of the head, in MB of tensors",
     "epochs": "passes over the data",

@@ -14,6 +14,9 @@ from pathlib import Path
 import torch
 
 from specserve.errors import ConfigError
+from specserve.train.initial_head import InitialHead
+
+DEFAULT_DRAFT_VOCAB_SIZE = 8192
 
 
 @dataclass
@@ -56,8 +59,12 @@ class TrainConfig:
     data_seconds: float | None = 240.0
 
     # ---- head ----
-    draft_vocab_size: int = 8192
-    # Target layers whose inputs the head reads; None: EAGLE-3's early, middle and late layers.
+    # An exported head (directory or shipped name) to continue training from, on this run's data;
+    # None: a fresh head. The run then keeps that head's draft vocabulary and auxiliary layers.
+    init_from: str | None = None
+    # None: 8192, or the size of init_from's vocabulary.
+    draft_vocab_size: int | None = None
+    # Target layers whose inputs the head reads; None: EAGLE-3's early, middle and late layers (or init_from's).
     aux_layers: tuple[int, ...] | None = None
     # Largest weight file of the exported head, in MB of tensor data (15 keeps files under 16 MB to ship in a repo).
     max_shard_mb: float = 15.0
@@ -98,6 +105,10 @@ class TrainConfig:
 
         check(bool(self.target), "target", "give the target model: a built-in name, Hugging Face directory or .gguf")
         check(bool(self.out), "out", "give the directory to write the head to")
+        if self.init_from is not None:
+            self._take_initial_head(check)
+        if self.draft_vocab_size is None:
+            self.draft_vocab_size = DEFAULT_DRAFT_VOCAB_SIZE
         for name in ("num_prompts", "max_new_tokens", "max_num_seqs", "draft_vocab_size", "epochs", "batch_size",
                      "ttt_steps", "save_every"):
             value = getattr(self, name)
@@ -137,6 +148,21 @@ class TrainConfig:
             self.kv_cache_memory_gb = 8.0
         if self.work_dir is None:
             self.work_dir = str(Path(self.out).expanduser()) + ".work"
+
+    def _take_initial_head(self, check) -> None:
+        """Settings init_from fixes: its vocabulary size and auxiliary layers (given ones must agree)."""
+        head = InitialHead.open(self.init_from)
+        check(not self.warm_start, "warm_start", "starts a fresh head from the target, and --init-from continues "
+              "an existing head: give one of them")
+        check(self.draft_vocab_size in (None, head.draft_vocab_size), "draft_vocab_size",
+              f"{head.path} drafts from {head.draft_vocab_size} tokens and a run from it keeps them; leave "
+              f"--draft-vocab-size out or give {head.draft_vocab_size}")
+        self.draft_vocab_size = head.draft_vocab_size
+        if head.aux_layers is not None:
+            check(self.aux_layers is None or tuple(self.aux_layers) == head.aux_layers, "aux_layers",
+                  f"{head.path} reads target layers {list(head.aux_layers)} and a run from it keeps them; leave "
+                  "--aux-layers out or give those")
+            self.aux_layers = head.aux_layers
 
     @property
     def on_cuda(self) -> bool:

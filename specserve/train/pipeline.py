@@ -19,14 +19,15 @@ from specserve.train.data import DataStats, Sequence, generate_data, load_sequen
 from specserve.train.export import check_exportable, export_head, head_arch, head_config
 from specserve.train.features import TargetFeatures
 from specserve.train.trainer import Evaluation, Trainer, build_head
-from specserve.train.vocab import DraftVocab, build_draft_vocab
+from specserve.train.initial_head import InitialHead
+from specserve.train.vocab import DraftVocab, build_draft_vocab, given_draft_vocab
 
 logger = logging.getLogger(__name__)
 
 SEQUENCES_NAME = "sequences.jsonl"
 # Settings that shape the training trajectory: a checkpoint only resumes a run that agrees on all of them.
 _IDENTITY_FIELDS = ("draft_vocab_size", "epochs", "steps", "batch_size", "lr", "warmup_steps", "weight_decay",
-                    "grad_clip", "ttt_steps", "step_weight_decay", "soft_labels", "warm_start", "val_fraction", "seed")
+                    "grad_clip", "ttt_steps", "step_weight_decay", "soft_labels", "warm_start", "init_from", "val_fraction", "seed")
 
 
 @dataclass
@@ -44,6 +45,13 @@ class TrainSummary:
 
 def _check_target(cfg: TrainConfig, target: ArchConfig) -> tuple[int, ...]:
     """The auxiliary layers to read; raises ConfigError, before any work, for settings the target rules out."""
+    if cfg.init_from is not None:
+        head = InitialHead.open(cfg.init_from).config
+        for key, want in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
+            if head.get(key) != want:
+                raise ConfigError("init_from", f"{cfg.init_from} has {key} {head.get(key)} and the target {want}: "
+                                  "it was trained for another target; give a head of this one, or leave "
+                                  "--init-from out")
     layers = cfg.aux_layers or default_aux_layers(target.num_layers)
     if any(i >= target.num_layers for i in layers) or min(layers) < 0:
         raise ConfigError("aux_layers", f"{layers} are not all layers of the {target.num_layers}-layer target; "
@@ -58,14 +66,23 @@ def _check_target(cfg: TrainConfig, target: ArchConfig) -> tuple[int, ...]:
     return layers
 
 
+def draft_vocab(cfg: TrainConfig, sequences: list[Sequence], target_vocab_size: int) -> DraftVocab:
+    """The most frequent answer tokens, or the initial head's vocabulary when the run continues one."""
+    answers = [s.response_ids for s in sequences]
+    if cfg.init_from is None:
+        return build_draft_vocab(answers, target_vocab_size, cfg.draft_vocab_size)
+    return given_draft_vocab(InitialHead.open(cfg.init_from).draft_to_target(), answers, target_vocab_size)
+
+
 def make_trainer(cfg: TrainConfig, target: ArchConfig, aux_layers: tuple[int, ...], sequences: list[Sequence],
                  vocab: DraftVocab, data_digest: str) -> tuple[Trainer, dict]:
     """A trainer for a fresh head (seeded) over the target's hidden states, and the head's config.json."""
     train, val = split(sequences, cfg.val_fraction, cfg.seed)
     features = TargetFeatures(cfg.target, aux_layers, cfg.torch_dtype, cfg.device)
     config = head_config(target, vocab.size, aux_layers)
+    initial = InitialHead.open(cfg.init_from) if cfg.init_from is not None else None
     head = build_head(target, head_arch(config), vocab, aux_layers, features.model, cfg.device, cfg.seed,
-                      cfg.warm_start)
+                      cfg.warm_start, initial)
     identity = {name: getattr(cfg, name) for name in _IDENTITY_FIELDS}
     identity.update(aux_layers=list(aux_layers), data=data_digest)
     return Trainer(cfg, features, head, vocab, train, val, identity), config
@@ -100,7 +117,7 @@ def train_eagle3(cfg: TrainConfig) -> TrainSummary:
                           "--max-new-tokens")
     lap("data")
 
-    vocab = build_draft_vocab([s.response_ids for s in sequences], target.vocab_size, cfg.draft_vocab_size)
+    vocab = draft_vocab(cfg, sequences, target.vocab_size)
     logger.info("Draft vocabulary: %d of %d target tokens, covering %.1f%% of the answers' tokens",
                 vocab.size, target.vocab_size, 100 * vocab.coverage)
     lap("vocab")
@@ -120,6 +137,8 @@ def train_eagle3(cfg: TrainConfig) -> TrainSummary:
                   "steps": trainer.step, "ttt_steps": cfg.ttt_steps, "draft_vocab_coverage": round(vocab.coverage, 4)}
     if validation is not None:
         provenance["held_out_accuracy"] = [round(a, 4) for a in validation.accuracy]
+    if cfg.init_from is not None:
+        provenance["init_from"] = InitialHead.open(cfg.init_from).lineage
     files = export_head(Path(cfg.out), trainer.head, vocab, {**config, "specserve_training": provenance},
                         cfg.max_shard_bytes)
     lap("export")

@@ -21,6 +21,7 @@ from specserve.train.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_ch
 from specserve.train.config import TrainConfig
 from specserve.train.data import Sequence
 from specserve.train.features import TargetFeatures, plain_torch
+from specserve.train.initial_head import InitialHead
 from specserve.train.schedule import WarmupCosine
 from specserve.train.ttt import unrolled_loss
 from specserve.train.vocab import DraftVocab
@@ -44,12 +45,19 @@ class Evaluation:
 
 
 def build_head(target: ArchConfig, head_arch: ArchConfig, vocab: DraftVocab, aux_layers: tuple[int, ...],
-               target_model: torch.nn.Module, device: str, seed: int, warm_start: bool) -> Eagle3Head:
-    """A fresh EAGLE-3 head, initialised from seed, over the target's (frozen, shared) token embedding."""
+               target_model: torch.nn.Module, device: str, seed: int, warm_start: bool,
+               initial: InitialHead | None = None) -> Eagle3Head:
+    """An EAGLE-3 head over the target's (frozen, shared) token embedding: initial's weights, or fresh ones
+    initialised from seed."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         head = Eagle3Head(head_arch, UnrolledAttention(), vocab.size, target.hidden_size, aux_layers)
     head.d2t.copy_(vocab.d2t)
+    if initial is not None:
+        from specserve.models.loader import safetensors_weights
+
+        # In float32 whatever the export's dtype: AdamW steps on bf16 weights would round most updates away.
+        head.load_weights(safetensors_weights(initial.path))
     head = head.to(device)
     if warm_start:
         start_from_target(head, target_model, vocab)

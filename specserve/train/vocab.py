@@ -38,12 +38,25 @@ class DraftVocab:
         return out.index_copy_(0, self.draft_to_target, torch.arange(self.size))
 
 
-def build_draft_vocab(token_lists: list[list[int]], target_vocab_size: int, draft_vocab_size: int) -> DraftVocab:
-    """The draft_vocab_size most frequent ids in token_lists; ties, and slots no token filled, go to lower ids."""
+def _token_counts(token_lists: list[list[int]], target_vocab_size: int) -> torch.Tensor:
     flat = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.int64)
-    counts = torch.bincount(flat, minlength=target_vocab_size)
-    # A stable sort keeps equal counts in id order.
-    chosen = torch.argsort(-counts, stable=True)[:draft_vocab_size].sort().values
+    return torch.bincount(flat, minlength=target_vocab_size)
+
+
+def _vocab(chosen: torch.Tensor, counts: torch.Tensor) -> DraftVocab:
     total = int(counts.sum())
     coverage = float(counts[chosen].sum()) / total if total else 0.0
-    return DraftVocab(chosen, target_vocab_size, coverage)
+    return DraftVocab(chosen, counts.numel(), coverage)
+
+
+def build_draft_vocab(token_lists: list[list[int]], target_vocab_size: int, draft_vocab_size: int) -> DraftVocab:
+    """The draft_vocab_size most frequent ids in token_lists; ties, and slots no token filled, go to lower ids."""
+    counts = _token_counts(token_lists, target_vocab_size)
+    # A stable sort keeps equal counts in id order.
+    return _vocab(torch.argsort(-counts, stable=True)[:draft_vocab_size].sort().values, counts)
+
+
+def given_draft_vocab(draft_to_target: torch.Tensor, token_lists: list[list[int]],
+                      target_vocab_size: int) -> DraftVocab:
+    """A vocabulary fixed beforehand (an initial head's), with its coverage of token_lists."""
+    return _vocab(draft_to_target, _token_counts(token_lists, target_vocab_size))

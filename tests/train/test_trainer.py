@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -16,13 +16,13 @@ from specserve import LLM, SamplingParams
 from specserve.entrypoints.cli import main
 from specserve.errors import ConfigError
 from specserve.models.arch_config import ArchConfig
-from specserve.models.loader import load_tokenizer, open_model_source
+from specserve.models.loader import load_tokenizer, open_model_source, safetensors_weights
 from specserve.prompt_files import load_prompt_file, prompt_token_ids
 from specserve.train.batches import collate
 from specserve.train.config import TrainConfig
 from specserve.train.data import generate_data, load_sequences, run_requests
-from specserve.train.export import export_head
-from specserve.train.pipeline import SEQUENCES_NAME, make_trainer, train_eagle3
+from specserve.train.export import export_head, hf_tensors
+from specserve.train.pipeline import SEQUENCES_NAME, draft_vocab, make_trainer, train_eagle3
 from specserve.train.questions import topic_mix, vocabulary_words
 from specserve.train.request_templates import templated_requests
 from specserve.train.ttt import unroll
@@ -66,14 +66,14 @@ def trained(tmp_path_factory, target, prompt_file):
 
 
 def trainer_for(cfg: TrainConfig, data_dir: str | None = None):
-    """(trainer for a fresh head, head config, draft vocabulary) over the data a run wrote to data_dir
-    (default cfg.work_dir), built as the pipeline builds them."""
+    """(trainer for a fresh head, or cfg.init_from's, head config, draft vocabulary) over the data a run wrote
+    to data_dir (default cfg.work_dir), built as the pipeline builds them."""
     sequences_path = Path(data_dir or cfg.work_dir) / SEQUENCES_NAME
     sequences = load_sequences(sequences_path)
     arch = ArchConfig.from_hf_config(open_model_source(cfg.target).hf_config)
-    vocab = build_draft_vocab([s.response_ids for s in sequences], arch.vocab_size, cfg.draft_vocab_size)
+    vocab = draft_vocab(cfg, sequences, arch.vocab_size)
     digest = hashlib.sha256(sequences_path.read_bytes()).hexdigest()
-    trainer, head_config = make_trainer(cfg, arch, (2, 2, 1), sequences, vocab, digest)
+    trainer, head_config = make_trainer(cfg, arch, cfg.aux_layers or (2, 2, 1), sequences, vocab, digest)
     return trainer, head_config, vocab
 
 
@@ -214,6 +214,70 @@ def test_a_time_budget_shrinks_the_plan_once_the_pace_is_known(trained, tmp_path
     roomy = trainer_for(config(cfg.target, tmp_path / "b", steps=30, train_seconds=1e6), data_dir=cfg.work_dir)[0]
     roomy.run()
     assert roomy.schedule.fitted and roomy.step == roomy.schedule.total_steps == 30
+
+
+def test_init_from_continues_the_exported_head_with_its_vocabulary_and_layers(trained, target, tmp_path):
+    """A run from an exported head starts with that head's weights (as served: bfloat16), draft vocabulary
+    and auxiliary layers, whatever its own data would choose, and records where it started."""
+    cfg, summary = trained
+    source = json.loads((summary.out / "config.json").read_text())
+    # Other data: greedy answers to other prompts than the source head's, so a vocabulary chosen afresh differs.
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"prompt": f"{w} {w}"}) + "\n" for w in ("cold", "river", "ninety", "sand")))
+    follow = config(target, tmp_path / "next", prompts=str(other), init_from=str(summary.out), sampled_fraction=0.0,
+                    steps=3, draft_vocab_size=None)
+    assert follow.draft_vocab_size == source["draft_vocab_size"]
+    assert follow.aux_layers == tuple(source["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    data = train_eagle3(replace(follow, data_only=True, init_from=None, draft_vocab_size=cfg.draft_vocab_size,
+                                aux_layers=None))
+    sequences = load_sequences(data.out / SEQUENCES_NAME)
+    arch = ArchConfig.from_hf_config(open_model_source(cfg.target).hf_config)
+    fresh = build_draft_vocab([s.response_ids for s in sequences], arch.vocab_size, cfg.draft_vocab_size)
+
+    continued, _, vocab = trainer_for(follow)
+    exported = dict(safetensors_weights(summary.out))
+    want = exported["d2t"] + torch.arange(exported["d2t"].numel())
+    assert torch.equal(vocab.draft_to_target, want) and not torch.equal(fresh.draft_to_target, want)
+    assert torch.equal(continued.head.d2t, exported["d2t"])
+    for name, tensor in hf_tensors(continued.head, vocab).items():
+        assert torch.equal(tensor, exported[name]), name
+    # The source head scores the same on any data whether it is read back from its export or continued.
+    source_trainer = trainer_for(replace(cfg, out=str(tmp_path / "src")), data_dir=cfg.work_dir)[0]
+    source_trainer.head.load_weights(safetensors_weights(summary.out))
+    continued_on_source = trainer_for(replace(follow, out=str(tmp_path / "c2")), data_dir=cfg.work_dir)[0]
+    assert source_trainer.evaluate(source_trainer.val_set) == continued_on_source.evaluate(source_trainer.val_set)
+
+    run = train_eagle3(replace(follow, resume=True))
+    written = json.loads((run.out / "config.json").read_text())
+    assert run.steps == 3 and written["draft_vocab_size"] == source["draft_vocab_size"]
+    assert written["specserve_training"]["init_from"] == {"head": str(summary.out), **source["specserve_training"]}
+    assert torch.equal(dict(safetensors_weights(run.out))["d2t"], exported["d2t"])
+
+
+@pytest.mark.parametrize("kw,field,message", [
+    (dict(warm_start=True), "warm_start", "give one of them"),
+    (dict(draft_vocab_size=64), "draft_vocab_size", "drafts from 200 tokens"),
+    (dict(aux_layers=(0, 1, 2)), "aux_layers", "reads target layers"),
+])
+def test_settings_an_initial_head_fixes_must_agree_with_it(trained, tmp_path, kw, field, message):
+    cfg, summary = trained
+    with pytest.raises(ConfigError, match=message) as e:
+        config(cfg.target, tmp_path / "h", init_from=str(summary.out), **kw)
+    assert e.value.field == field
+
+
+def test_an_initial_head_must_be_an_eagle3_head_of_this_target(target, tmp_path, capsys):
+    with pytest.raises(ConfigError, match="neither a shipped head nor a directory with a config.json") as e:
+        config(target, tmp_path / "h", init_from=str(tmp_path / "missing"))
+    assert e.value.field == "init_from"
+    with pytest.raises(ConfigError, match="not an EAGLE-3 head"):
+        config(target, tmp_path / "h", init_from=str(target))
+    # The shipped head is SmolLM2's: 576 wide, where the tiny target is not.
+    args = ["train-eagle", "--target", str(target), "--out", str(tmp_path / "h"), "--device", "cpu",
+            "--init-from", "smollm2-135m-eagle3"]
+    assert main(args) == 2
+    assert "it was trained for another target" in capsys.readouterr().err
+    assert not (tmp_path / "h.work").exists()
 
 
 def test_the_target_writes_its_own_prompts_then_follows_up_on_its_answers(target, tmp_path):

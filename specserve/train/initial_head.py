@@ -1,0 +1,64 @@
+"""An exported head to continue training from (`--init-from`): a run then fine-tunes it on new data.
+
+Training is bounded by the time a run gets, so a head improves most by
+adding runs: each one starts where the last head ended rather than from
+noise. The new run keeps what the head was built with, its draft vocabulary
+and the target layers it reads, since its weights only mean something over
+those.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specserve.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class InitialHead:
+    path: Path
+    config: dict
+
+    @classmethod
+    def open(cls, name: str) -> InitialHead:
+        """A shipped head's name or an exported head's directory; ConfigError (field init_from) otherwise."""
+        from specserve.heads import resolve_head
+
+        path = Path(resolve_head(name)).expanduser()
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ConfigError("init_from", f"{name} is neither a shipped head nor a directory with a config.json; "
+                              "give a head that train-eagle wrote (its --out)")
+        config = json.loads(config_file.read_text())
+        if "LlamaForCausalLMEagle3" not in config.get("architectures", []):
+            raise ConfigError("init_from", f"{path} holds a {config.get('architectures')} model, not an EAGLE-3 "
+                              "head (LlamaForCausalLMEagle3); give a head that train-eagle wrote")
+        return cls(path, config)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return int(self.config.get("draft_vocab_size") or self.config["vocab_size"])
+
+    @property
+    def aux_layers(self) -> tuple[int, ...] | None:
+        layers = (self.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        return tuple(layers) if layers else None
+
+    @property
+    def lineage(self) -> dict:
+        """What made the head, for the provenance of the one trained from it."""
+        return {"head": str(self.path), **self.config.get("specserve_training", {})}
+
+    def draft_to_target(self) -> torch.Tensor:
+        """[draft_vocab_size] int64: the target id of each draft id, from the head's d2t offsets."""
+        from specserve.models.loader import safetensors_weights
+
+        d2t = next((t for name, t in safetensors_weights(self.path) if name == "d2t"), None)
+        if d2t is None:
+            # vLLM's loader reads such a head as drafting the target's first ids; a trained head never is one.
+            raise ConfigError("init_from", f"{self.path} has no d2t tensor, so its draft vocabulary is unknown; "
+                              "give a head that train-eagle wrote")
+        return torch.arange(d2t.numel(), dtype=torch.int64) + d2t.to(torch.int64)
