@@ -19,6 +19,7 @@ from specserve.errors import ConfigError
 
 @dataclass(frozen=True)
 class InitialHead:
+    name: str  # as given: a shipped head's name or a directory
     path: Path
     config: dict
 
@@ -36,7 +37,7 @@ class InitialHead:
         if "LlamaForCausalLMEagle3" not in config.get("architectures", []):
             raise ConfigError("init_from", f"{path} holds a {config.get('architectures')} model, not an EAGLE-3 "
                               "head (LlamaForCausalLMEagle3); give a head that train-eagle wrote")
-        return cls(path, config)
+        return cls(name, path, config)
 
     @property
     def draft_vocab_size(self) -> int:
@@ -50,7 +51,7 @@ class InitialHead:
     @property
     def lineage(self) -> dict:
         """What made the head, for the provenance of the one trained from it."""
-        return {"head": str(self.path), **self.config.get("specserve_training", {})}
+        return {"head": self.name, **self.config.get("specserve_training", {})}
 
     def draft_to_target(self) -> torch.Tensor:
         """[draft_vocab_size] int64: the target id of each draft id, from the head's d2t offsets."""

@@ -1,9 +1,9 @@
 """The EAGLE-3 head shipped for SmolLM2-135M-Instruct loads by name, is lossless, and accepts drafts.
 
-Floor: mean acceptance length 1.97 measured on these 3 prompts with the head shipped now (k = 5, greedy, 48
-tokens, CPU float32, 2026-11-23); the two heads before it read 2.03, though MT-bench's 80 first turns tell
-them apart (2.25, 2.00, 1.91): three prompts are too few to rank heads. The test asks for 1.5, well above an
-untrained head's 1.0-1.1.
+Floor: mean acceptance length 2.21 measured on these 3 prompts with the head shipped now (k = 5, greedy, 48
+tokens, CPU float32, 2026-11-23); the three heads before it read 1.97, 2.03 and 2.03, though MT-bench's 80
+first turns rank them otherwise (2.37 now, then 2.25, 2.00, 1.91): three prompts are too few to rank heads.
+The test asks for 1.8, below every head shipped so far and well above an untrained head's 1.0-1.1.
 """
 from __future__ import annotations
 
@@ -36,4 +36,4 @@ def test_shipped_head_accepts_drafts_losslessly(reference):
     outs = [o.outputs[0].token_ids for o in llm.generate(chats, GREEDY, use_tqdm=False)]
     assert outs == ref
     stats = llm.engine.spec_stats.as_dict()
-    assert stats["mean_acceptance_length"] >= 1.5, stats
+    assert stats["mean_acceptance_length"] >= 1.8, stats
