@@ -4,14 +4,17 @@
 #   scripts/train_smollm2_head.sh HEAD_DIR EVAL_PROMPTS.jsonl [more train-eagle flags]
 #
 # Training prompts are written by the target itself from built-in topics (never the evaluation set).
-# The shipped head (specserve/heads/smollm2_135m_eagle3) was trained on two data sets joined, about
-# 18 minutes on an H100 (BENCHMARKS.md, ninth session): data-only runs (--data-only) on
+# The shipped head (specserve/heads/smollm2_135m_eagle3) is three such runs, each continuing the last
+# (BENCHMARKS.md, ninth and tenth sessions). Each run trained on two data sets joined, about 18 minutes on
+# an H100: data-only runs (--data-only) on
 #   A: --prompts human.jsonl --sampled-fraction 1.0 --data-seconds 170 (scripts/build_prompt_set.py:
 #      8,240 prompts people wrote, from PyPI packages; each answered greedily and sampled)
 #   B: --num-prompts 24000 --word-topic-fraction 0.6 --seed 1 --data-seconds 348 (prompts the target
 #      wrote, and templated ones)
 # each with --max-num-seqs 512 --kv-cache-memory-gb 16, their sequences.jsonl concatenated into one
-# work directory, then training there with --resume --draft-vocab-size 12288 --train-seconds 524.
+# work directory, then training there with --resume --draft-vocab-size 12288 --train-seconds 524. The
+# next two runs used new seeds for A and B (3 and 2, then 5 and 4; A's budget 230 s in the last) and
+# trained with --init-from smollm2-135m-eagle3 --lr 5e-4 --train-seconds 548, the head then shipped.
 # With the default budgets the training part takes about 7 minutes on an H100 (data <= 240 s,
 # training <= 150 s, plus model loads); the evaluation runs 7 engines (no speculation, k = 1..6) at
 # temperatures 0 and 1 over the evaluation prompts, a few minutes more. To split the two over
