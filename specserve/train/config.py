@@ -9,6 +9,7 @@ cut a phase short rather than let a slower machine overrun).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -151,7 +152,7 @@ class TrainConfig:
 
     def _take_initial_head(self, check) -> None:
         """Settings init_from fixes: its vocabulary size and auxiliary layers (given ones must agree)."""
-        head = InitialHead.open(self.init_from)
+        head = self.initial_head
         check(not self.warm_start, "warm_start", "starts a fresh head from the target, and --init-from continues "
               "an existing head: give one of them")
         check(self.draft_vocab_size in (None, head.draft_vocab_size), "draft_vocab_size",
@@ -163,6 +164,11 @@ class TrainConfig:
                   f"{head.path} reads target layers {list(head.aux_layers)} and a run from it keeps them; leave "
                   "--aux-layers out or give those")
             self.aux_layers = head.aux_layers
+
+    @cached_property
+    def initial_head(self) -> InitialHead | None:
+        """init_from, opened once for every phase that reads it (None for a fresh head)."""
+        return InitialHead.open(self.init_from) if self.init_from is not None else None
 
     @property
     def on_cuda(self) -> bool:

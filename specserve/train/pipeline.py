@@ -19,7 +19,6 @@ from specserve.train.data import DataStats, Sequence, generate_data, load_sequen
 from specserve.train.export import check_exportable, export_head, head_arch, head_config
 from specserve.train.features import TargetFeatures
 from specserve.train.trainer import Evaluation, Trainer, build_head
-from specserve.train.initial_head import InitialHead
 from specserve.train.vocab import DraftVocab, build_draft_vocab, given_draft_vocab
 
 logger = logging.getLogger(__name__)
@@ -27,7 +26,8 @@ logger = logging.getLogger(__name__)
 SEQUENCES_NAME = "sequences.jsonl"
 # Settings that shape the training trajectory: a checkpoint only resumes a run that agrees on all of them.
 _IDENTITY_FIELDS = ("draft_vocab_size", "epochs", "steps", "batch_size", "lr", "warmup_steps", "weight_decay",
-                    "grad_clip", "ttt_steps", "step_weight_decay", "soft_labels", "warm_start", "init_from", "val_fraction", "seed")
+                    "grad_clip", "ttt_steps", "step_weight_decay", "soft_labels", "warm_start", "init_from",
+                    "val_fraction", "seed")
 
 
 @dataclass
@@ -45,8 +45,8 @@ class TrainSummary:
 
 def _check_target(cfg: TrainConfig, target: ArchConfig) -> tuple[int, ...]:
     """The auxiliary layers to read; raises ConfigError, before any work, for settings the target rules out."""
-    if cfg.init_from is not None:
-        head = InitialHead.open(cfg.init_from).config
+    if cfg.initial_head is not None:
+        head = cfg.initial_head.config
         for key, want in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
             if head.get(key) != want:
                 raise ConfigError("init_from", f"{cfg.init_from} has {key} {head.get(key)} and the target {want}: "
@@ -69,9 +69,9 @@ def _check_target(cfg: TrainConfig, target: ArchConfig) -> tuple[int, ...]:
 def draft_vocab(cfg: TrainConfig, sequences: list[Sequence], target_vocab_size: int) -> DraftVocab:
     """The most frequent answer tokens, or the initial head's vocabulary when the run continues one."""
     answers = [s.response_ids for s in sequences]
-    if cfg.init_from is None:
+    if cfg.initial_head is None:
         return build_draft_vocab(answers, target_vocab_size, cfg.draft_vocab_size)
-    return given_draft_vocab(InitialHead.open(cfg.init_from).draft_to_target(), answers, target_vocab_size)
+    return given_draft_vocab(cfg.initial_head.draft_to_target(), answers, target_vocab_size)
 
 
 def make_trainer(cfg: TrainConfig, target: ArchConfig, aux_layers: tuple[int, ...], sequences: list[Sequence],
@@ -80,9 +80,8 @@ def make_trainer(cfg: TrainConfig, target: ArchConfig, aux_layers: tuple[int, ..
     train, val = split(sequences, cfg.val_fraction, cfg.seed)
     features = TargetFeatures(cfg.target, aux_layers, cfg.torch_dtype, cfg.device)
     config = head_config(target, vocab.size, aux_layers)
-    initial = InitialHead.open(cfg.init_from) if cfg.init_from is not None else None
     head = build_head(target, head_arch(config), vocab, aux_layers, features.model, cfg.device, cfg.seed,
-                      cfg.warm_start, initial)
+                      cfg.warm_start, cfg.initial_head)
     identity = {name: getattr(cfg, name) for name in _IDENTITY_FIELDS}
     identity.update(aux_layers=list(aux_layers), data=data_digest)
     return Trainer(cfg, features, head, vocab, train, val, identity), config
@@ -137,8 +136,8 @@ def train_eagle3(cfg: TrainConfig) -> TrainSummary:
                   "steps": trainer.step, "ttt_steps": cfg.ttt_steps, "draft_vocab_coverage": round(vocab.coverage, 4)}
     if validation is not None:
         provenance["held_out_accuracy"] = [round(a, 4) for a in validation.accuracy]
-    if cfg.init_from is not None:
-        provenance["init_from"] = InitialHead.open(cfg.init_from).lineage
+    if cfg.initial_head is not None:
+        provenance["init_from"] = cfg.initial_head.lineage
     files = export_head(Path(cfg.out), trainer.head, vocab, {**config, "specserve_training": provenance},
                         cfg.max_shard_bytes)
     lap("export")
