@@ -1,7 +1,7 @@
 """Where a train-eagle optimizer step's time goes on the GPU (torch.profiler), on a SmolLM2-shaped target
 with random weights and random sequences of the run's usual lengths.
 
-    python benchmarks/profile_train_step.py [--batch-size 32] [--length 450] [--ttt-steps 6]
+    python benchmarks/profile_train_step.py [--batch-size 32] [--length 450] [--ttt-steps 6] [--steps 20]
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--length", type=int, default=450)
     ap.add_argument("--ttt-steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=20, help="steps timed")
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp())
     (root / "config.json").write_text(json.dumps(SMOLLM2))
@@ -63,15 +64,19 @@ def main() -> None:
     trainer = Trainer(cfg, features, head, vocab, seqs, [], {})
     # Batches of different lengths, as in a real run (shape-specialised kernels replan per shape).
     batches = [seqs[i::4][: a.batch_size] for i in range(4)]
-    for i in range(3):
-        trainer.train_step(batches[i % 4])
+    for i in range(4):
+        trainer.train_step(batches[i % 4]).read()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for i in range(5):
-        trainer.train_step(batches[(i + 1) % 4])
+    start, previous = time.perf_counter(), None
+    for i in range(a.steps):
+        # As Trainer.run does: each step's figures are read once the next step is queued.
+        queued = trainer.train_step(batches[i % 4])
+        if previous is not None:
+            previous.read()
+        previous = queued
     torch.cuda.synchronize()
-    print(f"train step: {(time.perf_counter() - start) / 5 * 1e3:.1f} ms (batch {a.batch_size} x ~{a.length} tokens, "
-          f"{a.ttt_steps} unrolled steps)")
+    print(f"train step: {(time.perf_counter() - start) / a.steps * 1e3:.1f} ms over {a.steps} steps (batch "
+          f"{a.batch_size} x ~{a.length} tokens, {a.ttt_steps} unrolled steps)")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         trainer.train_step(batches[0])

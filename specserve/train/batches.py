@@ -20,12 +20,31 @@ _WINDOW = 16
 
 @dataclass
 class Batch:
+    """ids live where the model runs; the lengths stay on the host, which already knows them, so that
+    nothing in a training step has to wait for the GPU to learn which rows count."""
+
     ids: torch.Tensor  # [B, L] int64, right-padded with 0
-    lengths: torch.Tensor  # [B] int64
-    prompt_lengths: torch.Tensor  # [B] int64
+    lengths: torch.Tensor  # [B] int64, on the host
+    prompt_lengths: torch.Tensor  # [B] int64, on the host
 
     def to(self, device) -> "Batch":
-        return Batch(self.ids.to(device), self.lengths.to(device), self.prompt_lengths.to(device))
+        return Batch(_to_device(self.ids, torch.device(device)), self.lengths, self.prompt_lengths)
+
+    def counted_rows(self, steps: int) -> list[torch.Tensor]:
+        """For each unrolled step j, the flat indices (b * L + i) of the rows that count there (see ttt.py):
+        those from the last prompt token (i >= P - 1) on whose token to predict exists (i + j + 2 < n)."""
+        row = torch.arange(self.ids.shape[1])
+        starts, ends = self.prompt_lengths[:, None] - 1, self.lengths[:, None]
+        per_step = [((row >= starts) & (row + j + 2 < ends)).flatten().nonzero().squeeze(1) for j in range(steps)]
+        rows = _to_device(torch.cat(per_step), self.ids.device)
+        return list(rows.split([len(r) for r in per_step]))
+
+
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor copied to device without the stream sync a plain copy from pageable memory makes."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 def split(sequences: list[Sequence], val_fraction: float, seed: int) -> tuple[list[Sequence], list[Sequence]]:

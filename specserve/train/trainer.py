@@ -36,6 +36,22 @@ _EVAL_BATCH_SIZE = 32
 
 
 @dataclass
+class StepStats:
+    """A training step's figures, loss and hits still on the device: reading them waits for the step to finish,
+    so the loop reads each only once the next step is queued and the GPU never idles on the host."""
+
+    loss: torch.Tensor
+    correct: torch.Tensor  # [steps]
+    counted: torch.Tensor  # [steps], on the host
+    lr: float
+
+    def read(self) -> tuple[float, list[float]]:
+        """(loss, accuracy of each unrolled step)."""
+        loss, *correct = torch.cat((self.loss[None], self.correct)).tolist()
+        return loss, [c / max(n, 1) for c, n in zip(correct, self.counted.tolist())]
+
+
+@dataclass
 class Evaluation:
     loss: float
     accuracy: list[float]  # per unrolled step
@@ -143,8 +159,8 @@ class Trainer:
             return unrolled_loss(self.head, states.aux, batch, self.target_to_draft, self.draft_to_target,
                                  self.cfg.ttt_steps, self.cfg.step_weight_decay, teacher)
 
-    def train_step(self, sequences: list[Sequence]) -> tuple[float, list[float]]:
-        """One optimizer step; (loss, accuracy of each unrolled step) on the batch."""
+    def train_step(self, sequences: list[Sequence]) -> StepStats:
+        """One optimizer step, queued on the device; its loss and accuracy are read later (StepStats.read)."""
         result = self._loss(sequences)
         self.optimizer.zero_grad(set_to_none=True)
         result.loss.backward()
@@ -153,9 +169,7 @@ class Trainer:
             group["lr"] = self.schedule.lr(self.step)
         self.optimizer.step()
         self.step += 1
-        loss, *counts = torch.cat((result.loss.detach()[None], result.correct, result.counted)).tolist()
-        steps = self.cfg.ttt_steps
-        return loss, [c / max(n, 1) for c, n in zip(counts[:steps], counts[steps:])]
+        return StepStats(result.loss.detach(), result.correct, result.counted, self.schedule.lr(self.step - 1))
 
     @torch.no_grad()
     def evaluate(self, sequences: list[Sequence]) -> Evaluation | None:
@@ -183,14 +197,17 @@ class Trainer:
         started, first_step, timing_from = time.monotonic(), self.step, 0.0
         bar = tqdm(total=self.schedule.total_steps, initial=self.step, desc="Training", unit="step",
                    disable=not cfg.progress)
+        unread = None
         try:
             while not finished():
                 epoch, offset = divmod(self.step, self.batches_per_epoch)
                 for indices in epoch_batches(self.train_set, cfg.batch_size, cfg.seed, epoch)[offset:]:
-                    loss, accuracy = self.train_step([self.train_set[i] for i in indices])
+                    queued = self.train_step([self.train_set[i] for i in indices])
                     bar.update(1)
-                    bar.set_postfix(loss=f"{loss:.3f}", acc="/".join(f"{a:.2f}" for a in accuracy),
-                                    lr=f"{self.schedule.lr(self.step - 1):.1e}", refresh=False)
+                    # The previous step's figures: reading them keeps the host one step ahead, no further.
+                    if unread is not None:
+                        _show(bar, unread)
+                    unread = queued
                     done = self.step - first_step
                     if done == _TIMING_START:
                         timing_from = time.monotonic()
@@ -227,3 +244,9 @@ class Trainer:
         result = self.evaluate(self.val_set)
         if result is not None:
             bar.write(f"epoch {epoch} (step {self.step}): held-out {result.describe()}")
+
+
+def _show(bar: tqdm, stats: StepStats) -> None:
+    loss, accuracy = stats.read()
+    bar.set_postfix(loss=f"{loss:.3f}", acc="/".join(f"{a:.2f}" for a in accuracy), lr=f"{stats.lr:.1e}",
+                    refresh=False)

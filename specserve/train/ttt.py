@@ -37,7 +37,7 @@ from specserve.train.features import NextTokens
 class UnrolledResult:
     loss: torch.Tensor  # scalar, the weighted sum of the steps' mean cross-entropies (KL divergences, soft)
     correct: torch.Tensor  # [steps] counted rows whose argmax draft is the target's token
-    counted: torch.Tensor  # [steps] rows that count
+    counted: torch.Tensor  # [steps] rows that count, on the host
 
 
 def unroll(head, aux: torch.Tensor, ids: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
@@ -61,12 +61,10 @@ def unrolled_loss(head, aux: torch.Tensor, batch: Batch, target_to_draft: torch.
     the data's tokens."""
     n = batch.ids.shape[1]
     targets_of = F.pad(batch.ids, (0, steps + 1))
-    row = torch.arange(n, device=batch.ids.device)[None, :]
+    counted_rows = batch.counted_rows(steps)
     loss = aux.new_zeros((), dtype=torch.float32)
-    correct, counted = [], []
-    for j, normed in enumerate(unroll(head, aux, batch.ids, steps)):
-        counts = (row >= batch.prompt_lengths[:, None] - 1) & (row + j + 2 < batch.lengths[:, None])
-        rows = counts.flatten().nonzero().squeeze(1)
+    correct = []
+    for j, (normed, rows) in enumerate(zip(unroll(head, aux, batch.ids, steps), counted_rows)):
         logits = head.lm_head(normed[rows]).float()
         if teacher is None:
             targets = targets_of[:, j + 2: j + 2 + n].flatten()[rows]
@@ -83,5 +81,4 @@ def unrolled_loss(head, aux: torch.Tensor, batch: Batch, target_to_draft: torch.
         in_vocab = labels >= 0
         loss = loss + step_weight_decay**j * (ce * in_vocab).sum() / in_vocab.sum().clamp(min=1)
         correct.append((draft_to_target[logits.argmax(dim=-1)] == targets).sum())
-        counted.append(counts.sum())
-    return UnrolledResult(loss, torch.stack(correct), torch.stack(counted))
+    return UnrolledResult(loss, torch.stack(correct), torch.tensor([len(rows) for rows in counted_rows]))

@@ -121,6 +121,17 @@ def test_collate_pads_right_and_keeps_lengths():
     assert batch.lengths.tolist() == [3, 4] and batch.prompt_lengths.tolist() == [2, 1]
 
 
+def test_counted_rows_are_each_drafters_flat_positions():
+    data = [Sequence([1, 2, 3], [4, 5, 6, 7], 0.0), Sequence([], [8, 9, 10], 0.0), Sequence([1], [2], 0.0)]
+    batch = collate(data, length_multiple=8)
+    steps, width = 3, batch.ids.shape[1]
+    # Row i of a sequence of n tokens, P of them prompt, drafts step j where i >= P - 1 and i + j + 2 < n.
+    want = [[b * width + i for b, s in enumerate(data) for i in range(width)
+             if i >= len(s.prompt_ids) - 1 and i + j + 2 < len(s.ids)] for j in range(steps)]
+    assert [r.tolist() for r in batch.counted_rows(steps)] == want
+    assert want[0] == [2, 3, 4, 8]
+
+
 def test_split_holds_out_a_seeded_share():
     data = seqs(range(10, 30))
     train, val = split(data, 0.25, seed=3)

@@ -93,7 +93,8 @@ def test_loss_falls(trained, tmp_path, soft_labels, warm_start):
     cfg, _ = trained
     trainer = trainer_for(config(cfg.target, tmp_path / "head", steps=40, soft_labels=soft_labels,
                                  warm_start=warm_start), data_dir=cfg.work_dir)[0]
-    losses = [trainer.train_step([trainer.train_set[i] for i in range(k % 5, k % 5 + 4)])[0] for k in range(40)]
+    losses = [trainer.train_step([trainer.train_set[i] for i in range(k % 5, k % 5 + 4)]).read()[0]
+              for k in range(40)]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.5 * first, losses
 
