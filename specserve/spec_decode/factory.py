@@ -30,13 +30,18 @@ def _head_arch(cfg: dict) -> ArchConfig:
     return ArchConfig.from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"]})
 
 
+def head_mismatch(hidden_size, vocab_size, target: ArchConfig) -> str | None:
+    """Why a head of these sizes cannot serve target (training from one shares the check); None if it can."""
+    for name, got, want in (("hidden size", hidden_size, target.hidden_size),
+                            ("vocabulary size", vocab_size, target.vocab_size)):
+        if got != want:
+            return f"{name} {got} does not match the target's {want}"
+    return None
+
+
 def _check_fit(head: ArchConfig, target: ArchConfig, what: str) -> None:
-    if head.hidden_size != target.hidden_size:
-        raise _bad("model", f"the {what}'s hidden size {head.hidden_size} does not match the target's "
-                   f"{target.hidden_size}; use a {what} trained for this target")
-    if head.vocab_size != target.vocab_size:
-        raise _bad("model", f"the {what}'s vocabulary size {head.vocab_size} does not match the target's "
-                   f"{target.vocab_size}; use a {what} trained for this target")
+    if (why := head_mismatch(head.hidden_size, head.vocab_size, target)) is not None:
+        raise _bad("model", f"the {what}'s {why}; use a {what} trained for this target")
 
 
 def load_head(cfg: SpeculativeConfig, target_model, target: ArchConfig, backend):

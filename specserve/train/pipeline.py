@@ -12,6 +12,7 @@ from specserve.errors import ConfigError
 from specserve.models.arch_config import ArchConfig
 from specserve.models.eagle3 import default_aux_layers
 from specserve.models.loader import open_model_source
+from specserve.spec_decode.factory import head_mismatch
 from specserve.train.batches import split
 from specserve.train.checkpoint import CHECKPOINT_NAME
 from specserve.train.config import TrainConfig
@@ -47,11 +48,9 @@ def _check_target(cfg: TrainConfig, target: ArchConfig) -> tuple[int, ...]:
     """The auxiliary layers to read; raises ConfigError, before any work, for settings the target rules out."""
     if cfg.initial_head is not None:
         head = cfg.initial_head.config
-        for key, want in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
-            if head.get(key) != want:
-                raise ConfigError("init_from", f"{cfg.init_from} has {key} {head.get(key)} and the target {want}: "
-                                  "it was trained for another target; give a head of this one, or leave "
-                                  "--init-from out")
+        if (why := head_mismatch(head.get("hidden_size"), head.get("vocab_size"), target)) is not None:
+            raise ConfigError("init_from", f"{cfg.init_from}'s {why}: it was trained for another target; give a "
+                              "head of this one, or leave --init-from out")
     layers = cfg.aux_layers or default_aux_layers(target.num_layers)
     if any(i >= target.num_layers for i in layers) or min(layers) < 0:
         raise ConfigError("aux_layers", f"{layers} are not all layers of the {target.num_layers}-layer target; "
