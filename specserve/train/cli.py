@@ -31,6 +31,8 @@ _HELP = {
     "data_seconds": "time budget of data generation; what finished is kept (0: no limit)",
     "init_from": "an exported head (directory or shipped name) to continue training on this run's data; it "
                  "keeps its draft vocabulary and auxiliary layers (default: a fresh head)",
+    "head_intermediate_size": "width of the head's MLP (default: the target's, or --init-from's); wider than "
+                              "--init-from's head widens it, computing the same at the start",
     "draft_vocab_size": "target tokens the head can draft, the most frequent in the answers (default: 8192, "
                         "or --init-from's)",
     "aux_layers": "target layers whose inputs the head reads (default: EAGLE-3's early, middle, late)",

@@ -67,6 +67,10 @@ class TrainConfig:
     draft_vocab_size: int | None = None
     # Target layers whose inputs the head reads; None: EAGLE-3's early, middle and late layers (or init_from's).
     aux_layers: tuple[int, ...] | None = None
+    # Width of the head's MLP; None: the target's, or init_from's. Wider than init_from's widens that head:
+    # it keeps its units and gains new ones that start silent, so the run starts from what it computed with
+    # room to learn more than a head the target's width holds.
+    head_intermediate_size: int | None = None
     # Largest weight file of the exported head, in MB of tensor data (15 keeps files under 16 MB to ship in a repo).
     max_shard_mb: float = 15.0
 
@@ -110,6 +114,9 @@ class TrainConfig:
             self._take_initial_head(check)
         if self.draft_vocab_size is None:
             self.draft_vocab_size = DEFAULT_DRAFT_VOCAB_SIZE
+        check(self.head_intermediate_size is None or (isinstance(self.head_intermediate_size, int)
+                                                     and self.head_intermediate_size >= 1),
+              "head_intermediate_size", f"must be an integer >= 1 (or unset), got {self.head_intermediate_size!r}")
         for name in ("num_prompts", "max_new_tokens", "max_num_seqs", "draft_vocab_size", "epochs", "batch_size",
                      "ttt_steps", "save_every"):
             value = getattr(self, name)
@@ -164,6 +171,11 @@ class TrainConfig:
                   f"{head.path} reads target layers {list(head.aux_layers)} and a run from it keeps them; leave "
                   "--aux-layers out or give those")
             self.aux_layers = head.aux_layers
+        width = head.intermediate_size
+        check(self.head_intermediate_size is None or self.head_intermediate_size >= width, "head_intermediate_size",
+              f"{head.path}'s MLP is {width} wide and a run from it can only widen it; give at least {width} or "
+              "leave --head-intermediate-size out")
+        self.head_intermediate_size = self.head_intermediate_size or width
 
     @cached_property
     def initial_head(self) -> InitialHead | None:

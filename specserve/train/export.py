@@ -24,14 +24,16 @@ from specserve.train.vocab import DraftVocab
 EXPORT_DTYPE = torch.bfloat16
 
 
-def head_config(target: ArchConfig, draft_vocab_size: int, aux_layers: tuple[int, ...]) -> dict:
-    """config.json of a one-layer EAGLE-3 head with the target's shape."""
+def head_config(target: ArchConfig, draft_vocab_size: int, aux_layers: tuple[int, ...],
+                intermediate_size: int | None = None) -> dict:
+    """config.json of a one-layer EAGLE-3 head with the target's shape (its MLP intermediate_size wide, or as
+    wide as the target's)."""
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
         "hidden_size": target.hidden_size,
         "target_hidden_size": target.hidden_size,
-        "intermediate_size": target.intermediate_size,
+        "intermediate_size": intermediate_size or target.intermediate_size,
         "num_attention_heads": target.num_heads,
         "num_key_value_heads": target.num_kv_heads,
         "head_dim": target.head_dim,

@@ -9,6 +9,7 @@ those.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,27 @@ class InitialHead:
     @property
     def draft_vocab_size(self) -> int:
         return int(self.config.get("draft_vocab_size") or self.config["vocab_size"])
+
+    @property
+    def intermediate_size(self) -> int:
+        return int(self.config["intermediate_size"])
+
+    def weights_for(self, fresh: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The head's weights (Hugging Face names) for a new head whose freshly initialised tensors are fresh,
+        whose MLP may be wider. Where a matrix grew, the new rows (new units) keep their fresh values and the
+        new columns (inputs from new units) are zero: each new unit is computed but read by nothing, so the
+        wider head computes what this one did, and the first step's gradient reaches the zero columns."""
+        from specserve.models.loader import safetensors_weights
+
+        for name, tensor in safetensors_weights(self.path):
+            want = fresh.get(name)
+            if want is None or want.shape == tensor.shape:
+                yield name, tensor
+                continue
+            grown = want.to(tensor.dtype).clone()
+            grown[:, tensor.shape[1]:] = 0
+            grown[: tensor.shape[0], : tensor.shape[1]] = tensor
+            yield name, grown
 
     @property
     def aux_layers(self) -> tuple[int, ...] | None:

@@ -28,6 +28,7 @@ SEQUENCES_NAME = "sequences.jsonl"
 # Settings that shape the training trajectory: a checkpoint only resumes a run that agrees on all of them.
 _IDENTITY_FIELDS = ("draft_vocab_size", "epochs", "steps", "batch_size", "lr", "warmup_steps", "weight_decay",
                     "grad_clip", "ttt_steps", "step_weight_decay", "soft_labels", "warm_start", "init_from",
+                    "head_intermediate_size",
                     "val_fraction", "seed")
 
 
@@ -61,7 +62,8 @@ def _check_target(cfg: TrainConfig, target: ArchConfig) -> tuple[int, ...]:
     if cfg.max_seq_len > target.max_context:
         raise ConfigError("max_seq_len", f"{cfg.max_seq_len} exceeds the target's context of {target.max_context}")
     layers = tuple(layers)
-    check_exportable(head_config(target, cfg.draft_vocab_size, layers), layers, cfg.max_shard_bytes)
+    config = head_config(target, cfg.draft_vocab_size, layers, cfg.head_intermediate_size)
+    check_exportable(config, layers, cfg.max_shard_bytes)
     return layers
 
 
@@ -78,7 +80,7 @@ def make_trainer(cfg: TrainConfig, target: ArchConfig, aux_layers: tuple[int, ..
     """A trainer for a fresh head (seeded) over the target's hidden states, and the head's config.json."""
     train, val = split(sequences, cfg.val_fraction, cfg.seed)
     features = TargetFeatures(cfg.target, aux_layers, cfg.torch_dtype, cfg.device)
-    config = head_config(target, vocab.size, aux_layers)
+    config = head_config(target, vocab.size, aux_layers, cfg.head_intermediate_size)
     head = build_head(target, head_arch(config), vocab, aux_layers, features.model, cfg.device, cfg.seed,
                       cfg.warm_start, cfg.initial_head)
     identity = {name: getattr(cfg, name) for name in _IDENTITY_FIELDS}

@@ -20,6 +20,7 @@ from specserve.train.batches import collate, epoch_batches
 from specserve.train.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from specserve.train.config import TrainConfig
 from specserve.train.data import Sequence
+from specserve.train.export import hf_tensors
 from specserve.train.features import TargetFeatures, plain_torch
 from specserve.train.initial_head import InitialHead
 from specserve.train.schedule import WarmupCosine
@@ -70,10 +71,8 @@ def build_head(target: ArchConfig, head_arch: ArchConfig, vocab: DraftVocab, aux
         head = Eagle3Head(head_arch, UnrolledAttention(), vocab.size, target.hidden_size, aux_layers)
     head.d2t.copy_(vocab.d2t)
     if initial is not None:
-        from specserve.models.loader import safetensors_weights
-
         # In float32 whatever the export's dtype: AdamW steps on bf16 weights would round most updates away.
-        head.load_weights(safetensors_weights(initial.path))
+        head.load_weights(initial.weights_for(hf_tensors(head, vocab)))
     head = head.to(device)
     if warm_start:
         start_from_target(head, target_model, vocab)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -255,7 +256,42 @@ def test_init_from_continues_the_exported_head_with_its_vocabulary_and_layers(tr
     assert torch.equal(dict(safetensors_weights(run.out))["d2t"], exported["d2t"])
 
 
+def test_init_from_a_narrower_head_widens_it_computing_the_same_then_serves_losslessly(trained, tmp_path):
+    """A wider MLP than the initial head's: its units keep their weights and the new ones start silent, so the
+    head scores exactly as before; training then uses the new units, and the engine serves the wider head."""
+    cfg, summary = trained
+    width = json.loads((summary.out / "config.json").read_text())["intermediate_size"]
+    wide_cfg = config(cfg.target, tmp_path / "wide", init_from=str(summary.out), draft_vocab_size=None,
+                      head_intermediate_size=2 * width, steps=6)
+    wide, wide_config, _ = trainer_for(wide_cfg, data_dir=cfg.work_dir)
+    assert wide_config["intermediate_size"] == 2 * width
+    same = trainer_for(replace(wide_cfg, head_intermediate_size=width, out=str(tmp_path / "same")),
+                       data_dir=cfg.work_dir)[0]
+    # Summing over twice the units reorders float32 sums, nothing more.
+    before, after = same.evaluate(same.val_set), wide.evaluate(same.val_set)
+    assert after.accuracy == before.accuracy
+    assert after.loss == pytest.approx(before.loss, rel=1e-5)
+    down = wide.head.layer.mlp.down_proj.weight
+    assert torch.count_nonzero(down[:, width:]) == 0 and torch.count_nonzero(down[:, :width]) > 0
+    wide.run()
+    assert torch.count_nonzero(down[:, width:]) > 0.9 * down[:, width:].numel()
+
+    work = tmp_path / "served.work"
+    work.mkdir()
+    shutil.copy(Path(cfg.work_dir) / SEQUENCES_NAME, work)
+    out = train_eagle3(replace(wide_cfg, out=str(tmp_path / "served"), work_dir=str(work), resume=True))
+    assert json.loads((out.out / "config.json").read_text())["intermediate_size"] == 2 * width
+    plain = LLM(cfg.target, **ENGINE)
+    prompts = [prompt_token_ids(plain, c) for c in load_prompt_file(cfg.prompts)][:6]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    llm = LLM(cfg.target, **ENGINE,
+              speculative_config={"method": "eagle3", "model": str(out.out), "num_speculative_tokens": 3})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+    assert llm.engine.spec_stats.mean_acceptance_length > 1.5
+
+
 @pytest.mark.parametrize("kw,field,message", [
+    (dict(head_intermediate_size=8), "head_intermediate_size", "can only widen it"),
     (dict(warm_start=True), "warm_start", "give one of them"),
     (dict(draft_vocab_size=64), "draft_vocab_size", "drafts from 200 tokens"),
     (dict(aux_layers=(0, 1, 2)), "aux_layers", "reads target layers"),
