@@ -39,7 +39,7 @@ _EVAL_BATCH_SIZE = 32
 @dataclass
 class StepStats:
     """A training step's figures, loss and hits still on the device: reading them waits for the step to finish,
-    so the loop reads each only once the next step is queued and the GPU never idles on the host."""
+    so the loop reads each only once the next step is queued, and a step holds no sync of its own."""
 
     loss: torch.Tensor
     correct: torch.Tensor  # [steps]
