@@ -25,12 +25,13 @@ def _layer(prefix: str, hidden: int, inter: int, heads: int, kv_heads: int, head
 
 
 def save_eagle_head(path: Path, target_cfg, method: str, seed: int = 0, hidden: int | None = None,
-                    draft_vocab: int | None = None) -> Path:
-    """A random head for target_cfg (a transformers config) in the layout vLLM loads."""
+                    draft_vocab: int | None = None, intermediate: int | None = None) -> Path:
+    """A random head for target_cfg (a transformers config) in the layout vLLM loads; its MLP intermediate wide
+    (default: the target's)."""
     g = torch.Generator().manual_seed(seed)
     H = hidden or target_cfg.hidden_size
     heads, kv, hd = target_cfg.num_attention_heads, target_cfg.num_key_value_heads, H // target_cfg.num_attention_heads
-    inter, V = target_cfg.intermediate_size, target_cfg.vocab_size
+    inter, V = intermediate or target_cfg.intermediate_size, target_cfg.vocab_size
     cfg = {"hidden_size": H, "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv,
            "num_hidden_layers": 1, "vocab_size": V, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
            "max_position_embeddings": target_cfg.max_position_embeddings, "tie_word_embeddings": False}

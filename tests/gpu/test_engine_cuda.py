@@ -32,10 +32,11 @@ def test_cuda_float32_equals_cpu(case, backend):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_cuda_eagle_greedy_equals_no_speculation(case, tmp_path, method):
+@pytest.mark.parametrize("method,widen", [("eagle", 1), ("eagle3", 1), ("eagle3", 4)])
+def test_cuda_eagle_greedy_equals_no_speculation(case, tmp_path, method, widen):
+    """widen: the head's MLP that many times the target's (the shipped SmolLM2 head's is 4x)."""
     path, hf, prompts, ref = case
-    head = save_eagle_head(tmp_path / method, hf.config, method)
+    head = save_eagle_head(tmp_path / method, hf.config, method, intermediate=widen * hf.config.intermediate_size)
     llm = LLM(str(path), max_model_len=256, device="cuda", dtype="float32", attention_backend="triton",
               speculative_config={"method": method, "model": str(head), "num_speculative_tokens": 3})
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
