@@ -28,8 +28,7 @@ SEQUENCES_NAME = "sequences.jsonl"
 # Settings that shape the training trajectory: a checkpoint only resumes a run that agrees on all of them.
 _IDENTITY_FIELDS = ("draft_vocab_size", "epochs", "steps", "batch_size", "lr", "warmup_steps", "weight_decay",
                     "grad_clip", "ttt_steps", "step_weight_decay", "soft_labels", "warm_start", "init_from",
-                    "head_intermediate_size",
-                    "val_fraction", "seed")
+                    "head_intermediate_size", "val_fraction", "seed")
 
 
 @dataclass

@@ -181,7 +181,7 @@ class Trainer:
             chunk = ordered[start:start + _EVAL_BATCH_SIZE]
             result = self._loss(chunk)
             loss += float(result.loss) * len(chunk)
-            correct, counted = correct + result.correct.cpu(), counted + result.counted.cpu()
+            correct, counted = correct + result.correct.cpu(), counted + result.counted
         accuracy = (correct / counted.clamp(min=1)).tolist()
         return Evaluation(loss / len(ordered), accuracy)
 
