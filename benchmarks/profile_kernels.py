@@ -4,10 +4,12 @@ time per step goes (a host-bound step waits little for the GPU), and cuBLAS GEMM
 model's decode shapes against the measured bandwidth.
 
     python benchmarks/profile_kernels.py [--models llama3-8b smollm2-shape] [--batch 1] [--host-profile N]
-                                         [--spec K:P]
+                                         [--spec K:P [--head HEAD]]
 
 With --spec the engine speculates with a random EAGLE-3 head (k drafts, forced acceptance p, as
 `specserve bench decode --spec` runs it), and the replayed graph is the target's verification graph.
+--head profiles that head instead (a directory or shipped name, e.g. smollm2-135m-eagle3 on
+smollm2-shape): a trained head's draft vocabulary and MLP width set its drafting cost.
 """
 from __future__ import annotations
 
@@ -46,14 +48,15 @@ def kernel_table(prof, per: int, top: int) -> str:
     return "\n".join(lines)
 
 
-def profile_model(name: str, batch: int, top: int, host_profile: int, spec: SpecSetting | None = None) -> None:
+def profile_model(name: str, batch: int, top: int, host_profile: int, spec: SpecSetting | None = None,
+                  head: str | None = None) -> None:
     root = Path(tempfile.mkdtemp())
     model = prepare_model(name, root, torch.bfloat16)
     # Requests long enough that no measured step finds them finished, whatever a step emits.
     tokens_per_step = 1 + (spec.k if spec else 0)
     speculative = None
     if spec is not None:
-        head = write_random_eagle3_head(root / "head", model.hf_config, torch.bfloat16, "cuda")
+        head = head or write_random_eagle3_head(root / "head", model.hf_config, torch.bfloat16, "cuda")
         speculative = {"method": "eagle3", "model": str(head), "num_speculative_tokens": spec.k,
                        "forced_acceptance_prob": spec.p}
     engine = LLMEngine(EngineConfig(model=model.path, load_format=model.load_format, device="cuda", dtype="bfloat16",
@@ -107,15 +110,23 @@ def host_split(engine: LLMEngine, prompts: list[list[int]], host_profile: int, t
     runner, spent = engine.runner, defaultdict(float)
 
     def timed(name, fn):
-        def run(*args):
+        def run(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return fn(*args)
+                return fn(*args, **kwargs)
             finally:
                 spent[name] += time.perf_counter() - start
         return run
 
     runner.launch, runner.resolve = timed("launch", runner.launch), timed("resolve (waits)", runner.resolve)
+    # Parts of launch, timed on their own (nested, so they do not add up): one that takes far longer than
+    # the work it enqueues is waiting for the GPU.
+    inner = [(runner, "_run_target"), (runner, "_verify"), (runner, "_sample"), (runner, "_propose"),
+             (runner.buffers, "prepare"), (runner.outputs, "copy_to_host")]
+    if runner.speculator is not None:
+        inner.append((runner.speculator, "propose"))
+    for owner, attr in inner:
+        setattr(owner, attr, timed(f"{type(owner).__name__}.{attr}", getattr(owner, attr)))
     params = SamplingParams(temperature=0.0, max_tokens=(2 * steps + 20) * tokens_per_step, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
@@ -126,10 +137,15 @@ def host_split(engine: LLMEngine, prompts: list[list[int]], host_profile: int, t
     for _ in range(steps):
         engine.step()
     wall = time.perf_counter() - start
-    parts = ", ".join(f"{name} {1e3 * t / steps:.3f}" for name, t in spent.items())
+    outer = {name: t for name, t in spent.items() if name in ("launch", "resolve (waits)")}
+    parts = ", ".join(f"{name} {1e3 * t / steps:.3f}" for name, t in outer.items())
     print(f"host per engine step: wall {1e3 * wall / steps:.3f} ms = {parts}, "
-          f"rest {1e3 * (wall - sum(spent.values())) / steps:.3f} ms")
+          f"rest {1e3 * (wall - sum(outer.values())) / steps:.3f} ms")
+    print("  inside launch: " + ", ".join(f"{name} {1e3 * t / steps:.3f}" for name, t in spent.items()
+                                          if name not in outer))
     del runner.launch, runner.resolve
+    for owner, attr in inner:
+        delattr(owner, attr)
     if host_profile:
         profiler = cProfile.Profile()
         profiler.enable()
@@ -175,10 +191,13 @@ def main() -> None:
                     help="print the N host functions with the most own time over engine steps (cProfile)")
     ap.add_argument("--spec", type=SpecSetting.parse, default=None, metavar="K:P",
                     help="speculate with a random EAGLE-3 head: K drafts, forced acceptance P")
+    ap.add_argument("--head", help="with --spec: this EAGLE-3 head (directory or shipped name) instead of a random one")
     a = ap.parse_args()
+    if a.head and not a.spec:
+        ap.error("--head needs --spec K:P (the head only runs when the engine speculates)")
     bandwidth = measure_bandwidth("cuda")
     for name in a.models:
-        profile_model(name, a.batch, a.top, a.host_profile, a.spec)
+        profile_model(name, a.batch, a.top, a.host_profile, a.spec, a.head)
     shapes = {}
     for name in a.models:
         s = SHAPES[name]
