@@ -17,6 +17,8 @@ Per verified request i (n_i drafts, k = max n_i):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 try:
@@ -101,3 +103,23 @@ def greedy_verify(target: torch.Tensor, input_ids: torch.Tensor, index: torch.Te
         accepted_out, accepted_out.stride(0), tokens_out, tokens_out.stride(0), float(forced_accept_prob or 0.0),
         K1=k1, FORCED=forced, BLOCK=triton.next_power_of_2(k1),
     )
+
+
+@dataclass
+class UniformVerifyInputs:
+    """greedy_verify's index inputs for a uniform batch, where every request verifies k drafts: request i's
+    tokens are i * (k + 1) .. i * (k + 1) + k and its outputs are row i. They are the same every step, so a
+    CUDA graph of the verification reads them from here, written once; with forced acceptance the graph
+    also reads `uniform`, which the runner refills before each replay."""
+
+    index: torch.Tensor  # [max_num_reqs, k + 1] int64: i * (k + 1) + j
+    num_drafts: torch.Tensor  # [max_num_reqs] int64: k
+    rows: torch.Tensor  # [max_num_reqs] int64: i
+    uniform: torch.Tensor | None  # [max_num_reqs, k] float32, with forced acceptance only
+
+    @classmethod
+    def allocate(cls, max_num_reqs: int, k: int, device: torch.device, forced: bool) -> UniformVerifyInputs:
+        rows = torch.arange(max_num_reqs, dtype=torch.int64, device=device)
+        return cls(index=torch.arange(max_num_reqs * (k + 1), dtype=torch.int64, device=device).view(-1, k + 1),
+                   num_drafts=torch.full((max_num_reqs,), k, dtype=torch.int64, device=device), rows=rows,
+                   uniform=torch.zeros(max_num_reqs, k, dtype=torch.float32, device=device) if forced else None)

@@ -16,7 +16,7 @@ from specserve.outputs import Logprob
 from specserve.sample.sampler import Sampler, SamplerOutput, SamplingBatch, filtered_probs, token_logprobs
 from specserve.spec_decode.config import MAX_SPECULATIVE_TOKENS
 from specserve.spec_decode.draft_inputs import gather_draft_inputs
-from specserve.spec_decode.greedy_verify import greedy_verify
+from specserve.spec_decode.greedy_verify import UniformVerifyInputs, greedy_verify
 from specserve.spec_decode.rejection_sampler import draw_randomness, rejection_sample
 from specserve.spec_decode.speculator import DraftInput, Speculator
 from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager, default_capture_sizes
@@ -84,8 +84,10 @@ class ModelRunner:
         self.free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self.host_block_table = HostBlockTable(config.max_num_seqs, max_blocks_per_req)
         self.graphs: CUDAGraphManager | None = None
-        # Greedy sampling of a decode batch, one graph per full decode graph of the target (see _greedy_decode).
+        # Greedy sampling of a decode batch and greedy verification of a uniform one, one graph per full graph
+        # of the target for them (see _greedy_outputs), and the verification's fixed inputs.
         self.greedy_graphs: CUDAGraphManager | None = None
+        self.uniform_verify: UniformVerifyInputs | None = None
         self.capture_seconds: float | None = None
         self.graph_memory_bytes: int | None = None
 
@@ -118,11 +120,16 @@ class ModelRunner:
             splitter=splitter)
         start, used_before = time.perf_counter(), recorder.memory_in_use()
         self.graphs.capture(self._target_forward, self._prepare_capture)
-        decode = [d for d in self.graphs.capture_descriptors() if d.mode is CUDAGraphMode.FULL and d.query_len == 1]
+        query_lens = (1, 1 + k) if k else (1,)
+        uniform = [d for d in self.graphs.capture_descriptors()
+                   if d.mode is CUDAGraphMode.FULL and d.query_len in query_lens]
+        if k:
+            self.uniform_verify = UniformVerifyInputs.allocate(cfg.max_num_seqs, k, self.device,
+                                                               forced=self.forced_acceptance_prob is not None)
         self.greedy_graphs = CUDAGraphManager(
             "greedy sampling", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-            uniform_query_lens=(1,), recorder=recorder, debug=cfg.debug_cudagraph)
-        self.greedy_graphs.capture(self._greedy_decode, self._prepare_capture, decode)
+            uniform_query_lens=query_lens, recorder=recorder, debug=cfg.debug_cudagraph)
+        self.greedy_graphs.capture(self._greedy_outputs, self._prepare_capture, uniform)
         if self.speculator is not None and hasattr(self.speculator, "capture_graphs"):
             self.speculator.capture_graphs(self.graphs, splitter, recorder, sizes, cfg.debug_cudagraph,
                                            self._prepare_capture, self.draft_base_positions, self.draft_block_table)
@@ -144,17 +151,29 @@ class ModelRunner:
         n = desc.num_tokens
         return self.model(self.buffers.input_ids[:n], self.buffers.positions[:n], self.kv_caches, metadata)
 
-    def _greedy_decode(self, desc: BatchDescriptor, metadata):
-        """The greedy tokens of a decode batch written as its step outputs. The batch's row i is its token i,
-        so the sample and output indices are the identity, and one recording serves every batch padded to
+    def _greedy_outputs(self, desc: BatchDescriptor, metadata):
+        """The step outputs of a greedy uniform batch: a decode batch's tokens, or what a batch verifying k
+        drafts per request accepts and emits. The batch's request i owns its tokens i * q .. i * q + q - 1 and
+        output row i, so every index is the identity, and one recording serves every batch padded to
         desc.num_reqs (padded rows write rows of outputs that no request reads). Reads the target graph's
         hidden states for the same descriptor."""
-        n = desc.num_reqs
-        hidden = self.graphs.graphs[desc.key].outputs[0][:n]
+        n, q = desc.num_reqs, desc.query_len
+        hidden = self.graphs.graphs[desc.key].outputs[0][: n * q]
         tokens = self.model.greedy_tokens(hidden, captured=True)
-        self.outputs.accepted[:n].zero_()
-        self.outputs.tokens[:n, 0].copy_(tokens)
+        if q == 1:
+            self.outputs.accepted[:n].zero_()
+            self.outputs.tokens[:n, 0].copy_(tokens)
+            return tokens
+        v, forced = self.uniform_verify, self.forced_acceptance_prob
+        greedy_verify(tokens.view(n, q), self.buffers.input_ids, v.index[:n], v.num_drafts[:n], v.rows[:n],
+                      self.outputs.accepted, self.outputs.tokens, None if forced is None else v.uniform[:n], forced)
         return tokens
+
+    def _greedy_in_graph(self, desc: BatchDescriptor, sched: SchedulerOutput, batch_rows: list[int]) -> bool:
+        """Whether a greedy batch's sampling or verification runs as its greedy graph: every scheduled request
+        takes part and the target ran a full graph of a uniform batch that has one."""
+        return (len(batch_rows) == len(sched.scheduled) and self.greedy_graphs is not None
+                and self.greedy_graphs.has_graph(desc))
 
     def _run_target(self, num_tokens: int, query_lens: list[int], metadata):
         """Target forward for this step, replayed from a graph where one fits. Returns the descriptor
@@ -241,7 +260,7 @@ class ModelRunner:
         if plan.sample_rows:
             self._sample(hidden, sched, plan.sample_rows, handle, desc)
         if plan.verify_rows:
-            self._verify(hidden, sched, plan.verify_rows, handle)
+            self._verify(hidden, sched, plan.verify_rows, handle, desc)
         if self.speculator is not None and self.speculator.on_device:
             self._propose(sched, sampling, offset, desc, (padded_hidden, padded_aux), metadata)
         handle.host, handle.event = self.outputs.copy_to_host(len(sched.scheduled))
@@ -277,11 +296,10 @@ class ModelRunner:
         reqs = [sched.scheduled[i].request for i in batch_rows]
         batch = SamplingBatch.build(reqs, self.device)
         greedy = batch.all_greedy and batch.max_logprobs is None and not any(r.needs_host_tokens for r in reqs)
-        # A decode batch in a full graph (the only descriptors greedy_graphs holds) where every request
-        # samples: its sampling is recorded too.
-        if greedy and len(batch_rows) == len(sched.scheduled) and self.greedy_graphs is not None \
-                and self.greedy_graphs.has_graph(desc):
-            self.greedy_graphs.run(desc, self._greedy_decode, None)
+        # A decode batch in a full graph where every request samples: its sampling is recorded too. A uniform
+        # batch of k + 1 query tokens here is a prefill with nothing to verify, so it runs eagerly.
+        if greedy and desc.query_len == 1 and self._greedy_in_graph(desc, sched, batch_rows):
+            self.greedy_graphs.run(desc, self._greedy_outputs, None)
             return
         h = hidden.index_select(0, self.buffers.staged_extra("sample_index"))
         if greedy:
@@ -294,19 +312,31 @@ class ModelRunner:
         if result.sampled_logprobs is not None:
             handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=1))
 
-    def _verify(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle) -> None:
+    def _verify(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
+                desc: BatchDescriptor) -> None:
         """Rejection-sample each request's drafts against the target's logits at the verified positions.
         The drafts are read from the step's input ids on the device, where the host or the previous
         step (asynchronous scheduling) put them."""
         scheduled = [sched.scheduled[i] for i in batch_rows]
         reqs = [s.request for s in scheduled]
+        batch = SamplingBatch.build(reqs, self.device)
+        forced = self.forced_acceptance_prob
+        greedy = batch.all_greedy and batch.max_logprobs is None
+        v = self.uniform_verify
+        # A uniform batch's query is the last token and k drafts: every request must verify all k.
+        if greedy and v is not None and self._greedy_in_graph(desc, sched, batch_rows) \
+                and all(len(s.spec_token_ids) == desc.query_len - 1 for s in scheduled):
+            if forced is not None:
+                # The draws the eager path takes, from the same generator.
+                torch.rand(len(reqs), desc.query_len - 1, generator=self.sampler.default_generator,
+                           out=v.uniform[: len(reqs)])
+            self.greedy_graphs.run(desc, self._greedy_outputs, None)
+            return
         b = self.buffers
         index, num, where = b.staged_extra("verify_index"), b.staged_extra("verify_drafts"), b.staged_extra("verify_rows")
         n, k = index.shape[0], index.shape[1] - 1
-        batch = SamplingBatch.build(reqs, self.device)
         verified = hidden.index_select(0, index.view(-1))
-        forced = self.forced_acceptance_prob
-        if batch.all_greedy and batch.max_logprobs is None:
+        if greedy:
             target = self.model.greedy_tokens(verified).view(n, k + 1)
             uniform = None if forced is None else torch.rand(n, k, device=self.device,
                                                              generator=self.sampler.default_generator)

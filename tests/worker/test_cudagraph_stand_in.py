@@ -3,6 +3,7 @@ dispatch reaches the graphs it should, padded rows are harmless, nothing stale s
 debug check catches a replay that differs from eager."""
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -80,9 +81,7 @@ def test_greedy_decode_samples_in_its_own_graph_and_others_do_not(case, mode):
               cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64])
     runner = llm.engine.runner
     runner.capture_graphs(mode, EagerRecorder(), llm.engine.attention_backend)
-    replays = []
-    original = runner.greedy_graphs.run
-    runner.greedy_graphs.run = lambda desc, *args: replays.append(desc) or original(desc, *args)
+    replays = record_greedy_replays(llm)
     # Outputs of earlier steps must not leak into a graph's rows: the padded rows too are poisoned.
     runner.outputs.packed.fill_(987654)
     assert outputs(llm, prompts) == ref
@@ -96,6 +95,74 @@ def test_greedy_decode_samples_in_its_own_graph_and_others_do_not(case, mode):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, with_logprobs, use_tqdm=False)] == ref
     llm.generate(prompts[:2], SamplingParams(temperature=1.0, seed=1, max_tokens=4), use_tqdm=False)
     assert not replays
+
+
+def record_greedy_replays(llm: LLM) -> list:
+    runner, replays = llm.engine.runner, []
+    original = runner.greedy_graphs.run
+    runner.greedy_graphs.run = lambda desc, *args: replays.append(desc) or original(desc, *args)
+    return replays
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "target itself"])
+@pytest.mark.parametrize("mode", [M.FULL, M.FULL_DECODE_ONLY], ids=lambda m: m.name)
+def test_greedy_verification_of_uniform_batches_runs_in_its_own_graph(case, mode, drafter):
+    path, prompts, ref, head = case
+    # The random head is always rejected; the target drafting for itself is accepted up to max_tokens.
+    spec = {"method": "eagle3", "model": str(head)} if drafter == "eagle3" else {"method": "draft_model",
+                                                                                 "model": str(path)}
+    llm = LLM(str(path), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+              cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64],
+              speculative_config={**spec, "num_speculative_tokens": 3})
+    llm.engine.runner.capture_graphs(mode, EagerRecorder(), llm.engine.attention_backend)
+    replays = record_greedy_replays(llm)
+    # Earlier steps' outputs, padded rows included, must not reach a verification's accepted counts.
+    llm.engine.runner.outputs.packed.fill_(987654)
+    assert outputs(llm, prompts) == ref
+    verified = {d.num_reqs for d in replays if d.query_len == 4}  # k = 3
+    assert 8 in verified  # 7 requests pad to 8
+    in_graph = copy.deepcopy(llm.engine.spec_stats)
+    assert in_graph.num_drafted > 0 and (in_graph.num_accepted > 0) == (drafter == "target itself")
+    # Asking for logprobs verifies the same drafts eagerly: each position accepts as often.
+    replays.clear()
+    with_logprobs = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, with_logprobs, use_tqdm=False)] == ref
+    assert not replays
+    eager = llm.engine.spec_stats.accepted_per_position
+    assert [e - g for e, g in zip(eager, in_graph.accepted_per_position)] == in_graph.accepted_per_position
+
+
+@pytest.mark.parametrize("mode", [M.FULL, M.FULL_AND_PIECEWISE], ids=lambda m: m.name)
+def test_a_prefill_as_long_as_a_verification_samples_without_verifying(case, mode):
+    """A prompt of k + 1 tokens, alone, is a uniform batch of the verification's query length: the target
+    runs that full graph, but nothing is drafted yet, so its token must be sampled, not verified."""
+    path, _, _, head = case
+    prompts = [[5, 9, 17, 33], [40, 41, 42, 43]]
+    plain = LLM(str(path), max_model_len=256)
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    llm = LLM(str(path), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+              cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64],
+              speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+    llm.engine.runner.capture_graphs(mode, EagerRecorder(), llm.engine.attention_backend)
+    replays = record_greedy_replays(llm)
+    for prompt, want in zip(prompts, ref):
+        assert outputs(llm, [prompt]) == [want]
+    assert replays and all(d.query_len == 4 for d in replays)
+
+
+def test_forced_acceptance_takes_the_same_draws_in_the_verification_graph(case):
+    path, prompts, _, head = case
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "forced_acceptance_prob": 0.5}
+    eager, graphed = (LLM(str(path), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                          cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64], speculative_config=spec)
+                      for _ in range(2))
+    graphed.engine.runner.capture_graphs(M.FULL_DECODE_ONLY, EagerRecorder(), graphed.engine.attention_backend)
+    replays = record_greedy_replays(graphed)
+    # Four requests, a capture size, so the graphed batch is not padded (see the loop test below).
+    assert outputs(graphed, prompts[:4]) == outputs(eager, prompts[:4])
+    assert any(d.query_len == 4 for d in replays)
+    stats = graphed.engine.spec_stats
+    assert 0 < stats.num_accepted < stats.num_drafted
 
 
 def recorded_drafts(llm: LLM, prompts) -> list[dict[str, list[int]]]:
