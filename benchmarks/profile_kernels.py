@@ -57,8 +57,7 @@ def profile_model(name: str, batch: int, top: int, host_profile: int, spec: Spec
     speculative = None
     if spec is not None:
         head = head or write_random_eagle3_head(root / "head", model.hf_config, torch.bfloat16, "cuda")
-        speculative = {"method": "eagle3", "model": str(head), "num_speculative_tokens": spec.k,
-                       "forced_acceptance_prob": spec.p}
+        speculative = spec.speculative_config(head)
     engine = LLMEngine(EngineConfig(model=model.path, load_format=model.load_format, device="cuda", dtype="bfloat16",
                                     max_model_len=1024 * tokens_per_step, max_num_seqs=8, enable_prefix_caching=False,
                                     cudagraph_capture_sizes=[1, 2, 4, 8], speculative_config=speculative))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.bench.decode import make_prompts, time_engine
+from specserve.bench.decode import SpecSetting, make_prompts, time_engine
 from specserve.bench.models import prepare_model
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
@@ -31,8 +31,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     a = ap.parse_args()
     model = prepare_model(a.model, Path(tempfile.mkdtemp()), torch.bfloat16)
-    spec = None if a.k == 0 else {"method": "eagle3", "model": a.head, "num_speculative_tokens": a.k,
-                                  "forced_acceptance_prob": a.p}
+    spec = None if a.k == 0 else SpecSetting(a.k, a.p).speculative_config(a.head)
     engine = LLMEngine(EngineConfig(model=model.path, load_format=model.load_format, device="cuda", dtype="bfloat16",
                                     max_model_len=2048, max_num_seqs=8, enable_prefix_caching=False,
                                     cudagraph_capture_sizes=[1, 2, 4, 8], speculative_config=spec))

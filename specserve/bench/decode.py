@@ -55,6 +55,11 @@ class SpecSetting:
     def label(self) -> str:
         return f"eagle3 k={self.k} p={self.p:g}"
 
+    def speculative_config(self, head) -> dict:
+        """The engine's speculative config: EAGLE-3 with this head (a directory or shipped name) at this setting."""
+        return {"method": "eagle3", "model": str(head), "num_speculative_tokens": self.k,
+                "forced_acceptance_prob": self.p}
+
     @classmethod
     def parse(cls, text: str) -> SpecSetting:
         """'K:P', e.g. '3:0.8'."""
@@ -429,8 +434,7 @@ class DecodeBench:
         cfg = self.cfg
         spec = None
         if job.spec is not None:
-            spec = {"method": "eagle3", "model": str(self._head(model)), "num_speculative_tokens": job.spec.k,
-                    "forced_acceptance_prob": job.spec.p}
+            spec = job.spec.speculative_config(self._head(model))
         max_batch = max(job.batch_sizes)
         max_model_len = cfg.prompt_len + cfg.new_tokens + 16
         # Room for every request's context and draft lookahead at once: nothing is ever preempted.
