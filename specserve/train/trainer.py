@@ -164,11 +164,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         result.loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        lr = self.schedule.lr(self.step)
         for group in self.optimizer.param_groups:
-            group["lr"] = self.schedule.lr(self.step)
+            group["lr"] = lr
         self.optimizer.step()
         self.step += 1
-        return StepStats(result.loss.detach(), result.correct, result.counted, self.schedule.lr(self.step - 1))
+        return StepStats(result.loss.detach(), result.correct, result.counted, lr)
 
     @torch.no_grad()
     def evaluate(self, sequences: list[Sequence]) -> Evaluation | None:
