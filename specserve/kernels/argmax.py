@@ -44,13 +44,28 @@ def _chunk_argmax_kernel(x_ptr, stride_x, n_cols, val_ptr, idx_ptr, CHUNK: tl.co
 
 
 @triton.jit
-def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, CHUNKS: tl.constexpr):
+def _pick_chunk_kernel(val_ptr, idx_ptr, map_ptr, out_ptr, num_chunks, MAP: tl.constexpr, CHUNKS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNKS)
     valid = offs < num_chunks
     v = tl.load(val_ptr + row * num_chunks + offs, mask=valid, other=float("-inf"))
     i = tl.load(idx_ptr + row * num_chunks + offs, mask=valid, other=2**31 - 1)
-    tl.store(out_ptr + row, tl.min(tl.where(v == tl.max(v, 0), i, 2**31 - 1), 0).to(tl.int64))
+    best = tl.min(tl.where(v == tl.max(v, 0), i, 2**31 - 1), 0).to(tl.int64)
+    if MAP:
+        best = tl.load(map_ptr + best)
+    tl.store(out_ptr + row, best)
+
+
+def pick_chunks(maxima: torch.Tensor, firsts: torch.Tensor, token_map: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's argmax from per-chunk (first maximum, its column) pairs [rows, chunks] (float32, int32), chunks
+    in column order: the first chunk holding the row's maximum wins. token_map [columns] int64 maps the
+    column to the id returned. int64 [rows]."""
+    rows, chunks = maxima.shape
+    out = torch.empty(rows, dtype=torch.int64, device=maxima.device)
+    if rows:
+        _pick_chunk_kernel[(rows,)](maxima, firsts, token_map if token_map is not None else out, out, chunks,
+                                    MAP=token_map is not None, CHUNKS=triton.next_power_of_2(chunks))
+    return out
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -58,17 +73,14 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"argmax_rows takes [rows, n] with unit column stride, got {tuple(x.shape)}")
     rows, n = x.shape
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
-    if rows == 0:
-        return out
     chunks = triton.cdiv(n, _CHUNK)
     if chunks > _MAX_CHUNKS:
         raise ValueError(f"argmax_rows handles up to {_MAX_CHUNKS * _CHUNK} columns, got {n}")
     vals = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
     idxs = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
-    _chunk_argmax_kernel[(rows, chunks)](x, x.stride(0), n, vals, idxs, CHUNK=_CHUNK, BLOCK=_BLOCK)
-    _pick_chunk_kernel[(rows,)](vals, idxs, out, chunks, CHUNKS=triton.next_power_of_2(chunks))
-    return out
+    if rows:
+        _chunk_argmax_kernel[(rows, chunks)](x, x.stride(0), n, vals, idxs, CHUNK=_CHUNK, BLOCK=_BLOCK)
+    return pick_chunks(vals, idxs)
 
 
 def greedy_argmax(logits: torch.Tensor, captured: bool = False) -> torch.Tensor:

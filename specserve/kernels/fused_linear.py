@@ -12,6 +12,12 @@ epilogue optionally applies SiLU-and-mul to a gate/up weight [2I, K]: each
 program accumulates the same columns of both halves and stores
 silu(gate) * up [M, I], so the [M, 2I] intermediate is never written.
 
+With ARGMAX the logits never reach memory either: each program stores the
+first maximum of its columns per row (after rounding to the weight's dtype,
+as the unfused projection stores them) and argmax.py's pick kernel chooses
+among the programs, so a draft head's lm_head, its argmax and the norm in
+front of it are two launches (fused_linear_argmax).
+
 There is no split-K: reducing partial sums across programs would need either
 float atomics (a summation order that varies from run to run) or a second
 pass; the narrow tiles of small_m_configs.py give the decode shapes enough
@@ -23,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.argmax import pick_chunks
 from specserve.kernels.small_m_configs import SmallMConfig, linear_config
 from specserve.kernels.small_m_prologue import (BLOCK_M, check_prologue, dot_in_float32, input_chunk, prologue_meta,
                                                  prologue_rows, row_rstd, store_residual_slice)
@@ -30,9 +37,9 @@ from specserve.kernels.small_m_prologue import (BLOCK_M, check_prologue, dot_in_
 
 @triton.jit
 def _fused_linear_kernel(
-    x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr,
+    x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr, idx_ptr,
     M, N, K, stride_xm, stride_rm, stride_rom, stride_wn, stride_om, eps,
-    ADD: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, DOT_FP32: tl.constexpr,
+    ADD: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr, DOT_FP32: tl.constexpr,
     COMPACT: tl.constexpr, ROWS: tl.constexpr, PRE_K: tl.constexpr, SLICE_K: tl.constexpr, LATE_RSTD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -66,17 +73,25 @@ def _fused_linear_kernel(
         acc = acc * rstd[:, None]
         acc_up = acc_up * rstd[:, None]
 
-    out_ty = out_ptr.dtype.element_ty
-    # Rounded to the output dtype where the unfused path stores a tensor, so the paths differ in
-    # reduction order only.
-    out = acc.to(out_ty)
-    if SILU_MUL:
-        gate = out.to(tl.float32)
-        up = acc_up.to(out_ty).to(tl.float32)
-        out = ((gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32) * up).to(out_ty)
     offs_m = tl.arange(0, BLOCK_M)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)
+    if ARGMAX:
+        # Per row, the first maximum of this program's columns; out holds [M, programs] float32 maxima.
+        logits = tl.where((offs_n < N)[None, :], acc.to(w_ty).to(tl.float32), float("-inf"))
+        top = tl.max(logits, 1)
+        first = tl.min(tl.where(logits == top[:, None], offs_n[None, :], N), 1)
+        tl.store(out_ptr + offs_m * stride_om + pid, top, mask=offs_m < M)
+        tl.store(idx_ptr + offs_m * stride_om + pid, first, mask=offs_m < M)
+    else:
+        out_ty = out_ptr.dtype.element_ty
+        # Rounded to the output dtype where the unfused path stores a tensor, so the paths differ in
+        # reduction order only.
+        out = acc.to(out_ty)
+        if SILU_MUL:
+            gate = out.to(tl.float32)
+            up = acc_up.to(out_ty).to(tl.float32)
+            out = ((gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32) * up).to(out_ty)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)
     if ADD:
         store_residual_slice(res_out_ptr, res_sum, pid, M, K, stride_rom, ROWS, SLICE_K)
 
@@ -99,22 +114,53 @@ def fused_linear(
     check_prologue(x, weight, norm_weight, residual)
     if silu_mul and weight.shape[0] % 2:
         raise ValueError(f"a gate/up weight needs an even number of rows, got {weight.shape[0]}")
-    m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    residual_out = _launch(x, weight, norm_weight, eps, residual, silu_mul, config, n, out, None)
+    return out, residual_out
+
+
+def fused_linear_argmax(
+    x: torch.Tensor,  # [M, K], M <= 16
+    weight: torch.Tensor,  # [N, K]
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+    token_map: torch.Tensor | None = None,  # [N] int64: the id to return for each column
+    config: SmallMConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(tokens, x + residual): tokens = (norm(x [+ residual]) @ weight^T).argmax(-1) as int64 [M], the first
+    maximum of each row of the logits rounded to the weight's dtype, mapped through token_map if given.
+    The prologue and its arguments are fused_linear's."""
+    check_prologue(x, weight, norm_weight, residual)
+    if token_map is not None and (token_map.shape != (weight.shape[0],) or token_map.dtype != torch.int64):
+        raise ValueError(f"token_map must be int64 [{weight.shape[0]}], got {token_map.dtype} {tuple(token_map.shape)}")
+    cfg = config or linear_config(weight, wide=False, norm=norm_weight is not None, m=x.shape[0])
+    programs = triton.cdiv(weight.shape[0], cfg.block_n)
+    maxima = torch.empty((x.shape[0], programs), dtype=torch.float32, device=x.device)
+    firsts = torch.empty((x.shape[0], programs), dtype=torch.int32, device=x.device)
+    residual_out = _launch(x, weight, norm_weight, eps, residual, False, cfg, weight.shape[0], maxima, firsts)
+    return pick_chunks(maxima, firsts, token_map), residual_out
+
+
+def _launch(x, weight, norm_weight, eps, residual, silu_mul, config, n, out, firsts) -> torch.Tensor | None:
+    """Run the kernel over x into out (with firsts: the per-program argmax buffers); returns x + residual."""
+    m, k = x.shape
     residual_out = torch.empty_like(x) if residual is not None else None
     if m == 0 or n == 0:
-        return out, residual_out
+        return residual_out
     norm = norm_weight is not None
     cfg = config or linear_config(weight, wide=silu_mul, norm=norm, m=m)
     grid = triton.cdiv(n, cfg.block_n)
     _fused_linear_kernel[(grid,)](
         x, residual if residual is not None else x, residual_out if residual_out is not None else out,
-        norm_weight if norm_weight is not None else x, weight, out,
+        norm_weight if norm_weight is not None else x, weight, out, firsts if firsts is not None else out,
         m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0,
         residual_out.stride(0) if residual_out is not None else 0, weight.stride(0), out.stride(0), eps,
-        ADD=residual is not None, NORM=norm, SILU_MUL=silu_mul, DOT_FP32=dot_in_float32(x),
+        ADD=residual is not None, NORM=norm, SILU_MUL=silu_mul, ARGMAX=firsts is not None,
+        DOT_FP32=dot_in_float32(x),
         **prologue_meta(x, norm, cfg.compact, grid), BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out, residual_out
+    return residual_out

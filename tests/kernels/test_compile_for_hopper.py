@@ -53,14 +53,18 @@ def kernels():
 
     bf16, f32 = "*bf16", "*fp32"
     projection = dict(x_ptr=bf16, res_ptr=bf16, res_out_ptr=bf16, norm_w_ptr=bf16, w_ptr=bf16, out_ptr=bf16,
-                      M=i32, N=i32, K=i32, stride_xm=i32, stride_rm=i32, stride_rom=i32, stride_wn=i32,
+                      idx_ptr=bf16, M=i32, N=i32, K=i32, stride_xm=i32, stride_rm=i32, stride_rom=i32, stride_wn=i32,
                       stride_om=i32, eps="fp32", DOT_FP32=False, BLOCK_M=16)
     yield fused_linear._fused_linear_kernel, dict(
-        projection, ADD=True, NORM=True, SILU_MUL=True, COMPACT=True, ROWS=1, PRE_K=1024, SLICE_K=16, LATE_RSTD=True,
-        BLOCK_N=NORM_ONE_TOKEN.block_n, BLOCK_K=NORM_ONE_TOKEN.block_k)
+        projection, ADD=True, NORM=True, SILU_MUL=True, ARGMAX=False, COMPACT=True, ROWS=1, PRE_K=1024, SLICE_K=16,
+        LATE_RSTD=True, BLOCK_N=NORM_ONE_TOKEN.block_n, BLOCK_K=NORM_ONE_TOKEN.block_k)
     yield fused_linear._fused_linear_kernel, dict(
-        projection, ADD=False, NORM=False, SILU_MUL=False, COMPACT=False, ROWS=16, PRE_K=256, SLICE_K=16,
-        LATE_RSTD=False, BLOCK_N=SMALL.block_n, BLOCK_K=SMALL.block_k)
+        projection, ADD=False, NORM=False, SILU_MUL=False, ARGMAX=False, COMPACT=False, ROWS=16, PRE_K=256,
+        SLICE_K=16, LATE_RSTD=False, BLOCK_N=SMALL.block_n, BLOCK_K=SMALL.block_k)
+    # An EAGLE-3 head's draft step: final add + norm, lm_head and the per-program argmax.
+    yield fused_linear._fused_linear_kernel, dict(
+        projection, out_ptr=f32, idx_ptr=p32, ADD=True, NORM=True, SILU_MUL=False, ARGMAX=True, COMPACT=True,
+        ROWS=1, PRE_K=1024, SLICE_K=16, LATE_RSTD=True, BLOCK_N=NORM_ONE_TOKEN.block_n, BLOCK_K=NORM_ONE_TOKEN.block_k)
     qkv = dict(
         x_ptr=bf16, res_ptr=bf16, res_out_ptr=bf16, norm_w_ptr=bf16, w_ptr=bf16, bias_ptr=bf16, q_ptr=bf16,
         k_cache_ptr=bf16, v_cache_ptr=bf16, cos_ptr=f32, sin_ptr=f32, positions_ptr=p64, slot_mapping_ptr=p64,
@@ -97,7 +101,14 @@ def kernels():
 
     yield argmax._chunk_argmax_kernel, dict(x_ptr=bf16, stride_x=i32, n_cols=i32, val_ptr=f32, idx_ptr=p32,
                                             CHUNK=argmax._CHUNK, BLOCK=argmax._BLOCK)
-    yield argmax._pick_chunk_kernel, dict(val_ptr=f32, idx_ptr=p32, out_ptr=p64, num_chunks=i32, CHUNKS=64)
+    for mapped in (False, True):
+        yield argmax._pick_chunk_kernel, dict(val_ptr=f32, idx_ptr=p32, map_ptr=p64, out_ptr=p64, num_chunks=i32,
+                                              MAP=mapped, CHUNKS=256)
+    from specserve.kernels import eagle3_input
+
+    yield eagle3_input._eagle3_input_kernel, dict(
+        ids_ptr=p64, embed_ptr=bf16, hidden_ptr=bf16, embed_norm_ptr=bf16, hidden_norm_ptr=bf16, out_ptr=bf16,
+        n=i32, stride_e=i32, stride_h=i32, stride_o=i32, eps="fp32", BLOCK=1024)
     yield inflight_inputs._take_inflight_inputs_kernel, dict(
         meta_ptr=p64, accepted_ptr=p64, accepted_stride=i32, tokens_ptr=p64, tokens_stride=i32, drafts_ptr=p64,
         drafts_stride=i32, input_ids_ptr=p64, positions_ptr=p64, seq_lens_ptr=p32, slot_mapping_ptr=p64,

@@ -7,7 +7,7 @@ multiples of the block sizes.
 import pytest
 import torch
 
-from specserve.kernels.fused_linear import fused_linear
+from specserve.kernels.fused_linear import fused_linear, fused_linear_argmax
 
 from .util import DEVICE, assert_close, poison_intact, poisoned_view
 
@@ -99,3 +99,57 @@ def test_bad_operands_are_named(bad, message):
     args = dict(x=torch.randn(2, 8), weight=torch.randn(4, 8)) | bad
     with pytest.raises(ValueError, match=message):
         fused_linear(args.pop("x"), args.pop("weight"), **args)
+
+
+# A gap between the two largest float64 logits beyond which the kernel's rounding cannot swap them.
+TOLERANCE_OF = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("prologue", PROLOGUES)
+def test_argmax(prologue, m, dtype):
+    check_argmax(m, K, N, dtype, prologue)
+
+
+def check_argmax(m, k, n, dtype, prologue):
+    """The argmax epilogue returns the first maximum of the logits fused_linear computes, which is the float64
+    argmax wherever that is not within the logits' rounding of a tie; x + residual as fused_linear."""
+    x = poisoned_view(m, k, dtype, seed=0)
+    residual = poisoned_view(m, k, dtype, seed=1) if prologue == "add_norm" else None
+    weight = poisoned_view(n, k, dtype, seed=2).mul_(k**-0.5)
+    norm_weight = norm_weight_of(k, dtype) if prologue != "none" else None
+    kw = dict(norm_weight=norm_weight, eps=EPS, residual=residual)
+
+    tokens, total = fused_linear_argmax(x, weight, **kw)
+    logits, expected_total = fused_linear(x, weight, **kw)
+    assert tokens.dtype == torch.int64 and torch.equal(tokens, logits.argmax(dim=-1))
+    reference_logits = reference(x, weight, norm_weight, residual, False)[0]
+    top2 = reference_logits.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 4 * TOLERANCE_OF[dtype]
+    assert clear.any()
+    assert torch.equal(tokens[clear], reference_logits.argmax(dim=-1)[clear])
+    if residual is None:
+        assert total is None
+    else:
+        assert torch.equal(total, expected_total) and poison_intact(residual)
+    assert poison_intact(x) and poison_intact(weight)
+
+
+def test_argmax_ties_go_to_the_first_column_across_programs_and_map():
+    # Columns 3 and 65 (in different programs) hold the same row, the largest logit; the map reverses ids.
+    k = 16
+    x = torch.ones(2, k, device=DEVICE)
+    weight = torch.randn(N, k, generator=torch.Generator().manual_seed(0)).mul_(0.01).to(DEVICE)
+    weight[3] = weight[65] = 1.0
+    weight[1, :] = -1.0
+    tokens, _ = fused_linear_argmax(x, weight)
+    assert tokens.tolist() == [3, 3]
+    token_map = torch.arange(N - 1, -1, -1, device=DEVICE)
+    assert fused_linear_argmax(x, weight, token_map=token_map)[0].tolist() == [N - 1 - 3] * 2
+    assert fused_linear_argmax(-x, weight, token_map=token_map)[0].tolist() == [N - 1 - 1] * 2
+
+
+def test_argmax_token_map_is_checked():
+    with pytest.raises(ValueError, match="token_map must be int64"):
+        fused_linear_argmax(torch.randn(2, 8), torch.randn(4, 8), token_map=torch.arange(4, dtype=torch.int32))
