@@ -15,7 +15,7 @@ from torch import nn
 
 from specserve.kernels.argmax import greedy_argmax
 from specserve.models.arch_config import ArchConfig
-from specserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from specserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, folds_norm, prologue_args, small_m
 from specserve.models.llama import Attention
 from specserve.models.weight_loading import load_hf_weights
 
@@ -34,10 +34,18 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, embeds, hidden, positions, rotary, kv_cache, metadata):
+    def attention_input(self, embed: nn.Embedding, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """concat(norm(embedding of input_ids), norm(hidden)) [M, 2H]; one kernel on the fused path."""
+        if self.input_layernorm.fused:
+            from specserve.kernels.eagle3_input import eagle3_layer_input
+
+            return eagle3_layer_input(input_ids, embed.weight, hidden, self.input_layernorm.weight,
+                                      self.hidden_norm.weight, self.input_layernorm.eps)
+        return torch.cat((self.input_layernorm(embed(input_ids)), self.hidden_norm(hidden)), dim=-1)
+
+    def forward(self, embed, input_ids, hidden, positions, rotary, kv_cache, metadata):
         """(MLP output, residual stream before it), as DecoderLayer."""
-        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
-        x = self.self_attn(x, positions, rotary, kv_cache, metadata)
+        x = self.self_attn(self.attention_input(embed, input_ids, hidden), positions, rotary, kv_cache, metadata)
         return self.mlp.forward_prenorm(self.post_attention_layernorm, x, hidden)
 
 
@@ -61,11 +69,27 @@ class Eagle3Head(nn.Module):
 
     def forward(self, input_ids, positions, hidden, kv_cache, metadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(pre-norm hidden fed back to the next draft step, normed hidden for the logits)."""
+        normed, h = self.norm(*self._layer(input_ids, positions, hidden, kv_cache, metadata))
+        return h, normed
+
+    def greedy_step(self, input_ids, positions, hidden, kv_cache, metadata,
+                    captured: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pre-norm hidden fed back, greedy_tokens of the normed hidden): forward and greedy_tokens, where
+        the small-M path runs the final norm, the lm_head and the argmax as one projection and a pick."""
+        out, residual = self._layer(input_ids, positions, hidden, kv_cache, metadata)
+        if self.target_ids_ascend and folds_norm(self.norm, self.norm, self.lm_head, out):
+            from specserve.kernels.fused_linear import fused_linear_argmax
+
+            tokens, h = fused_linear_argmax(out, self.lm_head.weight, token_map=self.target_ids,
+                                            **prologue_args(self.norm, residual))
+            return h, tokens
+        normed, h = self.norm(out, residual)
+        return h, self.greedy_tokens(normed, captured)
+
+    def _layer(self, input_ids, positions, hidden, kv_cache, metadata) -> tuple[torch.Tensor, torch.Tensor]:
         if hidden.shape[-1] != self.cfg.hidden_size:
             hidden = self.fc(hidden)  # draft position 0: the target's auxiliary hidden states
-        out, residual = self.layer(self.embed_tokens(input_ids), hidden, positions, self.rotary, kv_cache, metadata)
-        normed, h = self.norm(out, residual)
-        return h, normed
+        return self.layer(self.embed_tokens, input_ids, hidden, positions, self.rotary, kv_cache, metadata)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the target vocabulary; tokens outside the draft vocabulary get -inf."""
@@ -75,11 +99,16 @@ class Eagle3Head(nn.Module):
 
     def greedy_tokens(self, h: torch.Tensor, captured: bool = False) -> torch.Tensor:
         """compute_logits(h).argmax(-1) without the full-vocabulary float32 logits: the argmax over the draft
-        vocabulary, mapped to target ids. Ties go to the lowest target id either way while draft ids map to
-        ascending target ids (as train-eagle writes them); otherwise this takes the full logits.
+        vocabulary, mapped to target ids (at small M one projection with the argmax in its epilogue, and a
+        pick). Ties go to the lowest target id either way while draft ids map to ascending target ids (as
+        train-eagle writes them); otherwise this takes the full logits.
         captured: the call is being recorded into a CUDA graph (see greedy_argmax)."""
         if not self.target_ids_ascend:
             return greedy_argmax(self.compute_logits(h), captured)
+        if small_m(self.norm, h):
+            from specserve.kernels.fused_linear import fused_linear_argmax
+
+            return fused_linear_argmax(h, self.lm_head.weight, token_map=self.target_ids)[0]
         return self.target_ids.index_select(0, greedy_argmax(self.lm_head(h), captured))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -49,25 +49,31 @@ FOLD_NORM_MAX_WEIGHT_BYTES = SMALL_WEIGHT_BYTES
 FOLD_NORM_ANY_WEIGHT_MAX_TOKENS = 1
 
 
-def _small_m(module: FusableModule, x: torch.Tensor) -> bool:
+def small_m(module: FusableModule, x: torch.Tensor) -> bool:
+    """Whether a projection of module over x runs as a small-M kernel (the one place that decides)."""
     return module.fused and x.shape[0] <= SMALL_M_MAX_TOKENS
 
 
 def output_projection(module: FusableModule, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """linear(x), through the small-M kernel where it pays (the one place that decides)."""
-    if _small_m(module, x):
+    """linear(x), through the small-M kernel where it pays."""
+    if small_m(module, x):
         from specserve.kernels.fused_linear import fused_linear
 
         return fused_linear(x, linear.weight)[0]
     return linear(x)
 
 
+def fuses_neighbours(module: FusableModule, linear: nn.Linear, x: torch.Tensor) -> bool:
+    """Whether linear's small-M kernel over x also runs the kernels around it: the norm in front (prologue),
+    rotary and the cache write after a qkv projection (epilogue). The one place that decides."""
+    return small_m(module, x) and (weight_bytes(linear.weight) <= FOLD_NORM_MAX_WEIGHT_BYTES
+                                   or x.shape[0] <= FOLD_NORM_ANY_WEIGHT_MAX_TOKENS)
+
+
 def folds_norm(module: FusableModule, norm: nn.Module, linear: nn.Linear, x: torch.Tensor) -> bool:
-    """Whether norm (and the residual add) runs in the prologue of linear's small-M kernel over x: the one
-    place that decides. norm may be nn.Identity (the EAGLE-1 head's layer has no input norm)."""
-    return (isinstance(norm, RMSNorm) and _small_m(module, x)
-            and (weight_bytes(linear.weight) <= FOLD_NORM_MAX_WEIGHT_BYTES
-                 or x.shape[0] <= FOLD_NORM_ANY_WEIGHT_MAX_TOKENS))
+    """Whether norm (and the residual add) runs in the prologue of linear's small-M kernel over x. norm may
+    be nn.Identity (the EAGLE-1 head's layer has no input norm)."""
+    return isinstance(norm, RMSNorm) and fuses_neighbours(module, linear, x)
 
 
 def add_and_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):

@@ -19,7 +19,7 @@ from specserve.attention.metadata import AttentionMetadata
 from specserve.kernels.argmax import greedy_argmax
 from specserve.models.arch_config import ArchConfig
 from specserve.models.layers import (FusableModule, GatedMLP, RMSNorm, RotaryEmbedding, add_and_norm, folds_norm,
-                                     output_projection, prologue_args)
+                                     fuses_neighbours, output_projection, prologue_args)
 from specserve.models.weight_loading import load_hf_weights
 
 
@@ -43,14 +43,21 @@ class Attention(FusableModule):
         """(self(norm(x + residual), ...), x + residual), as add_and_norm. At small M the norm folds into one
         kernel with the qkv projection, its bias, rotary and the KV-cache write (not with a per-head q/k norm)."""
         if not self.qk_norm and folds_norm(self, norm, self.qkv_proj, x):
-            from specserve.kernels.qkv_rotary_cache import qkv_rotary_cache
-
-            q, total = qkv_rotary_cache(x, self.qkv_proj.weight, positions, rotary.cos, rotary.sin, kv_cache,
-                                        metadata.slot_mapping, self.num_heads, bias=self.qkv_proj.bias,
-                                        **prologue_args(norm, residual))
-            return self._attend_cached(q, kv_cache, metadata), x if total is None else total
+            out, total = self._qkv_kernel_and_attend(x, positions, rotary, kv_cache, metadata,
+                                                     **prologue_args(norm, residual))
+            return out, x if total is None else total
         x, residual = add_and_norm(norm, x, residual)
         return self(x, positions, rotary, kv_cache, metadata), residual
+
+    def _qkv_kernel_and_attend(self, x, positions, rotary: RotaryEmbedding, kv_cache, metadata: AttentionMetadata,
+                               **prologue):
+        """(attention output, x + residual or None): the small-M qkv kernel (with prologue's norm, see
+        prologue_args) writes the cache, then _attend_cached."""
+        from specserve.kernels.qkv_rotary_cache import qkv_rotary_cache
+
+        q, total = qkv_rotary_cache(x, self.qkv_proj.weight, positions, rotary.cos, rotary.sin, kv_cache,
+                                    metadata.slot_mapping, self.num_heads, bias=self.qkv_proj.bias, **prologue)
+        return self._attend_cached(q, kv_cache, metadata), total
 
     def _attend_cached(self, q, kv_cache, metadata: AttentionMetadata):
         """The fused path after the KV-cache write: attention of q over the cache, then o_proj."""
@@ -58,6 +65,9 @@ class Attention(FusableModule):
         return output_projection(self, self.o_proj, out.reshape(-1, self.q_size))
 
     def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, metadata: AttentionMetadata):
+        if not self.qk_norm and fuses_neighbours(self, self.qkv_proj, x):
+            # An input normed already (an EAGLE head's layer): the qkv kernel without its prologue.
+            return self._qkv_kernel_and_attend(x, positions, rotary, kv_cache, metadata)[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)

@@ -86,6 +86,12 @@ class ModelDrafter(Speculator):
         captured: the call is being recorded into a CUDA graph (see greedy_argmax)."""
         return greedy_argmax(self.compute_logits(hidden), captured)
 
+    def greedy_decode_step(self, tokens, feedback, positions, metadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the next greedy drafts, hidden states to feed back or None): decode_hidden, then greedy_tokens,
+        inside the greedy loop's graph; drafters override it to fuse the two."""
+        hidden, feedback = self.decode_hidden(tokens, feedback, positions, metadata)
+        return self.greedy_tokens(hidden, captured=True), feedback
+
     # ---- graphs -------------------------------------------------------------------------------
 
     def capture_graphs(self, target_graphs: CUDAGraphManager, splitter, recorder, sizes: Sequence[int], debug: bool,
@@ -151,8 +157,7 @@ class ModelDrafter(Speculator):
         for step in range(1, self.num_loop_steps + 1):
             prepare_draft_step(step, self.step_buffers.num_reqs, base_positions, block_table, self.block_size,
                                self.max_position, self.step_buffers)
-            hidden, feedback = self.decode_hidden(tokens, feedback, self.step_buffers.positions[:n], metadata)
-            tokens = self.greedy_tokens(hidden, captured=True)
+            tokens, feedback = self.greedy_decode_step(tokens, feedback, self.step_buffers.positions[:n], metadata)
             drafts.append(tokens)
         return torch.stack(drafts, dim=1)
 

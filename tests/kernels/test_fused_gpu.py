@@ -16,7 +16,8 @@ from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import build_model, open_model_source
 
 from .test_activation import check_silu_and_mul
-from .test_fused_model import assert_near, check_head, check_target, make_step, new_caches, randomize, tiny_arch
+from .test_fused_model import (STEPS, assert_near, check_eagle3_greedy_step, check_eagle3_greedy_tokens, check_head,
+                               check_target, make_step, new_caches, randomize, tiny_arch)
 from .test_rmsnorm import check_fused_add, check_rms_norm
 from .test_rotary_cache import check_rotary_and_cache
 
@@ -61,6 +62,13 @@ def test_fused_heads_equal_unfused(dtype):
     check_head(EagleHead(arch, backend), arch.hidden_size, arch, dtype)
     head = Eagle3Head(arch, backend, draft_vocab_size=48, target_hidden_size=64, aux_hidden_layers=(0, 1, 2))
     check_head(head, arch.hidden_size, arch, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_eagle3_greedy_drafts_equal_unfused(monkeypatch, dtype):
+    check_eagle3_greedy_step(monkeypatch, dict(q_lens=[1], seq_lens=[7]), dtype)
+    check_eagle3_greedy_step(monkeypatch, STEPS[1], dtype)
+    check_eagle3_greedy_tokens(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

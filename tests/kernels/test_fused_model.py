@@ -166,6 +166,103 @@ def check_head(head: torch.nn.Module, hidden_size: int, arch: ArchConfig, dtype)
     assert_caches_near(actual_caches, expected_caches)
 
 
+def count_calls(monkeypatch, functions: dict) -> dict[str, int]:
+    """Counts of calls to each {key: (module, function name)}, updated as the wrapped functions run."""
+    calls = dict.fromkeys(functions, 0)
+
+    def counted(key, fn):
+        def wrapper(*a, **kw):
+            calls[key] += 1
+            return fn(*a, **kw)
+        return wrapper
+
+    for key, (module, name) in functions.items():
+        monkeypatch.setattr(module, name, counted(key, getattr(module, name)))
+    return calls
+
+
+def eagle3_head_with_gaps(dtype) -> tuple[Eagle3Head, Eagle3Head]:
+    """(plain, fused) EAGLE-3 heads whose 48 draft ids map to ascending target ids with gaps (as train-eagle
+    writes d2t): the fused argmax must return target ids, not draft ids."""
+    arch = tiny_arch(num_layers=1)
+    head = Eagle3Head(arch, get_attention_backend("triton"), draft_vocab_size=48, target_hidden_size=64,
+                      aux_hidden_layers=(0, 1, 2))
+    randomize(head, seed=1)
+    with torch.no_grad():
+        head.lm_head.weight.mul_(5)  # logits of a few units, whose top two bfloat16 rounding rarely swaps
+    target_ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:48].sort().values
+    head.d2t.copy_(target_ids - torch.arange(48))
+    head.target_ids.copy_(target_ids)
+    return both_paths(head, dtype)
+
+
+def clear_argmax(logits: torch.Tensor, margin: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax, rows whose two largest logits differ by more than margin, where the paths' rounding
+    cannot swap them)."""
+    top2 = logits.topk(2, dim=-1).values
+    return logits.argmax(dim=-1), (top2[:, 0] - top2[:, 1]) > margin
+
+
+ARGMAX_MARGIN = {torch.float32: 1e-4, torch.bfloat16: 0.1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("step_kw", [dict(q_lens=[1], seq_lens=[7]), STEPS[1]], ids=["one_token", "mixed"])
+def test_eagle3_greedy_step(monkeypatch, step_kw, dtype):
+    check_eagle3_greedy_step(monkeypatch, step_kw, dtype)
+
+
+def check_eagle3_greedy_step(monkeypatch, step_kw, dtype):
+    """A draft decode step on the fused path (attention input and lm_head + argmax kernels) drafts what the
+    plain path's forward and compute_logits' argmax draft, and feeds back the same hidden state."""
+    import specserve.kernels.eagle3_input as input_module
+    import specserve.kernels.fused_linear as fused_linear_module
+
+    calls = count_calls(monkeypatch, {"input": (input_module, "eagle3_layer_input"),
+                                      "argmax": (fused_linear_module, "fused_linear_argmax")})
+    plain, fused = eagle3_head_with_gaps(dtype)
+    arch = plain.cfg
+    results = []
+    for model in (plain, fused):
+        caches = new_caches(arch, 1, dtype)
+        gen = torch.Generator().manual_seed(2)
+        for i, kw in enumerate((STEPS[0], step_kw)):
+            step = make_step(**kw)
+            hidden = torch.randn(step.input_ids.shape[0], arch.hidden_size, generator=gen).to(DEVICE, dtype)
+            with torch.no_grad():
+                if i == 0:
+                    model(step.input_ids, step.positions, hidden, caches[0], step.metadata)
+                elif model is plain:
+                    h, normed = model(step.input_ids, step.positions, hidden, caches[0], step.metadata)
+                    results.append((h, plain.compute_logits(normed)))
+                else:
+                    results.append(model.greedy_step(step.input_ids, step.positions, hidden, caches[0],
+                                                     step.metadata))
+    assert calls == {"input": 2, "argmax": 1}
+    n = step.num_real_tokens
+    (h_ref, logits), (h, tokens) = results
+    expected, clear = clear_argmax(logits[:n], ARGMAX_MARGIN[dtype])
+    assert clear.sum() >= n // 2
+    assert torch.equal(tokens[:n][clear], expected[clear])
+    assert_near(h[:n], h_ref[:n])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_eagle3_greedy_tokens(dtype):
+    check_eagle3_greedy_tokens(dtype)
+
+
+def check_eagle3_greedy_tokens(dtype):
+    """greedy_tokens of normed hidden states (draft 1, from the prefill) on the fused path: target ids of the
+    full logits' argmax."""
+    plain, fused = eagle3_head_with_gaps(dtype)
+    normed = torch.randn(5, plain.cfg.hidden_size, generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype)
+    with torch.no_grad():
+        expected, clear = clear_argmax(plain.compute_logits(normed), ARGMAX_MARGIN[dtype])
+        tokens = fused.greedy_tokens(normed)
+    assert clear.sum() >= 3 and torch.equal(tokens[clear], expected[clear])
+
+
 # Small-M kernel thresholds that send the test steps elsewhere than the default does.
 OTHER_PATHS = pytest.mark.parametrize("small_m_max_tokens", [0, 8], ids=["cublas_path", "mixed_paths"])
 
@@ -234,16 +331,8 @@ def test_small_batches_run_small_m_kernels(monkeypatch, small_m_max_tokens, fold
 
     monkeypatch.setattr(layers, "SMALL_M_MAX_TOKENS", small_m_max_tokens)
     monkeypatch.setattr(layers, "FOLD_NORM_MAX_WEIGHT_BYTES", fold_bytes)
-    calls = {"linear": 0, "qkv": 0}
-
-    def counted(name, fn):
-        def wrapper(*a, **kw):
-            calls[name] += 1
-            return fn(*a, **kw)
-        return wrapper
-
-    monkeypatch.setattr(fused_linear_module, "fused_linear", counted("linear", fused_linear_module.fused_linear))
-    monkeypatch.setattr(qkv_module, "qkv_rotary_cache", counted("qkv", qkv_module.qkv_rotary_cache))
+    calls = count_calls(monkeypatch, {"linear": (fused_linear_module, "fused_linear"),
+                                      "qkv": (qkv_module, "qkv_rotary_cache")})
     model = LlamaForCausalLM(tiny_arch(num_layers=1), get_attention_backend("triton"))
     randomize(model)
     _, fused = both_paths(model, torch.float32)

@@ -16,7 +16,8 @@ from specserve.models.arch_config import ArchConfig
 from specserve.models.layers import RotaryEmbedding, set_fused_kernels
 from specserve.models.llama import DecoderLayer
 
-from .test_fused_linear import check_fused_linear
+from .test_eagle3_input import check_eagle3_input
+from .test_fused_linear import check_argmax, check_fused_linear
 from .test_fused_model import assert_near, randomize
 from .test_qkv_rotary_cache import check_qkv
 
@@ -39,6 +40,18 @@ def test_projections_at_model_shapes(shape, m, dtype):
     check_fused_linear(m, num_heads * head_dim, hidden, dtype, "none", False, norm_tolerance=tol)  # o_proj
     check_fused_linear(m, hidden, inter, dtype, "add_norm", True, norm_tolerance=tol)  # gate_up + SiLU
     check_fused_linear(m, inter, hidden, dtype, "none", False, norm_tolerance=tol)  # down_proj
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_eagle3_draft_step_kernels_at_the_shipped_head_shape(m, dtype):
+    """The shipped SmolLM2 head's draft step: attention input, qkv over 2H without a norm, the final add + norm
+    with the lm_head over 8,192 draft tokens and its argmax."""
+    hidden, _, num_heads, num_kv_heads, head_dim = SHAPES["smollm2-135m"]
+    check_eagle3_input(m, 49152, hidden, dtype)
+    check_qkv(m, num_heads, num_kv_heads, head_dim, dtype, "none", k=2 * hidden)
+    check_argmax(m, hidden, 8192, dtype, "add_norm")
+    check_argmax(m, hidden, 8192, dtype, "none")
 
 
 def arch_of(shape: str) -> ArchConfig:

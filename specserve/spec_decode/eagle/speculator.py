@@ -42,3 +42,10 @@ class EagleSpeculator(ModelDrafter):
     def greedy_tokens(self, hidden, captured=False):
         greedy = getattr(self.head, "greedy_tokens", None)
         return greedy(hidden, captured) if greedy is not None else super().greedy_tokens(hidden, captured)
+
+    def greedy_decode_step(self, tokens, feedback, positions, metadata):
+        step = getattr(self.head, "greedy_step", None)
+        if step is None:
+            return super().greedy_decode_step(tokens, feedback, positions, metadata)
+        fed_back, drafts = step(tokens, positions, feedback, self.kv_cache, metadata, captured=True)
+        return drafts, fed_back
