@@ -102,7 +102,7 @@ def test_bad_operands_are_named(bad, message):
 
 
 # A gap between the two largest float64 logits beyond which the kernel's rounding cannot swap them.
-TOLERANCE_OF = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+TOLERANCE_OF = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
