@@ -46,12 +46,12 @@ def test_projections_at_model_shapes(shape, m, dtype):
 @pytest.mark.parametrize("m", [1, 5, 16])
 def test_eagle3_draft_step_kernels_at_the_shipped_head_shape(m, dtype):
     """The shipped SmolLM2 head's draft step: attention input, qkv over 2H without a norm, the final add + norm
-    with the lm_head over 8,192 draft tokens and its argmax."""
+    with the lm_head over its 12,288 draft tokens and the argmax."""
     hidden, _, num_heads, num_kv_heads, head_dim = SHAPES["smollm2-135m"]
     check_eagle3_input(m, 49152, hidden, dtype)
     check_qkv(m, num_heads, num_kv_heads, head_dim, dtype, "none", k=2 * hidden)
-    check_argmax(m, hidden, 8192, dtype, "add_norm")
-    check_argmax(m, hidden, 8192, dtype, "none")
+    check_argmax(m, hidden, 12288, dtype, "add_norm")
+    check_argmax(m, hidden, 12288, dtype, "none")
 
 
 def arch_of(shape: str) -> ArchConfig:
