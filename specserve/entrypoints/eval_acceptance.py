@@ -6,7 +6,10 @@ it. Figures come from the engine's own acceptance statistics
 (LLMEngine.spec_stats), taken as the difference across each run: mean
 acceptance length (accepted drafts + the bonus token, per verification step),
 acceptance rate per draft position, and output tokens per second, beside
-the same prompts without speculation.
+the same prompts without speculation. With --repeats N every run is timed
+N times over the same engine and tokens/s is the median repeat's, so that
+an A/B can tell the spread inside a process from the spread between
+processes; acceptance figures then count all N.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import argparse
 import copy
 import gc
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -25,17 +29,23 @@ from specserve.spec_decode.metrics import SpecDecodeStats
 class RunResult:
     temperature: float
     k: int | None  # None: no speculation
-    output_tokens: int
+    output_tokens: int  # over every repeat
     seconds: float
     stats: SpecDecodeStats | None
+    repeat_tokens_per_s: tuple[float, ...] = ()  # each timed repeat's, when repeated
 
     @property
     def tokens_per_s(self) -> float:
+        """Output tokens per second; the median repeat's when repeated."""
+        if self.repeat_tokens_per_s:
+            return statistics.median(self.repeat_tokens_per_s)
         return self.output_tokens / self.seconds if self.seconds else 0.0
 
     def as_dict(self, baseline: "RunResult | None") -> dict:
         out = {"temperature": self.temperature, "k": self.k, "output_tokens": self.output_tokens,
                "seconds": round(self.seconds, 3), "tokens_per_s": round(self.tokens_per_s, 1)}
+        if self.repeat_tokens_per_s:
+            out["repeat_tokens_per_s"] = [round(r, 1) for r in self.repeat_tokens_per_s]
         if self.stats is not None:
             out.update(self.stats.as_dict(), num_emitted=self.stats.num_emitted)
         if baseline is not None and baseline.tokens_per_s:
@@ -56,15 +66,20 @@ def stats_between(before: SpecDecodeStats, after: SpecDecodeStats) -> SpecDecode
     )
 
 
-def run_prompts(llm, prompts: list[list[int]], temperature: float, max_tokens: int, k: int | None) -> RunResult:
+def run_prompts(llm, prompts: list[list[int]], temperature: float, max_tokens: int, k: int | None,
+                repeats: int = 1) -> RunResult:
     from specserve.sampling_params import SamplingParams
 
     before = copy.deepcopy(llm.engine.spec_stats)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=temperature, max_tokens=max_tokens), use_tqdm=False)
-    seconds = time.perf_counter() - start
+    tokens, seconds = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(temperature=temperature, max_tokens=max_tokens), use_tqdm=False)
+        seconds.append(time.perf_counter() - start)
+        tokens.append(sum(len(o.outputs[0].token_ids) for o in outs))
     stats = stats_between(before, llm.engine.spec_stats) if k is not None else None
-    return RunResult(temperature, k, sum(len(o.outputs[0].token_ids) for o in outs), seconds, stats)
+    rates = tuple(t / s for t, s in zip(tokens, seconds)) if repeats > 1 else ()
+    return RunResult(temperature, k, sum(tokens), sum(seconds), stats, rates)
 
 
 def _warm_up(llm, prompts: list[list[int]], temperatures: list[float]) -> None:
@@ -81,7 +96,7 @@ def _warm_up(llm, prompts: list[list[int]], temperatures: list[float]) -> None:
 
 
 def evaluate(model: str, spec_config: dict, prompt_file: str, temperatures: list[float], ks: list[int],
-             max_tokens: int, num_prompts: int | None, baseline: bool, engine_kwargs: dict) -> dict:
+             max_tokens: int, num_prompts: int | None, baseline: bool, engine_kwargs: dict, repeats: int = 1) -> dict:
     """Run every (k, temperature) and the baseline; returns the report as JSON-ready data."""
     from specserve.llm import LLM
     from specserve.prompt_files import load_prompt_file, prompt_token_ids
@@ -93,14 +108,14 @@ def evaluate(model: str, spec_config: dict, prompt_file: str, temperatures: list
         llm = LLM(model, speculative_config=spec, **engine_kwargs)
         prompts = [prompt_token_ids(llm, c) for c in conversations]
         _warm_up(llm, prompts, temperatures)
-        runs += [run_prompts(llm, prompts, t, max_tokens, k) for t in temperatures]
+        runs += [run_prompts(llm, prompts, t, max_tokens, k, repeats) for t in temperatures]
         # Free this engine's KV cache and graphs before the next one allocates its own.
         del llm
         gc.collect()
     base = {r.temperature: r for r in runs if r.k is None}
     return {
         "model": model, "speculative_config": spec_config, "prompts": prompt_file, "num_prompts": len(conversations),
-        "max_tokens": max_tokens,
+        "max_tokens": max_tokens, "repeats": repeats,
         "baseline": [r.as_dict(None) for r in runs if r.k is None],
         "results": [r.as_dict(base.get(r.temperature)) for r in runs if r.k is not None],
     }
@@ -112,14 +127,19 @@ def format_table(report: dict) -> str:
     head = (f"{'temp':>5} {'k':>3} {'accept len':>10} {'accept rate':>11}  "
             f"{'acceptance per position':<{6 * width}} {'tok/s':>8} {'speedup':>7}")
     lines = [head, "-" * len(head)]
+    def repeats(r: dict) -> str:
+        rates = r.get("repeat_tokens_per_s")
+        return "  (repeats: " + " ".join(f"{x:.0f}" for x in rates) + ")" if rates else ""
+
     for r in report["baseline"]:
         lines.append(f"{r['temperature']:>5.2f} {'-':>3} {'':>10} {'':>11}  {'(no speculation)':<{6 * width}} "
-                     f"{r['tokens_per_s']:>8.1f} {'1.00':>7}")
+                     f"{r['tokens_per_s']:>8.1f} {'1.00':>7}{repeats(r)}")
     for r in report["results"]:
         per_pos = " ".join(f"{p:.2f}" for p in r["acceptance_per_position"])
         speedup = f"{r['speedup']:.2f}" if "speedup" in r else "-"
         lines.append(f"{r['temperature']:>5.2f} {r['k']:>3} {r['mean_acceptance_length']:>10.2f} "
-                     f"{r['acceptance_rate']:>10.1%}  {per_pos:<{6 * width}} {r['tokens_per_s']:>8.1f} {speedup:>7}")
+                     f"{r['acceptance_rate']:>10.1%}  {per_pos:<{6 * width}} {r['tokens_per_s']:>8.1f} {speedup:>7}"
+                     f"{repeats(r)}")
     return "\n".join(lines)
 
 
@@ -134,6 +154,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="tokens generated per prompt at most")
     p.add_argument("--num-prompts", type=int, help="use the first N prompts (default: all)")
     p.add_argument("--no-baseline", action="store_true", help="skip the run without speculation")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="time every run N times over the same engine; tok/s is the median repeat's")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH ('-' for stdout)")
     add_engine_args(p)
     p.set_defaults(func=cmd_eval_acceptance)
@@ -165,13 +187,13 @@ def cmd_eval_acceptance(a: argparse.Namespace) -> None:
     spec = _parse_spec(a.speculative_config, a.k)
     if min(a.temperature) < 0:
         raise ConfigError("temperature", f"got {a.temperature}; temperatures must be >= 0 (0 is greedy)")
-    for name, value in (("max_tokens", a.max_tokens), ("num_prompts", a.num_prompts)):
+    for name, value in (("max_tokens", a.max_tokens), ("num_prompts", a.num_prompts), ("repeats", a.repeats)):
         if value is not None and value < 1:
             raise ConfigError(name, f"must be >= 1, got {value}")
     kwargs = engine_kwargs(a)
     del kwargs["speculative_config"]
     report = evaluate(a.model, spec, a.prompts, a.temperature, a.k, a.max_tokens, a.num_prompts,
-                      not a.no_baseline, kwargs)
+                      not a.no_baseline, kwargs, a.repeats)
     print(format_table(report))
     if a.json == "-":
         json.dump(report, sys.stdout, indent=2)

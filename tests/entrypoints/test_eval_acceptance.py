@@ -47,6 +47,25 @@ def test_figures_are_the_engines_own_statistics(setup):
     assert result["speedup"] == pytest.approx(result["tokens_per_s"] / base["tokens_per_s"], rel=1e-2)
 
 
+def test_repeats_time_each_run_and_count_every_repeat(setup):
+    model, spec, prompts = setup
+    once = evaluate(model, spec, prompts, [0.0], [2], max_tokens=16, num_prompts=None, baseline=True,
+                    engine_kwargs=ENGINE)
+    thrice = evaluate(model, spec, prompts, [0.0], [2], max_tokens=16, num_prompts=None, baseline=True,
+                      engine_kwargs=ENGINE, repeats=3)
+    assert thrice["repeats"] == 3
+    for one, three in ((once["results"][0], thrice["results"][0]), (once["baseline"][0], thrice["baseline"][0])):
+        # Greedy: every repeat generates what the single run did.
+        assert three["output_tokens"] == 3 * one["output_tokens"]
+        assert len(three["repeat_tokens_per_s"]) == 3
+        assert three["tokens_per_s"] == pytest.approx(sorted(three["repeat_tokens_per_s"])[1], rel=1e-3)
+        assert "repeat_tokens_per_s" not in one
+    r1, r3 = once["results"][0], thrice["results"][0]
+    assert (r3["num_steps"], r3["num_drafted"], r3["num_accepted"]) == (
+        3 * r1["num_steps"], 3 * r1["num_drafted"], 3 * r1["num_accepted"])
+    assert r3["mean_acceptance_length"] == pytest.approx(r1["mean_acceptance_length"])
+
+
 def test_stats_between_two_snapshots():
     before, after = SpecDecodeStats(), SpecDecodeStats()
     before.record(3, 1)
@@ -81,6 +100,7 @@ def test_command_prints_a_table_and_writes_json(setup, tmp_path, capsys):
     (["--speculative-config", '{"method": "eagle3", "model": "/no/head"}'], "speculative_config.model"),
     (["--speculative-config", '{"method": "ngram"}', "--k", "0"], "speculative_config.num_speculative_tokens"),
     (["--speculative-config", '{"method": "ngram"}', "--temperature", "-1"], "temperature: got [-1.0]"),
+    (["--speculative-config", '{"method": "ngram"}', "--repeats", "0"], "repeats: must be >= 1, got 0"),
 ])
 def test_bad_arguments_fail_before_loading_anything(setup, capsys, args, message):
     model, _, prompts = setup
