@@ -75,8 +75,10 @@ def _fused_linear_kernel(
 
     offs_m = tl.arange(0, BLOCK_M)
     if ARGMAX:
-        # Per row, the first maximum of this program's columns; out holds [M, programs] float32 maxima.
-        logits = tl.where((offs_n < N)[None, :], acc.to(w_ty).to(tl.float32), float("-inf"))
+        # Per row, the first maximum of this program's columns; out holds [M, programs] float32 maxima. A NaN
+        # never wins (as in argmax.py's chunk kernel), so a row of NaN still picks a column in range.
+        logits = acc.to(w_ty).to(tl.float32)
+        logits = tl.where((offs_n < N)[None, :] & (logits == logits), logits, float("-inf"))
         top = tl.max(logits, 1)
         first = tl.min(tl.where(logits == top[:, None], offs_n[None, :], N), 1)
         tl.store(out_ptr + offs_m * stride_om + pid, top, mask=offs_m < M)

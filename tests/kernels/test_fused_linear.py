@@ -150,6 +150,21 @@ def test_argmax_ties_go_to_the_first_column_across_programs_and_map():
     assert fused_linear_argmax(-x, weight, token_map=token_map)[0].tolist() == [N - 1 - 1] * 2
 
 
+def test_argmax_of_nan_rows_stays_in_range():
+    # A NaN never wins, so even a row of NaN picks a real column (and its mapped id): an id past the map
+    # would read out of bounds inside a CUDA graph.
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    x[0] = float("nan")
+    weight = torch.randn(N, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    weight[5, 0] = float("nan")  # row 1 and 2's column 5 is NaN
+    token_map = torch.arange(N, device=DEVICE) + 1000
+    tokens = fused_linear_argmax(x, weight, token_map=token_map)[0].tolist()
+    assert tokens[0] == 1000
+    logits = x[1:] @ weight.T
+    logits[:, 5] = float("-inf")
+    assert tokens[1:] == (logits.argmax(dim=-1) + 1000).tolist()
+
+
 def test_argmax_token_map_is_checked():
     with pytest.raises(ValueError, match="token_map must be int64"):
         fused_linear_argmax(torch.randn(2, 8), torch.randn(4, 8), token_map=torch.arange(4, dtype=torch.int32))
