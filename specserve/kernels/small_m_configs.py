@@ -35,26 +35,38 @@ class SmallMConfig:
 # and long K chunks keep the loop short.
 SMALL_WEIGHT_BYTES = 16 << 20
 SMALL = SmallMConfig(block_n=16, block_k=512, num_warps=4, num_stages=3)
+# Up to SHORT_K input features, 512-element chunks leave the second of two K iterations nearly all mask:
+# SmolLM2's o_proj (K = 576) runs 3.25 us in 32 x 128 tiles against SMALL's 3.32 at one token and 3.45 at
+# five (results/h100_2026-11-24_s14_configs_confirm.txt, medians of five); down_proj (K = 1536) stays on
+# SMALL (4.08 us, against 5.18 in these tiles).
+SHORT_K = 1024
+SMALL_SHORT_K = SmallMConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
 # Larger weights (Llama-3-8B: 33 to 235 MB) are bandwidth-bound. Measured best on the same run: o_proj
 # 4096x4096 in 13.9 us (cuBLAS 16.4), down_proj 14336x4096 in 42.1 us (cuBLAS 44.5).
 LARGE = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
 # A gate/up projection (two accumulators a program) or a qkv projection has outputs enough for wider tiles.
 LARGE_WIDE = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
-# The qkv kernel's programs each own block_n rotary pairs of one head: 16 pairs (32 columns) give
-# SmolLM2 30 programs and Llama-3-8B 192.
-QKV_SMALL = SmallMConfig(block_n=16, block_k=128, num_warps=4, num_stages=4)
+# The qkv kernel's programs each own block_n rotary pairs of one head. Without a norm on a small weight (an
+# EAGLE-3 head's qkv, K = 2 x hidden), 32 pairs, a whole 64-wide head: the shipped SmolLM2 head's 960 x 1152
+# in 5.47 us at one token and 5.62 at five, against 16 pairs by 128's 6.25 and 6.17
+# (results/h100_2026-11-24_s14_configs_confirm.txt). Llama-3-8B's 16 pairs give it 192 programs.
+QKV_SMALL = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=3)
 QKV_LARGE = SmallMConfig(block_n=16, block_k=256, num_warps=4, num_stages=4)
 
 # With the RMSNorm (and residual add) prologue, measured best on an H100
 # (benchmarks/bench_prologue_variants.py, results/h100_2026-11-23_prologue_variants.txt; the
-# prologue's "prepass+compact/slice" and "prepass/slice" variants). One token: the compact prologue,
-# 32 columns by 256 of K, on every shape (SmolLM2 add+norm+qkv 3.96 us, +gate_up+SiLU 5.28 us,
-# +576x576 3.75 us; cuBLAS plus separate kernels 4.59, 7.53, 5.16; Llama-3-8B 1.06-1.09x them).
+# prologue's "prepass+compact/slice" and "prepass/slice" variants). One token over a large weight: the
+# compact prologue, 32 columns by 256 of K (Llama-3-8B 1.06-1.09x cuBLAS plus separate kernels; on SmolLM2
+# too until NORM_SMALL below measured faster).
 NORM_ONE_TOKEN = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=4, compact=True)
-# 2 to 16 tokens, measured at 4: SmolLM2 16/64 without compact (5.13, 6.23, 4.96 us; 1.03-1.21x the
-# separate kernels). Llama-3-8B's best kernel of this kind was 32/256 (0.88x and 0.96x the separate
-# kernels: the model keeps its norms apart there, see models/layers.py).
-NORM_SMALL = SmallMConfig(block_n=16, block_k=64, num_warps=4, num_stages=4)
+# Weights up to SMALL_WEIGHT_BYTES, 1 to 16 tokens: the compact prologue in 32 x 256 tiles, three stages
+# (results/h100_2026-11-24_s14_configs_confirm.txt, medians of five rounds, us at one token / five):
+# SmolLM2's add+norm+gate_up 5.13 / 5.87 (NORM_ONE_TOKEN 5.26, the 16 x 64 tiles used at five 6.13), its
+# qkv 4.93 / 5.79 (5.09 / 5.89) in 32 rotary pairs, the shipped head's MLP (6144 wide) 9.25 / 10.01
+# (9.54 / 10.35), its lm_head with the argmax 11.44 / 12.58 (11.65 / 18.03).
+NORM_SMALL = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=3, compact=True)
+# Llama-3-8B's best kernel of this kind at 4 tokens was 32/256 (0.88x and 0.96x the separate kernels: the
+# model keeps its norms apart there, see models/layers.py).
 NORM_LARGE = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
 # The qkv kernel at one token over a large weight (Llama-3-8B, 50 MB): 32 rotary pairs a program, 256 of K,
 # without the compact prologue, 22.3 us with rotary and the cache write; cuBLAS plus the norm and rotary
@@ -90,11 +102,12 @@ def _for_dtype(cfg: SmallMConfig, weight: torch.Tensor) -> SmallMConfig:
 
 def _norm_config(weight: torch.Tensor, m: int) -> SmallMConfig:
     if weight.device.type == "cpu":
-        # The interpreter runs the compact prologue where the GPU does, so the tests cover it.
-        return replace(INTERPRETER, compact=m == 1)
-    if m == 1:
-        return _for_dtype(NORM_ONE_TOKEN, weight)
-    return _for_dtype(NORM_SMALL if weight_bytes(weight) <= SMALL_WEIGHT_BYTES else NORM_LARGE, weight)
+        # The interpreter runs the compact prologue where the GPU does on small weights (every test's), so
+        # the tests cover it; test_fused_linear runs the other prologue with a config of its own.
+        return replace(INTERPRETER, compact=True)
+    if weight_bytes(weight) <= SMALL_WEIGHT_BYTES:
+        return _for_dtype(NORM_SMALL, weight)
+    return _for_dtype(NORM_ONE_TOKEN if m == 1 else NORM_LARGE, weight)
 
 
 def linear_config(weight: torch.Tensor, wide: bool, norm: bool = False, m: int = 16) -> SmallMConfig:
@@ -105,14 +118,18 @@ def linear_config(weight: torch.Tensor, wide: bool, norm: bool = False, m: int =
     if weight.device.type == "cpu":
         return INTERPRETER
     if weight_bytes(weight) <= SMALL_WEIGHT_BYTES:
-        return _for_dtype(SMALL, weight)
+        return _for_dtype(SMALL_SHORT_K if weight.shape[1] <= SHORT_K else SMALL, weight)
     return _for_dtype(LARGE_WIDE if wide else LARGE, weight)
 
 
 def qkv_config(weight: torch.Tensor, norm: bool = False, m: int = 16) -> SmallMConfig:
     """The qkv kernel's configuration; its block_n counts rotary pairs, half a tile's columns."""
     if norm:
-        if m == 1 and weight.device.type != "cpu" and weight_bytes(weight) > SMALL_WEIGHT_BYTES:
+        gpu, small = weight.device.type != "cpu", weight_bytes(weight) <= SMALL_WEIGHT_BYTES
+        if gpu and small:
+            # Measured as pairs (see NORM_SMALL).
+            return _for_dtype(NORM_SMALL, weight)
+        if gpu and m == 1:
             return _for_dtype(QKV_NORM_ONE_TOKEN_LARGE, weight)
         # The measured column tiles as pairs; 16 pairs at least (tl.dot's minimum width).
         cfg = _norm_config(weight, m)

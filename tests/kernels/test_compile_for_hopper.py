@@ -45,26 +45,27 @@ def kernels():
         query_start_loc_ptr=p32, block_table_ptr=p32, block_table_stride=i32, num_tokens=i32, num_reqs=i32,
         table_width=i32, positions_at=i32, slots_at=i32, seq_lens_at=i32, query_ends_at=i32, table_at=i32,
         max_tokens=i32, max_reqs=i32, max_blocks=i32, PAD_SLOT=PAD_SLOT_ID, TOKENS=1024, REQS=64, COLUMNS=64)
-    # The small-M projections as SmolLM2 decodes one token (K = 576): the folded add + norm with the
-    # one-token compact prologue (its rstd after the weight loop, as bfloat16 runs it), and the plain output
-    # projection.
+    # The small-M projections as SmolLM2 decodes one token (K = 576) and verifies four drafts (five rows,
+    # ROWS = 8): the folded add + norm with the compact prologue (its rstd after the weight loop, as
+    # bfloat16 runs it), and the plain output projection.
     from specserve.kernels import fused_linear, qkv_rotary_cache
-    from specserve.kernels.small_m_configs import NORM_ONE_TOKEN, QKV_NORM_ONE_TOKEN_LARGE, SMALL
+    from specserve.kernels.small_m_configs import NORM_SMALL, QKV_NORM_ONE_TOKEN_LARGE, QKV_SMALL, SMALL_SHORT_K
 
     bf16, f32 = "*bf16", "*fp32"
     projection = dict(x_ptr=bf16, res_ptr=bf16, res_out_ptr=bf16, norm_w_ptr=bf16, w_ptr=bf16, out_ptr=bf16,
                       idx_ptr=bf16, M=i32, N=i32, K=i32, stride_xm=i32, stride_rm=i32, stride_rom=i32, stride_wn=i32,
                       stride_om=i32, eps="fp32", DOT_FP32=False, BLOCK_M=16)
-    yield fused_linear._fused_linear_kernel, dict(
-        projection, ADD=True, NORM=True, SILU_MUL=True, ARGMAX=False, COMPACT=True, ROWS=1, PRE_K=1024, SLICE_K=16,
-        LATE_RSTD=True, BLOCK_N=NORM_ONE_TOKEN.block_n, BLOCK_K=NORM_ONE_TOKEN.block_k)
+    for rows in (1, 8):
+        yield fused_linear._fused_linear_kernel, dict(
+            projection, ADD=True, NORM=True, SILU_MUL=True, ARGMAX=False, COMPACT=True, ROWS=rows,
+            PRE_K=4096 // rows, SLICE_K=16, LATE_RSTD=True, BLOCK_N=NORM_SMALL.block_n, BLOCK_K=NORM_SMALL.block_k)
     yield fused_linear._fused_linear_kernel, dict(
         projection, ADD=False, NORM=False, SILU_MUL=False, ARGMAX=False, COMPACT=False, ROWS=16, PRE_K=256,
-        SLICE_K=16, LATE_RSTD=False, BLOCK_N=SMALL.block_n, BLOCK_K=SMALL.block_k)
+        SLICE_K=16, LATE_RSTD=False, BLOCK_N=SMALL_SHORT_K.block_n, BLOCK_K=SMALL_SHORT_K.block_k)
     # An EAGLE-3 head's draft step: final add + norm, lm_head and the per-program argmax.
     yield fused_linear._fused_linear_kernel, dict(
         projection, out_ptr=f32, idx_ptr=p32, ADD=True, NORM=True, SILU_MUL=False, ARGMAX=True, COMPACT=True,
-        ROWS=1, PRE_K=1024, SLICE_K=16, LATE_RSTD=True, BLOCK_N=NORM_ONE_TOKEN.block_n, BLOCK_K=NORM_ONE_TOKEN.block_k)
+        ROWS=1, PRE_K=1024, SLICE_K=16, LATE_RSTD=True, BLOCK_N=NORM_SMALL.block_n, BLOCK_K=NORM_SMALL.block_k)
     qkv = dict(
         x_ptr=bf16, res_ptr=bf16, res_out_ptr=bf16, norm_w_ptr=bf16, w_ptr=bf16, bias_ptr=bf16, q_ptr=bf16,
         k_cache_ptr=bf16, v_cache_ptr=bf16, cos_ptr=f32, sin_ptr=f32, positions_ptr=p64, slot_mapping_ptr=p64,
@@ -73,7 +74,12 @@ def kernels():
         num_heads=i32, num_kv_heads=i32, half=i32, eps="fp32", ADD=True, NORM=True, BIAS=False, DOT_FP32=False,
         PAD_SLOT=PAD_SLOT_ID, ROWS=1, BLOCK_M=16)
     yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
-        qkv, COMPACT=True, PRE_K=1024, SLICE_K=32, LATE_RSTD=True, BLOCK_P=16, BLOCK_K=NORM_ONE_TOKEN.block_k)
+        qkv, COMPACT=True, PRE_K=1024, SLICE_K=64, LATE_RSTD=True, BLOCK_P=NORM_SMALL.block_n,
+        BLOCK_K=NORM_SMALL.block_k)
+    # The head's qkv: its input normed already (K = 1152), no prologue.
+    yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
+        qkv, ADD=False, NORM=False, COMPACT=False, ROWS=16, PRE_K=256, SLICE_K=128, LATE_RSTD=False,
+        BLOCK_P=QKV_SMALL.block_n, BLOCK_K=QKV_SMALL.block_k)
     # Llama-3-8B's one token (K = 4096, 96 programs).
     yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
         qkv, COMPACT=False, PRE_K=4096, SLICE_K=64, LATE_RSTD=False, BLOCK_P=QKV_NORM_ONE_TOKEN_LARGE.block_n,

@@ -4,10 +4,13 @@ Every operand is a view into a NaN buffer, so a read past its edges shows up
 as NaN in the result and a write past them as a changed NaN. K and N are no
 multiples of the block sizes.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 
 from specserve.kernels.fused_linear import fused_linear, fused_linear_argmax
+from specserve.kernels.small_m_configs import INTERPRETER
 
 from .util import DEVICE, assert_close, poison_intact, poisoned_view
 
@@ -77,6 +80,14 @@ def test_fused_linear(prologue, silu_mul, m, dtype):
 
 def test_float16():
     check_fused_linear(5, K, N, torch.float16, "add_norm", True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
+def test_full_tile_prologue(silu_mul, dtype):
+    # The interpreter's default config is compact, as the GPU's on small weights; large weights over
+    # several tokens (NORM_LARGE) normalise every row of the tile.
+    check_fused_linear(3, K, N, dtype, "add_norm", silu_mul, config=replace(INTERPRETER, compact=False))
 
 
 def test_no_rows():

@@ -5,12 +5,14 @@ bias, rotate halves) and scatters k and v by slot; the cache starts as NaN,
 and every slot no real token owns must still be NaN afterwards.
 """
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from specserve.attention.metadata import PAD_SLOT_ID
 from specserve.kernels.qkv_rotary_cache import qkv_rotary_cache
+from specserve.kernels.small_m_configs import INTERPRETER_QKV
 from specserve.models.layers import RotaryEmbedding
 
 from .test_fused_linear import EPS, PROLOGUES, norm_weight_of
@@ -29,7 +31,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
-def check_qkv(m, num_heads, num_kv_heads, head_dim, dtype, prologue="add_norm", bias=False, num_slots=None, k=K):
+def check_qkv(m, num_heads, num_kv_heads, head_dim, dtype, prologue="add_norm", bias=False, num_slots=None, k=K,
+              config=None):
     gen = torch.Generator().manual_seed(3)
     rows = (num_heads + 2 * num_kv_heads) * head_dim
     x = poisoned_view(m, k, dtype, seed=0)
@@ -50,7 +53,7 @@ def check_qkv(m, num_heads, num_kv_heads, head_dim, dtype, prologue="add_norm", 
     slot_mapping = slots.to(DEVICE)
 
     q, total = qkv_rotary_cache(x, weight, positions, rotary.cos, rotary.sin, kv_cache, slot_mapping, num_heads,
-                                bias=bias_t, norm_weight=norm_weight, eps=EPS, residual=residual)
+                                bias=bias_t, norm_weight=norm_weight, eps=EPS, residual=residual, config=config)
 
     h = x.double() + (residual.double() if residual is not None else 0)
     if norm_weight is not None:
@@ -84,6 +87,19 @@ def check_qkv(m, num_heads, num_kv_heads, head_dim, dtype, prologue="add_norm", 
 @pytest.mark.parametrize("prologue", PROLOGUES)
 def test_qkv_rotary_cache(prologue, bias, m, dtype):
     check_qkv(m, 4, 2, 16, dtype, prologue, bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_full_tile_prologue(dtype):
+    # The interpreter's default config is compact, as the GPU's on small weights (see test_fused_linear's).
+    check_qkv(3, 4, 2, 8, dtype, config=replace(INTERPRETER_QKV, compact=False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_tile_wider_than_a_head(dtype):
+    # 32 rotary pairs a program (QKV_SMALL, NORM_SMALL on the GPU) over heads of 8 pairs: the rest is mask.
+    check_qkv(3, 4, 2, 16, dtype, config=replace(INTERPRETER_QKV, block_n=32))
+    check_qkv(3, 4, 2, 16, dtype, prologue="none", config=replace(INTERPRETER_QKV, block_n=32))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

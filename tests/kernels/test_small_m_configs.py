@@ -1,7 +1,9 @@
-"""Which launch configuration a projection gets, by weight size and token count (small_m_configs.py)."""
+"""Which launch configuration a projection gets, by weight size, K and token count (small_m_configs.py)."""
+import pytest
 import torch
 
-from specserve.kernels.small_m_configs import NORM_ONE_TOKEN, QKV_NORM_ONE_TOKEN_LARGE, qkv_config
+from specserve.kernels.small_m_configs import (NORM_LARGE, NORM_ONE_TOKEN, NORM_SMALL, QKV_NORM_ONE_TOKEN_LARGE,
+                                               QKV_SMALL, SMALL, SMALL_SHORT_K, linear_config, qkv_config)
 
 
 def weight(n: int, k: int) -> torch.Tensor:
@@ -12,6 +14,24 @@ def weight(n: int, k: int) -> torch.Tensor:
 def test_qkv_of_a_large_weight_at_one_token_gets_its_measured_tiles():
     llama_8b = weight(6144, 4096)
     assert qkv_config(llama_8b, norm=True, m=1) == QKV_NORM_ONE_TOKEN_LARGE
-    assert qkv_config(llama_8b, norm=True, m=4) != QKV_NORM_ONE_TOKEN_LARGE
-    smollm2 = qkv_config(weight(960, 576), norm=True, m=1)
-    assert smollm2.compact and smollm2.block_n == NORM_ONE_TOKEN.block_n // 2
+    assert qkv_config(llama_8b, norm=True, m=4).block_n == NORM_LARGE.block_n // 2
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_small_weights_with_a_norm_take_the_compact_tiles_at_every_token_count(m):
+    smollm2_qkv, smollm2_gate_up = weight(960, 576), weight(3072, 576)
+    assert qkv_config(smollm2_qkv, norm=True, m=m) == NORM_SMALL  # block_n counted in rotary pairs
+    assert linear_config(smollm2_gate_up, wide=True, norm=True, m=m) == NORM_SMALL
+    assert NORM_SMALL.compact
+
+
+def test_large_weights_with_a_norm_keep_their_tiles():
+    llama_8b_gate_up = weight(28672, 4096)
+    assert linear_config(llama_8b_gate_up, wide=True, norm=True, m=1) == NORM_ONE_TOKEN
+    assert linear_config(llama_8b_gate_up, wide=True, norm=True, m=4) == NORM_LARGE
+
+
+def test_plain_small_projections_split_on_k():
+    assert linear_config(weight(576, 576), wide=False) == SMALL_SHORT_K  # o_proj, K = 576
+    assert linear_config(weight(576, 1536), wide=False) == SMALL  # down_proj, K = 1536
+    assert qkv_config(weight(960, 1152)) == QKV_SMALL  # an EAGLE-3 head's qkv, no norm
