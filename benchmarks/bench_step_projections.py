@@ -1,0 +1,112 @@
+"""Every small-M projection of a SmolLM2 step with the shipped EAGLE-3 head, at the step's token counts:
+small_m_configs' choice against each candidate configuration (and its compact-prologue form where there is
+a norm), in rounds that alternate the variants; medians of GPU us per call, weights rotated past the L2.
+
+    python benchmarks/bench_step_projections.py [--tokens 1 5] [--rounds 5] [--top 3]
+
+Tokens: 1 is a decode step (and a draft step at batch 1), k + 1 a verify step of k drafts (and the draft
+prefill at batch 1), or the draft step's rows at batch k + 1. Shapes: the target's qkv (add + norm +
+rotary + cache write), o_proj, gate_up (add + norm + SiLU-and-mul) and down_proj; the head's qkv (its
+input normed already, K = 2 x hidden), gate_up over its 6144-wide MLP, down_proj and lm_head with the
+argmax over its 12,288-token draft vocabulary. Needs a CUDA device.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+from dataclasses import replace
+
+import torch
+from bench_kernels import graph_time_us
+
+from specserve.kernels.fused_linear import fused_linear, fused_linear_argmax
+from specserve.kernels.qkv_rotary_cache import qkv_rotary_cache
+from specserve.kernels.small_m_configs import CANDIDATES
+from specserve.models.layers import RotaryEmbedding
+
+HIDDEN, HEAD_DIM, HEADS, KV_HEADS, EPS = 576, 64, 9, 3, 1e-5
+TARGET_MLP, HEAD_MLP, DRAFT_VOCAB = 1536, 6144, 12288
+ROTATION_BYTES = 200 << 20
+
+
+def projections(m: int) -> dict:
+    """{name: (copies, has a norm, is qkv, make(config) -> fn(i))} over m token rows."""
+    def rand(*size):
+        return torch.randn(*size, device="cuda", dtype=torch.bfloat16)
+
+    def weights(n, k):
+        return [rand(n, k) * k**-0.5 for _ in range(max(2, -(-ROTATION_BYTES // (n * k * 2))))]
+
+    x, residual, norm_weight = rand(m, HIDDEN), rand(m, HIDDEN), rand(HIDDEN)
+    head_in, mlp_act, head_act = rand(m, 2 * HIDDEN), rand(m, TARGET_MLP), rand(m, HEAD_MLP)
+    rotary = RotaryEmbedding(HEAD_DIM, 8192, 100000.0, {}).cuda()
+    positions, slots = torch.arange(100, 100 + m, device="cuda"), torch.arange(m, device="cuda")
+    cache = rand(2, 8, 16, KV_HEADS, HEAD_DIM)
+    token_map = torch.arange(DRAFT_VOCAB, device="cuda")
+    qkv_rows = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    w = {"target qkv": weights(qkv_rows, HIDDEN), "target o_proj": weights(HIDDEN, HIDDEN),
+         "target gate_up": weights(2 * TARGET_MLP, HIDDEN), "target down_proj": weights(HIDDEN, TARGET_MLP),
+         "head qkv": weights(qkv_rows, 2 * HIDDEN), "head gate_up": weights(2 * HEAD_MLP, HIDDEN),
+         "head down_proj": weights(HIDDEN, HEAD_MLP), "head lm_head+argmax": weights(DRAFT_VOCAB, HIDDEN)}
+    prologue = dict(norm_weight=norm_weight, eps=EPS, residual=residual)
+
+    def qkv(inp, ws, **kw):
+        return lambda c: lambda i: qkv_rotary_cache(inp, ws[i], positions, rotary.cos, rotary.sin, cache, slots,
+                                                    HEADS, config=c, **kw)
+
+    def linear(inp, ws, **kw):
+        return lambda c: lambda i: fused_linear(inp, ws[i], config=c, **kw)
+
+    makers = {
+        "target qkv": (True, True, qkv(x, w["target qkv"], **prologue)),
+        "target o_proj": (False, False, linear(x, w["target o_proj"])),
+        "target gate_up": (True, False, linear(x, w["target gate_up"], silu_mul=True, **prologue)),
+        "target down_proj": (False, False, linear(mlp_act, w["target down_proj"])),
+        "head qkv": (False, True, qkv(head_in, w["head qkv"])),
+        "head gate_up": (True, False, linear(x, w["head gate_up"], silu_mul=True, **prologue)),
+        "head down_proj": (False, False, linear(head_act, w["head down_proj"])),
+        "head lm_head+argmax": (True, False, lambda c: lambda i: fused_linear_argmax(
+            x, w["head lm_head+argmax"][i], token_map=token_map, config=c, **prologue)),
+    }
+    return {name: (len(w[name]), norm, is_qkv, make) for name, (norm, is_qkv, make) in makers.items()}
+
+
+def time_us(fn, copies: int) -> float:
+    counter = itertools.count()
+    return graph_time_us(lambda: fn(next(counter) % copies), reps=max(20, copies))
+
+
+def label(c) -> str:
+    return "default" if c is None else f"{c.block_n}/{c.block_k}/{c.num_warps}/{c.num_stages}" + \
+        ("/compact" if c.compact else "")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 5])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--top", type=int, default=3)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_step_projections needs a CUDA device")
+    print(f"{torch.cuda.get_device_name()}: GPU us per call, median of {a.rounds} rounds (min-max); "
+          "configs as block_n/block_k/warps/stages (block_n in rotary pairs for qkv)")
+    with torch.no_grad():
+        for m in a.tokens:
+            for name, (copies, norm, is_qkv, make) in projections(m).items():
+                configs = [None] + [replace(c, compact=compact) for c in CANDIDATES
+                                    for compact in ((False, True) if norm else (False,))
+                                    if not (is_qkv and c.block_n > HEAD_DIM // 2)]
+                times = {label(c): [] for c in configs}
+                for _ in range(a.rounds):
+                    for c in configs:
+                        times[label(c)].append(time_us(make(c), copies))
+                med = {k: statistics.median(v) for k, v in times.items()}
+                best = sorted((k for k in med if k != "default"), key=med.get)[: a.top]
+                row = ", ".join(f"{k} {med[k]:.2f} [{min(times[k]):.2f}-{max(times[k]):.2f}]" for k in ["default", *best])
+                print(f"M={m:2d} {name:20s} {row}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

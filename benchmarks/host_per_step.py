@@ -1,0 +1,93 @@
+"""Is a real batch-1 run bound by the host or by the GPU? The host's time per engine step, by part, while the
+engine generates for real prompts (eval-acceptance's setting), with and without speculation.
+
+    python benchmarks/host_per_step.py --prompts mt_bench.jsonl [--model smollm2-135m] [--k 0 4]
+                                       [--head smollm2-135m-eagle3] [--num-prompts 32] [--repeats 3]
+
+Per k, each repeat prints tok/s and, per engine step (launches), the host's time in runner.launch (and
+its parts), in resolve, and in the completion event's wait alone: with asynchronous scheduling the host
+enqueues step N+1 while the GPU runs step N, so a step that waits long is GPU-bound, one that hardly
+waits is host-bound (the GPU then idles between steps). The timing wrappers add about 1 us a call.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from collections import defaultdict
+
+import torch
+
+from specserve.llm import LLM
+from specserve.prompt_files import load_prompt_file, prompt_token_ids
+from specserve.sampling_params import SamplingParams
+
+
+def wrap(owner, attr: str, name: str, spent: dict, calls: dict) -> None:
+    fn = getattr(owner, attr)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] += time.perf_counter() - start
+            calls[name] += 1
+    setattr(owner, attr, timed)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--head", default="smollm2-135m-eagle3")
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--k", type=int, nargs="+", default=[0, 4], help="drafts per step (0: no speculation)")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("host_per_step needs a CUDA device")
+    conversations = load_prompt_file(a.prompts, limit=a.num_prompts)
+    for k in a.k:
+        spec = None if k == 0 else {"method": "eagle3", "model": a.head, "num_speculative_tokens": k}
+        llm = LLM(a.model, speculative_config=spec, max_num_seqs=1)
+        prompts = [prompt_token_ids(llm, c) for c in conversations]
+        for _ in range(2):  # compile and prefix-cache as eval-acceptance's warm-up does
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        spent, calls = defaultdict(float), defaultdict(int)
+        runner, engine = llm.engine.runner, llm.engine
+        parts = [(runner, "launch"), (runner, "resolve"), (runner.buffers, "prepare"), (runner, "_run_target"),
+                 (runner, "_sample"), (runner, "_verify"), (runner, "_propose"), (runner.outputs, "copy_to_host"),
+                 (engine.scheduler, "schedule"), (engine.scheduler, "update"), (engine, "_output")]
+        if runner.speculator is not None:
+            parts.append((runner.speculator, "propose"))
+        for owner, attr in parts:
+            wrap(owner, attr, f"{type(owner).__name__}.{attr}", spent, calls)
+        wait = torch.cuda.Event.synchronize
+
+        def timed_wait(event):
+            start = time.perf_counter()
+            wait(event)
+            spent["event wait"] += time.perf_counter() - start
+        torch.cuda.Event.synchronize = timed_wait
+        try:
+            for rep in range(a.repeats):
+                spent.clear()
+                calls.clear()
+                start = time.perf_counter()
+                outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=a.max_tokens), use_tqdm=False)
+                wall = time.perf_counter() - start
+                tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+                steps = calls["ModelRunner.launch"]
+                print(f"k={k} repeat {rep}: {tokens / wall:.0f} tok/s, {steps} steps, {1e3 * wall / steps:.3f} ms a "
+                      "step; host ms a step: " + ", ".join(f"{n} {1e3 * t / steps:.3f}" for n, t in spent.items()),
+                      flush=True)
+        finally:
+            torch.cuda.Event.synchronize = wait
+        del llm
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main()
