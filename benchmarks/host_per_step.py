@@ -3,11 +3,14 @@ engine generates for real prompts (eval-acceptance's setting), with and without 
 
     python benchmarks/host_per_step.py --prompts mt_bench.jsonl [--model smollm2-135m] [--k 0 4]
                                        [--head smollm2-135m-eagle3] [--num-prompts 32] [--repeats 3]
+                                       [--kernels N]
 
 Per k, each repeat prints tok/s and, per engine step (launches), the host's time in runner.launch (and
 its parts), in resolve, and in the completion event's wait alone: with asynchronous scheduling the host
 enqueues step N+1 while the GPU runs step N, so a step that waits long is GPU-bound, one that hardly
 waits is host-bound (the GPU then idles between steps). The timing wrappers add about 1 us a call.
+--kernels N then runs the first N prompts once more under the torch profiler and prints the GPU kernels
+per engine step (their sum against the step's wall time is the GPU's idle share).
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import time
 from collections import defaultdict
 
 import torch
+from profile_kernels import kernel_table
+from torch.profiler import ProfilerActivity, profile
 
 from specserve.llm import LLM
 from specserve.prompt_files import load_prompt_file, prompt_token_ids
@@ -45,6 +50,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kernels", type=int, default=0, metavar="N", help="profile N prompts' kernels per step")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("host_per_step needs a CUDA device")
@@ -85,6 +91,15 @@ def main() -> None:
                       flush=True)
         finally:
             torch.cuda.Event.synchronize = wait
+        if a.kernels:
+            steps_before = calls["ModelRunner.launch"]
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                llm.generate(prompts[: a.kernels], SamplingParams(temperature=0.0, max_tokens=a.max_tokens),
+                             use_tqdm=False)
+                torch.cuda.synchronize()
+            steps = calls["ModelRunner.launch"] - steps_before
+            print(f"k={k}: kernels per engine step over {steps} steps of {a.kernels} prompts:")
+            print(kernel_table(prof, steps, 25))
         del llm
         gc.collect()
 
