@@ -10,6 +10,13 @@ the same prompts without speculation. With --repeats N every run is timed
 N times over the same engine and tokens/s is the median repeat's, so that
 an A/B can tell the spread inside a process from the spread between
 processes; acceptance figures then count all N.
+
+With --interleave every engine (no speculation and each k) is built first and
+the timed runs go round robin, one of each per round: a host that slows down
+during the process (measured on the H100's host: 10% between processes, and
+a step's host time growing from run to run) then slows every engine alike, and
+each speculative run's speedup over the baseline run of its own round is
+reported beside the ratio of the medians.
 """
 from __future__ import annotations
 
@@ -41,7 +48,8 @@ class RunResult:
             return statistics.median(self.repeat_tokens_per_s)
         return self.output_tokens / self.seconds if self.seconds else 0.0
 
-    def as_dict(self, baseline: "RunResult | None") -> dict:
+    def as_dict(self, baseline: "RunResult | None", paired: bool = False) -> dict:
+        """paired: repeat i of this run and of baseline were timed in the same round (--interleave)."""
         out = {"temperature": self.temperature, "k": self.k, "output_tokens": self.output_tokens,
                "seconds": round(self.seconds, 3), "tokens_per_s": round(self.tokens_per_s, 1)}
         if self.repeat_tokens_per_s:
@@ -50,6 +58,10 @@ class RunResult:
             out.update(self.stats.as_dict(), num_emitted=self.stats.num_emitted)
         if baseline is not None and baseline.tokens_per_s:
             out["speedup"] = round(self.tokens_per_s / baseline.tokens_per_s, 3)
+            if paired and self.repeat_tokens_per_s:
+                rounds = [r / b for r, b in zip(self.repeat_tokens_per_s, baseline.repeat_tokens_per_s)]
+                out["round_speedups"] = [round(x, 3) for x in rounds]
+                out["paired_speedup"] = round(statistics.median(rounds), 3)
         return out
 
 
@@ -66,20 +78,56 @@ def stats_between(before: SpecDecodeStats, after: SpecDecodeStats) -> SpecDecode
     )
 
 
-def run_prompts(llm, prompts: list[list[int]], temperature: float, max_tokens: int, k: int | None,
-                repeats: int = 1) -> RunResult:
+def stats_sum(parts: list[SpecDecodeStats]) -> SpecDecodeStats:
+    """The statistics of several runs of one engine together."""
+    total = SpecDecodeStats()
+    for p in parts:
+        total.num_steps += p.num_steps
+        total.num_drafted += p.num_drafted
+        total.num_accepted += p.num_accepted
+        total.num_emitted += p.num_emitted
+        width = max(len(total.drafted_per_position), len(p.drafted_per_position))
+        total.drafted_per_position = [a + b for a, b in zip(_padded(total.drafted_per_position, width),
+                                                            _padded(p.drafted_per_position, width))]
+        total.accepted_per_position = [a + b for a, b in zip(_padded(total.accepted_per_position, width),
+                                                             _padded(p.accepted_per_position, width))]
+    return total
+
+
+def _padded(counts: list[int], width: int) -> list[int]:
+    return counts + [0] * (width - len(counts))
+
+
+@dataclass(frozen=True)
+class TimedRun:
+    tokens: int
+    seconds: float
+    stats: SpecDecodeStats | None
+
+
+def timed_run(llm, prompts: list[list[int]], temperature: float, max_tokens: int, speculative: bool) -> TimedRun:
+    """One timed generate over the prompts, with the acceptance statistics it added to the engine's."""
     from specserve.sampling_params import SamplingParams
 
     before = copy.deepcopy(llm.engine.spec_stats)
-    tokens, seconds = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(temperature=temperature, max_tokens=max_tokens), use_tqdm=False)
-        seconds.append(time.perf_counter() - start)
-        tokens.append(sum(len(o.outputs[0].token_ids) for o in outs))
-    stats = stats_between(before, llm.engine.spec_stats) if k is not None else None
-    rates = tuple(t / s for t, s in zip(tokens, seconds)) if repeats > 1 else ()
-    return RunResult(temperature, k, sum(tokens), sum(seconds), stats, rates)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=temperature, max_tokens=max_tokens), use_tqdm=False)
+    seconds = time.perf_counter() - start
+    stats = stats_between(before, llm.engine.spec_stats) if speculative else None
+    return TimedRun(sum(len(o.outputs[0].token_ids) for o in outs), seconds, stats)
+
+
+def collect(temperature: float, k: int | None, runs: list[TimedRun]) -> RunResult:
+    """The result of one (k, temperature) over its timed runs."""
+    rates = tuple(r.tokens / r.seconds for r in runs) if len(runs) > 1 else ()
+    stats = stats_sum([r.stats for r in runs]) if k is not None else None
+    return RunResult(temperature, k, sum(r.tokens for r in runs), sum(r.seconds for r in runs), stats, rates)
+
+
+def run_prompts(llm, prompts: list[list[int]], temperature: float, max_tokens: int, k: int | None,
+                repeats: int = 1) -> RunResult:
+    return collect(temperature, k, [timed_run(llm, prompts, temperature, max_tokens, k is not None)
+                                    for _ in range(repeats)])
 
 
 def _warm_up(llm, prompts: list[list[int]], temperatures: list[float]) -> None:
@@ -96,28 +144,46 @@ def _warm_up(llm, prompts: list[list[int]], temperatures: list[float]) -> None:
 
 
 def evaluate(model: str, spec_config: dict, prompt_file: str, temperatures: list[float], ks: list[int],
-             max_tokens: int, num_prompts: int | None, baseline: bool, engine_kwargs: dict, repeats: int = 1) -> dict:
+             max_tokens: int, num_prompts: int | None, baseline: bool, engine_kwargs: dict, repeats: int = 1,
+             interleave: bool = False) -> dict:
     """Run every (k, temperature) and the baseline; returns the report as JSON-ready data."""
     from specserve.llm import LLM
     from specserve.prompt_files import load_prompt_file, prompt_token_ids
 
     conversations = load_prompt_file(prompt_file, limit=num_prompts)
-    runs: list[RunResult] = []
-    for k in ([None] if baseline else []) + list(ks):
+    settings = ([None] if baseline else []) + list(ks)
+
+    def ready(k: int | None):
         spec = None if k is None else {**spec_config, "num_speculative_tokens": k}
         llm = LLM(model, speculative_config=spec, **engine_kwargs)
         prompts = [prompt_token_ids(llm, c) for c in conversations]
         _warm_up(llm, prompts, temperatures)
-        runs += [run_prompts(llm, prompts, t, max_tokens, k, repeats) for t in temperatures]
-        # Free this engine's KV cache and graphs before the next one allocates its own.
-        del llm
+        return llm, prompts
+
+    runs: list[RunResult] = []
+    if interleave:
+        engines = [(k, *ready(k)) for k in settings]
+        timed: dict[tuple, list[TimedRun]] = {(k, t): [] for k in settings for t in temperatures}
+        for _ in range(repeats):
+            for k, llm, prompts in engines:
+                for t in temperatures:
+                    timed[k, t].append(timed_run(llm, prompts, t, max_tokens, k is not None))
+        runs = [collect(t, k, timed[k, t]) for k in settings for t in temperatures]
+        del engines
         gc.collect()
+    else:
+        for k in settings:
+            llm, prompts = ready(k)
+            runs += [run_prompts(llm, prompts, t, max_tokens, k, repeats) for t in temperatures]
+            # Free this engine's KV cache and graphs before the next one allocates its own.
+            del llm
+            gc.collect()
     base = {r.temperature: r for r in runs if r.k is None}
     return {
         "model": model, "speculative_config": spec_config, "prompts": prompt_file, "num_prompts": len(conversations),
-        "max_tokens": max_tokens, "repeats": repeats,
+        "max_tokens": max_tokens, "repeats": repeats, "interleaved": interleave,
         "baseline": [r.as_dict(None) for r in runs if r.k is None],
-        "results": [r.as_dict(base.get(r.temperature)) for r in runs if r.k is not None],
+        "results": [r.as_dict(base.get(r.temperature), paired=interleave) for r in runs if r.k is not None],
     }
 
 
@@ -129,7 +195,9 @@ def format_table(report: dict) -> str:
     lines = [head, "-" * len(head)]
     def repeats(r: dict) -> str:
         rates = r.get("repeat_tokens_per_s")
-        return "  (repeats: " + " ".join(f"{x:.0f}" for x in rates) + ")" if rates else ""
+        paired = f"; speedup in each round {' '.join(f'{x:.2f}' for x in r['round_speedups'])}, median " \
+                 f"{r['paired_speedup']:.2f}" if "round_speedups" in r else ""
+        return "  (repeats: " + " ".join(f"{x:.0f}" for x in rates) + paired + ")" if rates else ""
 
     for r in report["baseline"]:
         lines.append(f"{r['temperature']:>5.2f} {'-':>3} {'':>10} {'':>11}  {'(no speculation)':<{6 * width}} "
@@ -156,6 +224,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-baseline", action="store_true", help="skip the run without speculation")
     p.add_argument("--repeats", type=int, default=1,
                    help="time every run N times over the same engine; tok/s is the median repeat's")
+    p.add_argument("--interleave", action="store_true",
+                   help="build every engine first and time their runs round robin (see --repeats), so that a host "
+                        "that slows during the process slows them alike; adds each round's speedup")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH ('-' for stdout)")
     add_engine_args(p)
     p.set_defaults(func=cmd_eval_acceptance)
@@ -193,7 +264,7 @@ def cmd_eval_acceptance(a: argparse.Namespace) -> None:
     kwargs = engine_kwargs(a)
     del kwargs["speculative_config"]
     report = evaluate(a.model, spec, a.prompts, a.temperature, a.k, a.max_tokens, a.num_prompts,
-                      not a.no_baseline, kwargs, a.repeats)
+                      not a.no_baseline, kwargs, a.repeats, a.interleave)
     print(format_table(report))
     if a.json == "-":
         json.dump(report, sys.stdout, indent=2)

@@ -9,7 +9,7 @@ from heads import save_eagle_head
 from single_thread import one_thread  # noqa: F401  (autouse)
 from specserve import LLM, SamplingParams
 from specserve.entrypoints.cli import main
-from specserve.entrypoints.eval_acceptance import evaluate, stats_between
+from specserve.entrypoints.eval_acceptance import evaluate, stats_between, stats_sum
 from specserve.prompt_files import load_prompt_file, prompt_token_ids
 from specserve.spec_decode.metrics import SpecDecodeStats
 
@@ -66,6 +66,53 @@ def test_repeats_time_each_run_and_count_every_repeat(setup):
     assert r3["mean_acceptance_length"] == pytest.approx(r1["mean_acceptance_length"])
 
 
+def test_interleave_builds_every_engine_first_then_times_them_round_robin(setup, monkeypatch):
+    import specserve.entrypoints.eval_acceptance as ev
+    import specserve.llm
+
+    model, spec, prompts = setup
+    events = []
+
+    class Recorded(specserve.llm.LLM):
+        def __init__(self, *args, speculative_config=None, **kwargs):
+            events.append(("build", None if speculative_config is None else speculative_config["num_speculative_tokens"]))
+            super().__init__(*args, speculative_config=speculative_config, **kwargs)
+
+    def recorded_run(llm, prompts, temperature, max_tokens, speculative):
+        events.append(("run", llm.engine.config.speculative_config is not None, temperature))
+        return timed_run(llm, prompts, temperature, max_tokens, speculative)
+
+    timed_run = ev.timed_run
+    monkeypatch.setattr(specserve.llm, "LLM", Recorded)
+    monkeypatch.setattr(ev, "timed_run", recorded_run)
+    both = evaluate(model, spec, prompts, [0.0], [2], max_tokens=16, num_prompts=None, baseline=True,
+                    engine_kwargs=ENGINE, repeats=2, interleave=True)
+    assert events == [("build", None), ("build", 2)] + [("run", False, 0.0), ("run", True, 0.0)] * 2
+    monkeypatch.undo()
+    apart = evaluate(model, spec, prompts, [0.0], [2], max_tokens=16, num_prompts=None, baseline=True,
+                     engine_kwargs=ENGINE, repeats=2)
+    assert both["interleaved"] and not apart["interleaved"]
+    (r,), (b,) = both["results"], both["baseline"]
+    # Greedy: the same tokens and acceptance whichever order the runs take.
+    for key in ("output_tokens", "num_steps", "num_drafted", "num_accepted", "acceptance_per_position"):
+        assert r[key] == apart["results"][0][key], key
+    assert b["output_tokens"] == apart["baseline"][0]["output_tokens"]
+    rounds = [x / y for x, y in zip(r["repeat_tokens_per_s"], b["repeat_tokens_per_s"])]
+    assert r["round_speedups"] == pytest.approx(rounds, rel=1e-2)
+    assert r["paired_speedup"] == pytest.approx(sorted(rounds)[0] / 2 + sorted(rounds)[1] / 2, rel=1e-2)
+    assert "round_speedups" not in apart["results"][0], "rounds pair up only when interleaved"
+
+
+def test_stats_sum_adds_runs_of_different_depths():
+    short, deep = SpecDecodeStats(), SpecDecodeStats()
+    short.record(2, 1)
+    deep.record(4, 3)
+    deep.record(4, 0)
+    total = stats_sum([short, deep])
+    assert (total.num_steps, total.num_drafted, total.num_accepted, total.num_emitted) == (3, 10, 4, 7)
+    assert total.drafted_per_position == [3, 3, 2, 2] and total.accepted_per_position == [2, 1, 1, 0]
+
+
 def test_stats_between_two_snapshots():
     before, after = SpecDecodeStats(), SpecDecodeStats()
     before.record(3, 1)
@@ -92,6 +139,19 @@ def test_command_prints_a_table_and_writes_json(setup, tmp_path, capsys):
     for r in report["results"]:
         assert len(r["acceptance_per_position"]) == r["k"]
         assert r["mean_acceptance_length"] == pytest.approx(1 + r["num_accepted"] / r["num_steps"])
+
+
+def test_interleaved_command_prints_each_rounds_speedup(setup, capsys):
+    model, spec, prompts = setup
+    rc = main(["eval-acceptance", "--model", model, "--speculative-config", json.dumps(spec), "--prompts", prompts,
+               "--k", "2", "--temperature", "0", "--max-tokens", "8", "--num-prompts", "2", "--max-model-len", "256",
+               "--repeats", "3", "--interleave", "--json", "-"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    table, report = out.split("\n{", 1)
+    (r,) = json.loads("{" + report)["results"]
+    assert len(r["round_speedups"]) == 3
+    assert f"speedup in each round {' '.join(f'{x:.2f}' for x in r['round_speedups'])}" in table
 
 
 @pytest.mark.parametrize("args,message", [
