@@ -65,37 +65,30 @@ class RunResult:
         return out
 
 
-def stats_between(before: SpecDecodeStats, after: SpecDecodeStats) -> SpecDecodeStats:
-    """The statistics of what happened between two snapshots of one engine's counters."""
-    def minus(a: list[int], b: list[int]) -> list[int]:
-        return [x - (b[i] if i < len(b) else 0) for i, x in enumerate(a)]
+def _combined(a: SpecDecodeStats, b: SpecDecodeStats, sign: int) -> SpecDecodeStats:
+    """a + sign * b, field by field; per-position counts past the shorter list count as 0."""
+    def by_position(x: list[int], y: list[int]) -> list[int]:
+        return [(x[i] if i < len(x) else 0) + sign * (y[i] if i < len(y) else 0) for i in range(max(len(x), len(y)))]
 
     return SpecDecodeStats(
-        num_steps=after.num_steps - before.num_steps, num_drafted=after.num_drafted - before.num_drafted,
-        num_accepted=after.num_accepted - before.num_accepted, num_emitted=after.num_emitted - before.num_emitted,
-        accepted_per_position=minus(after.accepted_per_position, before.accepted_per_position),
-        drafted_per_position=minus(after.drafted_per_position, before.drafted_per_position),
+        num_steps=a.num_steps + sign * b.num_steps, num_drafted=a.num_drafted + sign * b.num_drafted,
+        num_accepted=a.num_accepted + sign * b.num_accepted, num_emitted=a.num_emitted + sign * b.num_emitted,
+        accepted_per_position=by_position(a.accepted_per_position, b.accepted_per_position),
+        drafted_per_position=by_position(a.drafted_per_position, b.drafted_per_position),
     )
+
+
+def stats_between(before: SpecDecodeStats, after: SpecDecodeStats) -> SpecDecodeStats:
+    """The statistics of what happened between two snapshots of one engine's counters."""
+    return _combined(after, before, -1)
 
 
 def stats_sum(parts: list[SpecDecodeStats]) -> SpecDecodeStats:
     """The statistics of several runs of one engine together."""
     total = SpecDecodeStats()
     for p in parts:
-        total.num_steps += p.num_steps
-        total.num_drafted += p.num_drafted
-        total.num_accepted += p.num_accepted
-        total.num_emitted += p.num_emitted
-        width = max(len(total.drafted_per_position), len(p.drafted_per_position))
-        total.drafted_per_position = [a + b for a, b in zip(_padded(total.drafted_per_position, width),
-                                                            _padded(p.drafted_per_position, width))]
-        total.accepted_per_position = [a + b for a, b in zip(_padded(total.accepted_per_position, width),
-                                                             _padded(p.accepted_per_position, width))]
+        total = _combined(total, p, 1)
     return total
-
-
-def _padded(counts: list[int], width: int) -> list[int]:
-    return counts + [0] * (width - len(counts))
 
 
 @dataclass(frozen=True)
