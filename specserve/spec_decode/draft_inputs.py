@@ -14,16 +14,21 @@ and per token t of the step the token after it, for the draft prefill:
     next_ids[last[i]] = last_tokens[i]              a drafting request's newest token
     next_ids[end - 1] = the prompt's next token     a prompt chunk that does not sample
     next_ids[T:pad_to] = 0                          padding of the drafter's graph
+    last[i] = last_tokens[i] = 0                    R <= i < pad_reqs: a padded graph's rows
 
 Each scheduled request is one program, which owns its tokens, so the overrides
-need no ordering between programs. The host gives one row per scheduled
-request: (first token, token count, drafting index i or -1, drafts verified,
-the prompt's next token for a chunk that does not sample); base[i] is
-first + count - 1 - drafts verified.
+need no ordering between programs. The host stages one row per scheduled
+request as extra "draft_requests", which the kernel finds through the staged
+array's header (staged_inputs.py), with T: (first token, token count, drafting
+index i or -1, drafts verified, the prompt's next token for a chunk that does
+not sample); base[i] is first + count - 1 - drafts verified. So the launch is
+the same every step, and a graph can hold it.
 """
 from __future__ import annotations
 
 import torch
+
+from specserve.worker.staged_inputs import HEADER_EXTRAS, NUM_TOKENS, header_extra
 
 try:
     import triton
@@ -36,12 +41,14 @@ _TOKENS_PER_LOOP = 128
 _TABLE_COLUMNS = 64
 
 
-def gather_draft_inputs_torch(requests: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
+def gather_draft_inputs_torch(staged: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
                               input_ids: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
-                              num_tokens: int, pad_to: int, next_ids: torch.Tensor, last: torch.Tensor,
+                              pad_to: int, pad_reqs: int, next_ids: torch.Tensor, last: torch.Tensor,
                               last_tokens: torch.Tensor, base_positions: torch.Tensor,
                               draft_block_table: torch.Tensor) -> None:
     """The gather in torch ops (the CPU path and the kernel's reference)."""
+    requests = header_extra(staged, "draft_requests", REQUEST_COLUMNS)
+    num_tokens = int(staged[NUM_TOKENS])
     first, count, slot, drafts, next_prompt = requests.unbind(1)
     batch_rows = torch.arange(requests.shape[0], device=requests.device)
     drafting = slot >= 0
@@ -58,24 +65,38 @@ def gather_draft_inputs_torch(requests: torch.Tensor, accepted: torch.Tensor, to
     last_tokens[i] = emitted
     base_positions[i] = positions[last_idx]
     draft_block_table[i] = block_table[b]
+    last[requests.shape[0]:pad_reqs] = 0
+    last_tokens[requests.shape[0]:pad_reqs] = 0
 
 
 if triton is not None:
 
-    # Sizes change from step to step: specializing on them would compile new variants mid-run.
-    @triton.jit(do_not_specialize=["num_tokens", "pad_to", "num_scheduled"])
+    # pad_to and pad_reqs are a graph's sizes, one per recorded batch size: not specializing on them keeps
+    # one compiled kernel for all.
+    @triton.jit(do_not_specialize=["pad_to", "pad_reqs"])
     def _gather_draft_inputs_kernel(
-        requests_ptr, accepted_ptr, accepted_stride, tokens_ptr, tokens_stride, input_ids_ptr, positions_ptr,
-        block_table_ptr, block_table_stride, num_tokens, pad_to, num_scheduled,
+        staged_ptr, accepted_ptr, accepted_stride, tokens_ptr, tokens_stride, input_ids_ptr, positions_ptr,
+        block_table_ptr, block_table_stride, pad_to, pad_reqs,
         next_ids_ptr, last_ptr, last_tokens_ptr, base_positions_ptr, draft_table_ptr, draft_table_stride,
-        max_blocks, TOKENS: tl.constexpr, COLUMNS: tl.constexpr,
+        max_blocks, REQUESTS_AT: tl.constexpr, REQUESTS_ROWS: tl.constexpr, NUM_TOKENS_AT: tl.constexpr,
+        TOKENS: tl.constexpr, COLUMNS: tl.constexpr,
     ):
         r = tl.program_id(0)
+        # The grid is a bound: the header says how many requests there are and where their rows are.
+        num_scheduled = tl.load(staged_ptr + REQUESTS_ROWS)
+        num_tokens = tl.load(staged_ptr + NUM_TOKENS_AT)
+        requests_ptr = staged_ptr + tl.load(staged_ptr + REQUESTS_AT)
+        if r > num_scheduled:
+            return
         if r == num_scheduled:
-            # The extra program: zeros over the drafter graph's padded tokens.
+            # The extra program: zeros over the drafter graph's padded tokens and rows.
             for p0 in range(num_tokens, pad_to, TOKENS):
                 p = p0 + tl.arange(0, TOKENS)
                 tl.store(next_ids_ptr + p, tl.zeros([TOKENS], dtype=tl.int64), mask=p < pad_to)
+            for i0 in range(num_scheduled, pad_reqs, TOKENS):
+                i = i0 + tl.arange(0, TOKENS)
+                tl.store(last_ptr + i, tl.zeros([TOKENS], dtype=tl.int64), mask=i < pad_reqs)
+                tl.store(last_tokens_ptr + i, tl.zeros([TOKENS], dtype=tl.int64), mask=i < pad_reqs)
         else:
             first = tl.load(requests_ptr + r * 5)
             end = first + tl.load(requests_ptr + r * 5 + 1)
@@ -101,30 +122,30 @@ if triton is not None:
                 tl.store(next_ids_ptr + t, tl.where(t == override_at, value, nxt), mask=live)
 
 
-def gather_draft_inputs(requests: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
+def gather_draft_inputs(staged: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
                         input_ids: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
-                        num_tokens: int, pad_to: int, next_ids: torch.Tensor, last: torch.Tensor,
+                        pad_to: int, pad_reqs: int, next_ids: torch.Tensor, last: torch.Tensor,
                         last_tokens: torch.Tensor, base_positions: torch.Tensor, draft_block_table: torch.Tensor,
-                        *, use_triton: bool | None = None) -> None:
-    """Fill the drafter's inputs (see the module docstring). requests [R, 5] int64, one row per scheduled
-    request in batch order; accepted [>= R], tokens [>= R, k + 1]: the step's outputs by batch row;
-    input_ids, positions, block_table: the step's persistent inputs; the rest are outputs (next_ids over
-    [0, pad_to), the others at each drafting request's index). One Triton launch on CUDA, torch ops elsewhere
-    (use_triton forces either; tests run the kernel under TRITON_INTERPRET=1)."""
-    assert requests.dim() == 2 and requests.shape[1] == REQUEST_COLUMNS, \
-        f"requests must be [R, {REQUEST_COLUMNS}], got {tuple(requests.shape)}"
+                        max_rows: int, *, use_triton: bool | None = None) -> None:
+    """Fill the drafter's inputs (see the module docstring). staged: the step's staged array (int64), whose
+    header locates the R request rows and holds T; max_rows >= R bounds the grid (a graph records it once);
+    accepted [>= R], tokens [>= R, k + 1]: the step's outputs by batch row; input_ids, positions, block_table:
+    the step's persistent inputs; the rest are outputs (next_ids over [0, pad_to), the others at each drafting
+    request's index, and last, last_tokens zero over [R, pad_reqs)). One Triton launch on CUDA, torch ops
+    elsewhere (use_triton forces either; tests run the kernel under TRITON_INTERPRET=1)."""
     if use_triton is None:
         use_triton = triton is not None and input_ids.is_cuda
     if not use_triton:
-        gather_draft_inputs_torch(requests, accepted, tokens, input_ids, positions, block_table, num_tokens, pad_to,
+        gather_draft_inputs_torch(staged, accepted, tokens, input_ids, positions, block_table, pad_to, pad_reqs,
                                   next_ids, last, last_tokens, base_positions, draft_block_table)
         return
-    assert requests.is_contiguous() and requests.dtype == torch.int64 and block_table.stride(1) == 1
+    assert staged.is_contiguous() and staged.dtype == torch.int64 and block_table.stride(1) == 1
     assert draft_block_table.stride(1) == 1 and tokens.stride(1) == 1
-    num_scheduled = requests.shape[0]
-    _gather_draft_inputs_kernel[(num_scheduled + 1,)](
-        requests, accepted, accepted.stride(0), tokens, tokens.stride(0), input_ids, positions,
-        block_table, block_table.stride(0), num_tokens, pad_to, num_scheduled,
+    at_slot, rows_slot = HEADER_EXTRAS["draft_requests"]
+    _gather_draft_inputs_kernel[(max_rows + 1,)](
+        staged, accepted, accepted.stride(0), tokens, tokens.stride(0), input_ids, positions,
+        block_table, block_table.stride(0), pad_to, pad_reqs,
         next_ids, last, last_tokens, base_positions, draft_block_table, draft_block_table.stride(0),
-        block_table.shape[1], TOKENS=_TOKENS_PER_LOOP, COLUMNS=_TABLE_COLUMNS,
+        block_table.shape[1], REQUESTS_AT=at_slot, REQUESTS_ROWS=rows_slot, NUM_TOKENS_AT=NUM_TOKENS,
+        TOKENS=_TOKENS_PER_LOOP, COLUMNS=_TABLE_COLUMNS,
     )

@@ -157,6 +157,9 @@ class ModelDrafter(Speculator):
         for step in range(1, self.num_loop_steps + 1):
             prepare_draft_step(step, self.step_buffers.num_reqs, base_positions, block_table, self.block_size,
                                self.max_position, self.step_buffers)
+            # Whatever a backend derived from the metadata belongs to the step before (the graph manager
+            # clears it once per replay, and this loop runs several steps in one).
+            metadata.backend_state.clear()
             tokens, feedback = self.greedy_decode_step(tokens, feedback, self.step_buffers.positions[:n], metadata)
             drafts.append(tokens)
         return torch.stack(drafts, dim=1)
@@ -208,15 +211,11 @@ class ModelDrafter(Speculator):
             for rows in self._request_rows:
                 rows[n:].zero_()
             self._rows_in_use = n
-        if self.feedback is not None and fed_back is not None:
-            torch.index_select(fed_back, 0, last, out=self.feedback[:n])
+        self._keep_feedback(n, fed_back, last)
         loop = self.greedy_loop_graphs
         loop_desc = loop.dispatch(n, n, 1) if loop is not None and greedy else None
         if loop_desc is not None and loop.has_graph(loop_desc):
-            if self.first_hidden is not None:
-                torch.index_select(for_logits, 0, last, out=self.first_hidden[:n])
-            else:
-                self.decode_tokens[:n].copy_(current)
+            self._seed_greedy_loop(n, for_logits, last, current)
             self.step_buffers.num_reqs.fill_(n)
             return loop.run(loop_desc, self._greedy_loop, loop.metadata[loop_desc.key])[:n]
         if for_logits is not None:
@@ -235,6 +234,37 @@ class ModelDrafter(Speculator):
             drafts.append(current)
             step += 1
         return torch.stack(drafts, dim=1)
+
+    def propose_greedy_in_graph(self, desc: BatchDescriptor, target_out: tuple, metadata: AttentionMetadata,
+                                num_reqs: torch.Tensor, last_token_indices: torch.Tensor,
+                                last_tokens: torch.Tensor) -> torch.Tensor:
+        """propose() of a greedy batch that the target ran as the full graph for desc, for recording inside the
+        runner's whole-step graph: [desc.num_reqs, k] drafts. The batch is padded to desc.num_reqs; num_reqs
+        ([1] on the device) holds how many rows are real, and rows past it of last_token_indices and
+        last_tokens hold 0, so every padded row reads in-range values (design.md 4.5)."""
+        n = desc.num_reqs
+        for_logits, fed_back = self._prefill(desc, metadata, target_out)
+        last = last_token_indices[:n]
+        self._keep_feedback(n, fed_back, last)
+        self._seed_greedy_loop(n, for_logits, last, last_tokens[:n])
+        self.step_buffers.num_reqs.copy_(num_reqs)
+        loop = self.greedy_loop_graphs
+        loop_desc = loop.dispatch(n, n, 1)
+        return self._greedy_loop(loop_desc, loop.metadata[loop_desc.key])
+
+    def _keep_feedback(self, n: int, fed_back: torch.Tensor | None, last: torch.Tensor) -> None:
+        """The prefill's state to feed back at each request's last accepted token, into the decode steps' rows."""
+        if self.feedback is not None and fed_back is not None:
+            torch.index_select(fed_back, 0, last, out=self.feedback[:n])
+
+    def _seed_greedy_loop(self, n: int, for_logits: torch.Tensor | None, last: torch.Tensor,
+                          last_tokens: torch.Tensor) -> None:
+        """What the greedy loop drafts from, rows < n: the prefill's hidden state at each last accepted token
+        where the prefill drafts, else the last tokens themselves."""
+        if self.first_hidden is not None:
+            torch.index_select(for_logits, 0, last, out=self.first_hidden[:n])
+        else:
+            self.decode_tokens[:n].copy_(last_tokens)
 
     def _run_decode_step(self, n: int, step: int, inp: DraftInput) -> tuple[torch.Tensor, torch.Tensor | None]:
         graphs = self.decode_graphs

@@ -12,13 +12,17 @@ the previous step's outputs, each such request gets:
 
 Rows and tokens of other requests are left alone, so this runs after the
 ordinary upload and before the forward, all on one stream, without a host
-sync. Per in-flight request the host passes one row of `meta`:
+sync. Per in-flight request the host stages one row of extra "inflight", which
+the kernel finds through the staged array's header (staged_inputs.py), so its
+launch is the same every step:
 (row in this batch, row in the previous step's outputs, index of its first token, number of
 tokens, drafts the previous step verified for it).
 """
 from __future__ import annotations
 
 import torch
+
+from specserve.worker.staged_inputs import HEADER_EXTRAS, header_extra
 
 try:
     import triton
@@ -29,12 +33,15 @@ except ImportError:  # Triton is optional on CPU installs; the torch path serves
 META_COLUMNS = 5
 
 
-def take_inflight_inputs_torch(meta: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
+def take_inflight_inputs_torch(staged: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
                                drafts: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                                seq_lens: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
                                block_size: int) -> None:
     """The update in torch ops (the CPU path and the kernel's reference)."""
-    row, prev, first, count, verified = meta.to(torch.int64).unbind(1)
+    meta = header_extra(staged, "inflight", META_COLUMNS)
+    if meta.shape[0] == 0:
+        return
+    row, prev, first, count, verified = meta.unbind(1)
     acc = accepted[prev]
     rejected = verified - acc
     last = tokens[prev, acc]
@@ -56,11 +63,16 @@ if triton is not None:
 
     @triton.jit
     def _take_inflight_inputs_kernel(
-        meta_ptr, accepted_ptr, accepted_stride, tokens_ptr, tokens_stride, drafts_ptr, drafts_stride,
+        staged_ptr, accepted_ptr, accepted_stride, tokens_ptr, tokens_stride, drafts_ptr, drafts_stride,
         input_ids_ptr, positions_ptr, seq_lens_ptr, slot_mapping_ptr, block_table_ptr, block_table_stride,
-        block_size, NUM_DRAFT_COLS: tl.constexpr, BLOCK: tl.constexpr,
+        block_size, META_AT: tl.constexpr, META_ROWS: tl.constexpr, NUM_DRAFT_COLS: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         m = tl.program_id(0)
+        # The grid is a bound; the header says how many requests are in flight and where their rows are.
+        if m >= tl.load(staged_ptr + META_ROWS):
+            return
+        meta_ptr = staged_ptr + tl.load(staged_ptr + META_AT)
         row = tl.load(meta_ptr + m * 5)
         prev = tl.load(meta_ptr + m * 5 + 1)
         first = tl.load(meta_ptr + m * 5 + 2)
@@ -84,28 +96,29 @@ if triton is not None:
         tl.store(seq_lens_ptr + row, (seq_len - rejected).to(tl.int32))
 
 
-def take_inflight_inputs(meta: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, drafts: torch.Tensor,
+def take_inflight_inputs(staged: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, drafts: torch.Tensor,
                          input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
-                         slot_mapping: torch.Tensor, block_table: torch.Tensor, block_size: int,
+                         slot_mapping: torch.Tensor, block_table: torch.Tensor, block_size: int, max_rows: int,
                          *, use_triton: bool | None = None) -> None:
-    """Fill in the inputs of in-flight requests (see the module docstring). meta: [m, 5] int32 on the
-    device (int32 or int64); accepted [R], tokens [R, k + 1], drafts [R, k]: the previous step's outputs by its batch row;
-    the rest: the runner's persistent input buffers. One Triton launch on CUDA, torch ops elsewhere
+    """Fill in the inputs of in-flight requests (see the module docstring). staged: the step's staged array
+    (int64), whose header locates the in-flight rows; max_rows: at least their number (the grid; a graph
+    records it once). accepted [R], tokens [R, k + 1], drafts [R, k]: the previous step's outputs by its batch
+    row; the rest: the runner's persistent input buffers. One Triton launch on CUDA, torch ops elsewhere
     (use_triton forces either; tests run the kernel under TRITON_INTERPRET=1)."""
-    assert meta.dim() == 2 and meta.shape[1] == META_COLUMNS, f"meta must be [m, {META_COLUMNS}], got {tuple(meta.shape)}"
-    if meta.shape[0] == 0:
-        return
     if use_triton is None:
         use_triton = triton is not None and input_ids.is_cuda
+    if max_rows == 0:
+        return
     if not use_triton:
-        take_inflight_inputs_torch(meta, accepted, tokens, drafts, input_ids, positions, seq_lens, slot_mapping,
+        take_inflight_inputs_torch(staged, accepted, tokens, drafts, input_ids, positions, seq_lens, slot_mapping,
                                    block_table, block_size)
         return
-    assert meta.dtype in (torch.int32, torch.int64) and meta.is_contiguous()
+    assert staged.dtype == torch.int64 and staged.is_contiguous()
     assert tokens.stride(1) == 1 and block_table.stride(1) == 1 and seq_lens.dtype == torch.int32
     k = drafts.shape[1]
-    _take_inflight_inputs_kernel[(meta.shape[0],)](
-        meta, accepted, accepted.stride(0), tokens, tokens.stride(0), drafts, drafts.stride(0) if k else 0,
+    at_slot, rows_slot = HEADER_EXTRAS["inflight"]
+    _take_inflight_inputs_kernel[(max_rows,)](
+        staged, accepted, accepted.stride(0), tokens, tokens.stride(0), drafts, drafts.stride(0) if k else 0,
         input_ids, positions, seq_lens, slot_mapping, block_table, block_table.stride(0), block_size,
-        NUM_DRAFT_COLS=k, BLOCK=triton.next_power_of_2(k + 1),
+        META_AT=at_slot, META_ROWS=rows_slot, NUM_DRAFT_COLS=k, BLOCK=triton.next_power_of_2(k + 1),
     )

@@ -1,8 +1,8 @@
 """The runner's persistent device buffers: allocated once, rewritten every step.
 
 A later CUDA graph reads these exact tensors, so nothing here is ever
-reallocated; a step stages its inputs in one copy (staged_inputs.py) and
-passes views on. Rows past the live batch are reset to values that are always
+reallocated; a step stages its inputs in one copy (staged_inputs.py), which
+spread() then writes into the buffers, eagerly or inside a whole-step graph. Rows past the live batch are reset to values that are always
 safe to read (design.md 4.5).
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from specserve.attention.metadata import PAD_SLOT_ID, AttentionMetadata
-from specserve.worker.staged_inputs import StagedLayout, pack_step_inputs, scatter_staged_inputs
+from specserve.worker.staged_inputs import HEADER_SLOTS, StagedLayout, pack_step_inputs, scatter_staged_inputs
 
 
 class InputBuffers:
@@ -49,8 +49,9 @@ class InputBuffers:
         block_size: int,
         extras: dict[str, np.ndarray] | None = None,
     ) -> AttentionMetadata:
-        """Stage the step's inputs (and the caller's extra int64 arrays, read back with staged()), copy them
-        to the device at once and spread them into the persistent buffers; returns the step's metadata.
+        """Stage the step's inputs (and the caller's extra int64 arrays, read back with staged_extra()) and copy
+        them to the device at once; spread() then writes them into the persistent buffers. Returns the step's
+        metadata.
         Each request's query is its last query_lens[i] positions before seq_lens[i]; table[i] holds its
         block ids."""
         self._staging ^= 1
@@ -64,8 +65,6 @@ class InputBuffers:
         host = self._host[self._staging]
         layout = pack_step_inputs(host.numpy(), input_ids, positions, slots, seq_lens, qsl[1:], table, extras or {})
         self.staged[:layout.size].copy_(host[:layout.size], non_blocking=True)
-        scatter_staged_inputs(self.staged, layout, self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
-                              self.query_start_loc, self.block_table)
         self._layout = layout
         metadata = self.padded_metadata(num_reqs, num_tokens, int(query_lens.max()), int(seq_lens.max()))
         if self.device.type == "cpu":
@@ -76,13 +75,21 @@ class InputBuffers:
         return replace(metadata, query_start_loc_cpu=torch.from_numpy(qsl.astype(np.int32)),
                        seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)))
 
+    def spread(self) -> None:
+        """Write the staged step into the persistent buffers, padding included (one launch, the same every
+        step: the sizes come from the staged header)."""
+        scatter_staged_inputs(self.staged, self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+                              self.query_start_loc, self.block_table)
+
     def staged_extra(self, name: str) -> torch.Tensor:
         """The device copy of extra array `name` of the last prepare(), in its shape (int64)."""
         offset, shape, size = self._layout.extras[name]
         return self.staged[offset:offset + size].view(shape)
 
     def reset(self) -> None:
-        """An empty batch in every row (before a capture, and after it: nothing stale survives)."""
+        """An empty batch in every row (before a capture, and after it: nothing stale survives), and an empty
+        step staged, which a recorded spread() turns into that same empty batch."""
+        self.staged[:HEADER_SLOTS].zero_()
         self.query_start_loc.zero_()
         self.seq_lens.zero_()
         self.slot_mapping.fill_(PAD_SLOT_ID)

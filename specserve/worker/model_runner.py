@@ -25,6 +25,7 @@ from specserve.worker.graph_recorder import AttentionSplitter
 from specserve.worker.host_block_table import HostBlockTable
 from specserve.worker.inflight_inputs import take_inflight_inputs
 from specserve.worker.input_buffers import InputBuffers
+from specserve.worker.staged_inputs import NUM_REQS
 from specserve.worker.step_handle import PendingLogprobs, StepHandle
 from specserve.worker.step_outputs import StepOutputs
 
@@ -87,6 +88,8 @@ class ModelRunner:
         # Greedy sampling of a decode batch and greedy verification of a uniform one, one graph per full graph
         # of the target for them (see _greedy_outputs), and the verification's fixed inputs.
         self.greedy_graphs: CUDAGraphManager | None = None
+        # The whole step of a greedy uniform batch in one graph (see _whole_step).
+        self.whole_step_graphs: CUDAGraphManager | None = None
         self.uniform_verify: UniformVerifyInputs | None = None
         self.capture_seconds: float | None = None
         self.graph_memory_bytes: int | None = None
@@ -130,9 +133,17 @@ class ModelRunner:
             "greedy sampling", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
             uniform_query_lens=query_lens, recorder=recorder, debug=cfg.debug_cudagraph)
         self.greedy_graphs.capture(self._greedy_outputs, self._prepare_capture, uniform)
-        if self.speculator is not None and hasattr(self.speculator, "capture_graphs"):
-            self.speculator.capture_graphs(self.graphs, splitter, recorder, sizes, cfg.debug_cudagraph,
-                                           self._prepare_capture, self.draft_base_positions, self.draft_block_table)
+        drafter = self.speculator if self.speculator is not None and self.speculator.on_device else None
+        if drafter is not None and hasattr(drafter, "capture_graphs"):
+            drafter.capture_graphs(self.graphs, splitter, recorder, sizes, cfg.debug_cudagraph, self._prepare_capture,
+                                   self.draft_base_positions, self.draft_block_table)
+        # The debug check re-runs a graph's forward after its replay, but a whole step reads the outputs of the
+        # step before, which its replay overwrote: under debug each part runs (and is checked) in its own graph.
+        if not cfg.debug_cudagraph and (drafter is None or getattr(drafter, "greedy_loop_graphs", None)):
+            self.whole_step_graphs = CUDAGraphManager(
+                "whole step", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                uniform_query_lens=query_lens, recorder=recorder)
+            self.whole_step_graphs.capture(self._whole_step, self._prepare_capture, uniform)
         self.buffers.reset()
         # The greedy graphs' warm-up runs wrote outputs for rows no step has had yet.
         self.outputs.packed.zero_()
@@ -152,14 +163,16 @@ class ModelRunner:
         return self.model(self.buffers.input_ids[:n], self.buffers.positions[:n], self.kv_caches, metadata)
 
     def _greedy_outputs(self, desc: BatchDescriptor, metadata):
+        """_greedy_outputs_of the target graph's hidden states for the same descriptor."""
+        return self._greedy_outputs_of(desc, self.graphs.graphs[desc.key].outputs[0])
+
+    def _greedy_outputs_of(self, desc: BatchDescriptor, padded_hidden: torch.Tensor) -> torch.Tensor:
         """The step outputs of a greedy uniform batch: a decode batch's tokens, or what a batch verifying k
         drafts per request accepts and emits. The batch's request i owns its tokens i * q .. i * q + q - 1 and
         output row i, so every index is the identity, and one recording serves every batch padded to
-        desc.num_reqs (padded rows write rows of outputs that no request reads). Reads the target graph's
-        hidden states for the same descriptor."""
+        desc.num_reqs (padded rows write rows of outputs that no request reads)."""
         n, q = desc.num_reqs, desc.query_len
-        hidden = self.graphs.graphs[desc.key].outputs[0][: n * q]
-        tokens = self.model.greedy_tokens(hidden, captured=True)
+        tokens = self.model.greedy_tokens(padded_hidden[: n * q], captured=True)
         if q == 1:
             self.outputs.accepted[:n].zero_()
             self.outputs.tokens[:n, 0].copy_(tokens)
@@ -169,25 +182,63 @@ class ModelRunner:
                       self.outputs.accepted, self.outputs.tokens, None if forced is None else v.uniform[:n], forced)
         return tokens
 
+    def _whole_step(self, desc: BatchDescriptor, metadata):
+        """Everything a greedy uniform batch does on the device, for one graph: the inputs spread from the
+        staged copy, the in-flight requests' inputs, the target, its greedy outputs, and with a device drafter
+        the next drafts. Every launch reads its sizes from the staged header or from desc, so one recording
+        serves every batch padded to desc.num_reqs; what it computes is what the parts compute on their own."""
+        b, out, n = self.buffers, self.outputs, desc.num_reqs
+        b.spread()
+        take_inflight_inputs(b.staged, out.accepted, out.tokens, out.drafts, b.input_ids, b.positions, b.seq_lens,
+                             b.slot_mapping, b.block_table, self.block_size, max_rows=n)
+        padded_hidden, padded_aux = self._target_forward(desc, metadata)
+        self._greedy_outputs_of(desc, padded_hidden)
+        spec = self.speculator
+        if spec is not None and spec.on_device:
+            self._gather_draft_inputs(desc, max_rows=n)
+            drafts = spec.propose_greedy_in_graph(desc, (padded_hidden, padded_aux), metadata,
+                                                  b.staged[NUM_REQS:NUM_REQS + 1], self.draft_last_indices,
+                                                  self.draft_last_tokens)
+            out.drafts[:n].copy_(drafts)
+
+    def _runs_whole(self, desc: BatchDescriptor, sched: SchedulerOutput, sampling: list[int]) -> bool:
+        """Whether the step replays its whole-step graph: a uniform batch with one, where every request samples
+        greedily without logprobs and, verifying, has exactly the drafts the graph verifies. These are the
+        conditions under which each part would run its own graph (_sample, _verify, the drafter's greedy loop)."""
+        whole = self.whole_step_graphs
+        if whole is None or self.graphs.debug or not whole.has_graph(desc) or len(sampling) != len(sched.scheduled):
+            return False
+        reqs = [s.request for s in sched.scheduled]
+        batch = SamplingBatch.build(reqs, self.device)
+        if not batch.all_greedy or batch.max_logprobs is not None:
+            return False
+        if desc.query_len == 1:
+            return not any(r.needs_host_tokens for r in reqs)
+        return all(len(s.spec_token_ids) == desc.query_len - 1 for s in sched.scheduled)
+
     def _greedy_in_graph(self, desc: BatchDescriptor, sched: SchedulerOutput, batch_rows: list[int]) -> bool:
         """Whether a greedy batch's sampling or verification runs as its greedy graph: every scheduled request
         takes part and the target ran a full graph of a uniform batch that has one."""
         return (len(batch_rows) == len(sched.scheduled) and self.greedy_graphs is not None
                 and self.greedy_graphs.has_graph(desc))
 
-    def _run_target(self, num_tokens: int, query_lens: list[int], metadata):
-        """Target forward for this step, replayed from a graph where one fits. Returns the descriptor
-        and the forward's outputs over the descriptor's (padded) tokens."""
+    def _dispatch(self, num_tokens: int, query_lens: list[int]) -> BatchDescriptor:
+        """How this step's target forward runs: the graph descriptor where graphs are recorded."""
         uniform = query_lens[0] if all(q == query_lens[0] for q in query_lens) else None
         if self.graphs is None:
-            desc = BatchDescriptor(CUDAGraphMode.NONE, num_tokens, len(query_lens), uniform)
-            return desc, self._target_forward(desc, metadata), metadata
-        desc = self.graphs.dispatch(num_tokens, len(query_lens), uniform)
+            return BatchDescriptor(CUDAGraphMode.NONE, num_tokens, len(query_lens), uniform)
+        return self.graphs.dispatch(num_tokens, len(query_lens), uniform)
+
+    def _run_target(self, desc: BatchDescriptor, metadata):
+        """Target forward for this step, replayed from a graph where one fits. Returns the forward's outputs
+        over the descriptor's (padded) tokens, and the metadata its attention ran with."""
+        if self.graphs is None:
+            return self._target_forward(desc, metadata), metadata
         if desc.mode is CUDAGraphMode.PIECEWISE:
             # Attention runs eagerly over the padded tokens; padded ones belong to no request.
             metadata = replace(metadata, num_tokens=desc.num_tokens,
                                slot_mapping=self.buffers.slot_mapping[: desc.num_tokens])
-        return desc, self.graphs.run(desc, self._target_forward, metadata), metadata
+        return self.graphs.run(desc, self._target_forward, metadata), metadata
 
     def _release_rows(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -245,15 +296,22 @@ class ModelRunner:
                                         np.array(slens, dtype=np.int64), self.host_block_table.gather(rows),
                                         self.block_size, plan.extras)
         b = self.buffers
-        if inflight:
-            take_inflight_inputs(b.staged_extra("inflight"), self.outputs.accepted, self.outputs.tokens,
-                                 self.outputs.drafts, b.input_ids, b.positions, b.seq_lens, b.slot_mapping,
-                                 b.block_table, self.block_size)
-        desc, (padded_hidden, padded_aux), metadata = self._run_target(offset, qlens, metadata)
-        hidden = padded_hidden[:offset]
+        desc = self._dispatch(offset, qlens)
         handle = StepHandle(sched, sampling)
         self._previous = {sched.scheduled[i].request.request_id: (i, len(sched.scheduled[i].spec_token_ids))
                           for i in sampling}
+        if self._runs_whole(desc, sched, sampling):
+            self._forced_draws(desc, len(sampling))
+            self.whole_step_graphs.run(desc, self._whole_step, None)
+            handle.host, handle.event = self.outputs.copy_to_host(len(sched.scheduled))
+            return handle
+        b.spread()
+        if inflight:
+            take_inflight_inputs(b.staged, self.outputs.accepted, self.outputs.tokens, self.outputs.drafts,
+                                 b.input_ids, b.positions, b.seq_lens, b.slot_mapping, b.block_table, self.block_size,
+                                 max_rows=len(inflight))
+        (padded_hidden, padded_aux), metadata = self._run_target(desc, metadata)
+        hidden = padded_hidden[:offset]
         if not sampling:
             return handle
         # Requests without drafts take the plain sampler, which also applies penalties and min_tokens.
@@ -262,9 +320,16 @@ class ModelRunner:
         if plan.verify_rows:
             self._verify(hidden, sched, plan.verify_rows, handle, desc)
         if self.speculator is not None and self.speculator.on_device:
-            self._propose(sched, sampling, offset, desc, (padded_hidden, padded_aux), metadata)
+            self._propose(sched, sampling, desc, (padded_hidden, padded_aux), metadata)
         handle.host, handle.event = self.outputs.copy_to_host(len(sched.scheduled))
         return handle
+
+    def _forced_draws(self, desc: BatchDescriptor, n: int) -> None:
+        """Under forced acceptance, the uniform draws a verification graph reads, from the generator the eager
+        verification draws them from."""
+        if self.forced_acceptance_prob is not None and desc.query_len > 1:
+            torch.rand(n, desc.query_len - 1, generator=self.sampler.default_generator,
+                       out=self.uniform_verify.uniform[:n])
 
     def resolve(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step and return its tokens (and drafts) on the host."""
@@ -326,10 +391,7 @@ class ModelRunner:
         # A uniform batch's query is the last token and k drafts: every request must verify all k.
         if greedy and v is not None and self._greedy_in_graph(desc, sched, batch_rows) \
                 and all(len(s.spec_token_ids) == desc.query_len - 1 for s in scheduled):
-            if forced is not None:
-                # The draws the eager path takes, from the same generator.
-                torch.rand(len(reqs), desc.query_len - 1, generator=self.sampler.default_generator,
-                           out=v.uniform[: len(reqs)])
+            self._forced_draws(desc, len(reqs))
             self.greedy_graphs.run(desc, self._greedy_outputs, None)
             return
         b = self.buffers
@@ -371,16 +433,20 @@ class ModelRunner:
             result = token_logprobs(raw, tokens.flatten().clamp(min=0), batch.max_logprobs)
             handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=k + 1))
 
-    def _propose(self, sched, sampling, num_tokens, desc, target_out, metadata) -> None:
+    def _gather_draft_inputs(self, desc: BatchDescriptor, max_rows: int) -> None:
+        """The drafter's inputs from this step's outputs (draft_inputs.py), padded to desc."""
+        b = self.buffers
+        gather_draft_inputs(b.staged, self.outputs.accepted, self.outputs.tokens, b.input_ids, b.positions,
+                            b.block_table, desc.num_tokens, desc.num_reqs, self.speculator.next_ids, self.draft_last_indices,
+                            self.draft_last_tokens, self.draft_base_positions, self.draft_block_table, max_rows)
+
+    def _propose(self, sched, sampling, desc, target_out, metadata) -> None:
         """Draft the next tokens of every request that produced tokens this step, on the device: each
         request's last accepted token and its position follow from the accepted counts just written."""
         spec, b = self.speculator, self.buffers
         n = len(sampling)
         scheduled = [sched.scheduled[i] for i in sampling]
-        gather_draft_inputs(b.staged_extra("draft_requests"), self.outputs.accepted, self.outputs.tokens,
-                            b.input_ids, b.positions, b.block_table, num_tokens, desc.num_tokens, spec.next_ids,
-                            self.draft_last_indices, self.draft_last_tokens, self.draft_base_positions,
-                            self.draft_block_table)
+        self._gather_draft_inputs(desc, max_rows=len(sched.scheduled))
         drafting = [s.request for s in scheduled]
         inp = DraftInput(
             target_out=target_out,

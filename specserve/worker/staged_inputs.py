@@ -17,10 +17,15 @@ buffers, padding included:
 The rest of the staged array (`extras`: index lists for sampling,
 verification and drafting) is read in place by later kernels of the step: the
 next step's copy is queued behind them on the same stream.
+
+A header of HEADER_SLOTS values opens the array: the step's sizes, and where
+the extras that kernels read (HEADER_EXTRAS) start and how many rows they
+hold. Those kernels take no per-step argument, so a CUDA graph can hold their
+launches and replay them for any step (the runner's whole-step graphs).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -32,6 +37,12 @@ try:
     import triton.language as tl
 except ImportError:  # Triton is optional on CPU installs; the torch path serves there.
     triton = None
+
+# The header's slots. Its size keeps the arrays after it 16-byte aligned (see pack_step_inputs).
+NUM_TOKENS, NUM_REQS, TABLE_WIDTH, INFLIGHT_AT, INFLIGHT_ROWS, DRAFT_REQUESTS_AT, DRAFT_REQUESTS_ROWS = range(7)
+HEADER_SLOTS = 8
+# Extras that kernels find through the header: name -> (slot of its offset, slot of its row count).
+HEADER_EXTRAS = {"inflight": (INFLIGHT_AT, INFLIGHT_ROWS), "draft_requests": (DRAFT_REQUESTS_AT, DRAFT_REQUESTS_ROWS)}
 
 # Tokens and request rows per program: a few programs cover the largest buffers.
 _TOKENS_PER_PROGRAM = 1024
@@ -51,19 +62,19 @@ class StagedLayout:
 
     @property
     def ids(self) -> int:
-        return 0
+        return HEADER_SLOTS
 
     @property
     def positions(self) -> int:
-        return self.num_tokens
+        return HEADER_SLOTS + self.num_tokens
 
     @property
     def slots(self) -> int:
-        return 2 * self.num_tokens
+        return HEADER_SLOTS + 2 * self.num_tokens
 
     @property
     def seq_lens(self) -> int:
-        return 3 * self.num_tokens
+        return HEADER_SLOTS + 3 * self.num_tokens
 
     @property
     def query_ends(self) -> int:  # query_start_loc[1:]
@@ -73,13 +84,17 @@ class StagedLayout:
     def table(self) -> int:
         return self.query_ends + self.num_reqs
 
+    @property
+    def end(self) -> int:  # where the extras may start
+        return self.table + self.num_reqs * self.table_width
+
 
 def pack_step_inputs(host: np.ndarray, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                      seq_lens: np.ndarray, query_ends: np.ndarray, table: np.ndarray,
                      extras: dict[str, np.ndarray]) -> StagedLayout:
     """Write the step's arrays into host (an int64 staging array) and return where they are."""
     num_tokens, num_reqs, width = len(input_ids), len(seq_lens), table.shape[1]
-    offset = 3 * num_tokens + 2 * num_reqs + num_reqs * width
+    offset = StagedLayout(num_tokens, num_reqs, width, {}, 0).end
     placed = {}
     for name, values in extras.items():
         # 16-byte aligned, as Triton specializes a kernel on its pointers' alignment: a view at an odd
@@ -91,6 +106,12 @@ def pack_step_inputs(host: np.ndarray, input_ids: np.ndarray, positions: np.ndar
     if layout.size > host.shape[0]:
         raise RuntimeError(f"a step's inputs need {layout.size} staged values but the buffer holds {host.shape[0]}; "
                            "raise max_num_batched_tokens or lower max_num_seqs")
+    header = [0] * HEADER_SLOTS
+    header[NUM_TOKENS], header[NUM_REQS], header[TABLE_WIDTH] = num_tokens, num_reqs, width
+    for name, (at_slot, rows_slot) in HEADER_EXTRAS.items():
+        if name in placed:
+            header[at_slot], header[rows_slot] = placed[name][0], placed[name][1][0]
+    host[:HEADER_SLOTS] = header
     for start, values in ((layout.ids, input_ids), (layout.positions, positions), (layout.slots, slots),
                           (layout.seq_lens, seq_lens), (layout.query_ends, query_ends), (layout.table, table)):
         host[start:start + values.size] = values.reshape(-1)
@@ -100,10 +121,27 @@ def pack_step_inputs(host: np.ndarray, input_ids: np.ndarray, positions: np.ndar
     return layout
 
 
-def scatter_staged_inputs_torch(staged: torch.Tensor, layout: StagedLayout, input_ids: torch.Tensor,
-                                positions: torch.Tensor, slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
-                                query_start_loc: torch.Tensor, block_table: torch.Tensor) -> None:
+def header_extra(staged: torch.Tensor, name: str, columns: int) -> torch.Tensor:
+    """Extra `name` ([rows, columns]) where the header of a staged array says it is, read on the host (the
+    torch paths of the kernels that read it)."""
+    at_slot, rows_slot = HEADER_EXTRAS[name]
+    header = staged[:HEADER_SLOTS].tolist()
+    at, rows = header[at_slot], header[rows_slot]
+    return staged[at:at + rows * columns].view(rows, columns)
+
+
+def staged_layout(staged: torch.Tensor) -> StagedLayout:
+    """The layout of the staged array's own parts, from its header (read on the host: the torch path)."""
+    header = staged[:HEADER_SLOTS].tolist()
+    own = StagedLayout(header[NUM_TOKENS], header[NUM_REQS], header[TABLE_WIDTH], {}, 0)
+    return replace(own, size=own.end)
+
+
+def scatter_staged_inputs_torch(staged: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                                slot_mapping: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                                block_table: torch.Tensor) -> None:
     """The scatter in torch ops (the CPU path and the kernel's reference)."""
+    layout = staged_layout(staged)
     t, r, w = layout.num_tokens, layout.num_reqs, layout.table_width
     for buf, start, pad in ((input_ids, layout.ids, 0), (positions, layout.positions, 0),
                             (slot_mapping, layout.slots, PAD_SLOT_ID)):
@@ -120,22 +158,28 @@ def scatter_staged_inputs_torch(staged: torch.Tensor, layout: StagedLayout, inpu
 
 if triton is not None:
 
-    # The sizes and offsets change from step to step: specializing on them (Triton treats 1 and multiples
-    # of 16 apart) would compile new variants in the middle of a run.
-    @triton.jit(do_not_specialize=["num_tokens", "num_reqs", "table_width", "positions_at", "slots_at",
-                                   "seq_lens_at", "query_ends_at", "table_at"])
+    @triton.jit
     def _scatter_staged_inputs_kernel(
         staged_ptr, input_ids_ptr, positions_ptr, slot_mapping_ptr, seq_lens_ptr, query_start_loc_ptr,
-        block_table_ptr, block_table_stride,
-        num_tokens, num_reqs, table_width, positions_at, slots_at, seq_lens_at, query_ends_at, table_at,
-        max_tokens, max_reqs, max_blocks,
+        block_table_ptr, block_table_stride, max_tokens, max_reqs, max_blocks,
         PAD_SLOT: tl.constexpr, TOKENS: tl.constexpr, REQS: tl.constexpr, COLUMNS: tl.constexpr,
+        HEADER: tl.constexpr,
     ):
+        # The step's sizes come from the header (slots 0-2, see HEADER_SLOTS), so one launch, or one graph
+        # of it, serves every step; the parts follow the header in StagedLayout's order.
+        num_tokens = tl.load(staged_ptr)
+        num_reqs = tl.load(staged_ptr + 1)
+        table_width = tl.load(staged_ptr + 2)
+        positions_at = HEADER + num_tokens
+        slots_at = positions_at + num_tokens
+        seq_lens_at = slots_at + num_tokens
+        query_ends_at = seq_lens_at + num_reqs
+        table_at = query_ends_at + num_reqs
         pid = tl.program_id(0)
         t = pid * TOKENS + tl.arange(0, TOKENS)
         live = t < num_tokens
         in_buffer = t < max_tokens
-        ids = tl.load(staged_ptr + t, mask=live, other=0)
+        ids = tl.load(staged_ptr + HEADER + t, mask=live, other=0)
         pos = tl.load(staged_ptr + positions_at + t, mask=live, other=0)
         slot = tl.load(staged_ptr + slots_at + t, mask=live, other=PAD_SLOT)
         tl.store(input_ids_ptr + t, ids, mask=in_buffer)
@@ -158,24 +202,23 @@ if triton is not None:
                      mask=real[:, None] & (c < max_blocks)[None, :])
 
 
-def scatter_staged_inputs(staged: torch.Tensor, layout: StagedLayout, input_ids: torch.Tensor,
-                          positions: torch.Tensor, slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
-                          query_start_loc: torch.Tensor, block_table: torch.Tensor,
-                          *, use_triton: bool | None = None) -> None:
-    """Write the persistent input buffers from the staged array (see the module docstring): one Triton launch
-    on CUDA, torch ops elsewhere (use_triton forces either; tests run the kernel under TRITON_INTERPRET=1)."""
+def scatter_staged_inputs(staged: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                          slot_mapping: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                          block_table: torch.Tensor, *, use_triton: bool | None = None) -> None:
+    """Write the persistent input buffers from the staged array (see the module docstring), its sizes read
+    from its header on the device: one Triton launch on CUDA, the same for every step; torch ops elsewhere
+    (use_triton forces either; tests run the kernel under TRITON_INTERPRET=1)."""
     if use_triton is None:
         use_triton = triton is not None and staged.is_cuda
     if not use_triton:
-        scatter_staged_inputs_torch(staged, layout, input_ids, positions, slot_mapping, seq_lens, query_start_loc,
-                                    block_table)
+        scatter_staged_inputs_torch(staged, input_ids, positions, slot_mapping, seq_lens, query_start_loc, block_table)
         return
     assert staged.dtype == torch.int64 and block_table.stride(1) == 1 and seq_lens.dtype == torch.int32
     max_tokens, max_reqs = input_ids.shape[0], seq_lens.shape[0]
     grid = (max(triton.cdiv(max_tokens, _TOKENS_PER_PROGRAM), triton.cdiv(max_reqs, _REQS_PER_PROGRAM)),)
     _scatter_staged_inputs_kernel[grid](
         staged, input_ids, positions, slot_mapping, seq_lens, query_start_loc, block_table, block_table.stride(0),
-        layout.num_tokens, layout.num_reqs, layout.table_width, layout.positions, layout.slots, layout.seq_lens,
-        layout.query_ends, layout.table, max_tokens, max_reqs, block_table.shape[1],
+        max_tokens, max_reqs, block_table.shape[1],
         PAD_SLOT=PAD_SLOT_ID, TOKENS=_TOKENS_PER_PROGRAM, REQS=_REQS_PER_PROGRAM, COLUMNS=_TABLE_COLUMNS,
+        HEADER=HEADER_SLOTS,
     )

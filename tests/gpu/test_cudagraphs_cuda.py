@@ -29,11 +29,11 @@ def case(tiny_llama, tmp_path_factory):
     return path, prompts, ref, head
 
 
-def make_llm(case, mode: str, spec: bool) -> LLM:
+def make_llm(case, mode: str, spec: bool, debug: bool = True) -> LLM:
     path, _, _, head = case
     cfg = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3} if spec else None
     return LLM(str(path), max_model_len=256, device="cuda", dtype="float32", cudagraph_mode=mode,
-               debug_cudagraph=True, max_num_seqs=16, max_num_batched_tokens=128,
+               debug_cudagraph=debug, max_num_seqs=16, max_num_batched_tokens=128,
                cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64, 128], speculative_config=cfg)
 
 
@@ -41,12 +41,14 @@ def count_replays(llm: LLM) -> dict[str, int]:
     runner = llm.engine.runner
     if runner.graphs is None:  # mode NONE
         return {}
-    managers = {"target": runner.graphs, "greedy": runner.greedy_graphs}
+    managers = {"target": runner.graphs, "greedy": runner.greedy_graphs, "whole": runner.whole_step_graphs}
     if runner.speculator is not None:
         spec = runner.speculator
         managers.update(prefill=spec.prefill_graphs, decode=spec.decode_graphs, loop=spec.greedy_loop_graphs)
     counts = dict.fromkeys(managers, 0)
     for name, mgr in managers.items():
+        if mgr is None:
+            continue
         original = mgr.run
 
         def run(desc, forward, metadata, _o=original, _n=name, _m=mgr):
@@ -84,9 +86,48 @@ def test_every_mode_replays_equal_eager_and_greedy_is_lossless(case, mode, spec)
             assert (counts["decode"] > 0) == M[mode].has_full
 
 
-def test_poisoned_buffers_change_nothing_on_the_gpu(case):
+def recorded_drafts(llm: LLM, prompts) -> list[dict[str, list[int]]]:
+    """The drafts every step proposed, in step order."""
+    runner, steps = llm.engine.runner, []
+    original = runner.resolve
+
+    def resolve(handle):
+        out = original(handle)
+        steps.append(dict(out.drafts))
+        return out
+
+    runner.resolve = resolve
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    del runner.resolve
+    return steps
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "eagle3"])
+@pytest.mark.parametrize("mode", [m.name for m in M if m.has_full])
+def test_whole_step_graphs_are_lossless_and_draft_what_the_parts_draft(case, mode, spec):
+    """Without the debug check (which runs each part in its own graph), greedy uniform batches replay the whole
+    step as one real CUDA graph: output equals the CPU's, and every step drafts exactly what the same step
+    does with each part in its own graph, padded batches (5 and 3 requests) included."""
     _, prompts, ref, _ = case
-    llm = make_llm(case, "FULL_AND_PIECEWISE", spec=True)
+    whole = make_llm(case, mode, spec, debug=False)
+    counts = count_replays(whole)
+    if spec:
+        # Two fresh engines, fed the same requests (so the same ids and prefix-cache hits) in the same order.
+        parts = make_llm(case, mode, spec, debug=False)
+        parts.engine.runner.whole_step_graphs = None
+        for n in (5, 3):
+            assert recorded_drafts(whole, prompts[:n]) == recorded_drafts(parts, prompts[:n])
+        assert whole.engine.spec_stats.num_drafted > 0
+    for n in (12, 5, 1, 3):
+        outs = [o.outputs[0].token_ids for o in whole.generate(prompts[:n], GREEDY, use_tqdm=False)]
+        assert outs == ref[:n], f"mode {mode}, batch {n}"
+    assert counts["whole"] > 0
+
+
+@pytest.mark.parametrize("debug", [True, False], ids=["parts", "whole step"])
+def test_poisoned_buffers_change_nothing_on_the_gpu(case, debug):
+    _, prompts, ref, _ = case
+    llm = make_llm(case, "FULL_AND_PIECEWISE", spec=True, debug=debug)
     runner = llm.engine.runner
     spec = runner.speculator
     b, s = runner.buffers, spec.step_buffers

@@ -31,10 +31,11 @@ def kernels():
 
     p64, p32, i32 = "*i64", "*i32", "i32"
     yield draft_inputs._gather_draft_inputs_kernel, dict(
-        requests_ptr=p64, accepted_ptr=p64, accepted_stride=i32, tokens_ptr=p64, tokens_stride=i32,
-        input_ids_ptr=p64, positions_ptr=p64, block_table_ptr=p32, block_table_stride=i32, num_tokens=i32,
-        pad_to=i32, num_scheduled=i32, next_ids_ptr=p64, last_ptr=p64, last_tokens_ptr=p64,
-        base_positions_ptr=p64, draft_table_ptr=p32, draft_table_stride=i32, max_blocks=i32, TOKENS=128, COLUMNS=64)
+        staged_ptr=p64, accepted_ptr=p64, accepted_stride=i32, tokens_ptr=p64, tokens_stride=i32,
+        input_ids_ptr=p64, positions_ptr=p64, block_table_ptr=p32, block_table_stride=i32, pad_to=i32, pad_reqs=i32,
+        next_ids_ptr=p64, last_ptr=p64, last_tokens_ptr=p64, base_positions_ptr=p64, draft_table_ptr=p32,
+        draft_table_stride=i32, max_blocks=i32, REQUESTS_AT=5, REQUESTS_ROWS=6, NUM_TOKENS_AT=0, TOKENS=128,
+        COLUMNS=64)
     for forced in (False, True):
         yield greedy_verify._greedy_verify_kernel, dict(
             target_ptr=p64, input_ids_ptr=p64, index_ptr=p64, num_drafts_ptr=p64, out_rows_ptr=p64,
@@ -42,9 +43,8 @@ def kernels():
             forced_accept_prob="fp32", K1=4, FORCED=forced, BLOCK=4)
     yield staged_inputs._scatter_staged_inputs_kernel, dict(
         staged_ptr=p64, input_ids_ptr=p64, positions_ptr=p64, slot_mapping_ptr=p64, seq_lens_ptr=p32,
-        query_start_loc_ptr=p32, block_table_ptr=p32, block_table_stride=i32, num_tokens=i32, num_reqs=i32,
-        table_width=i32, positions_at=i32, slots_at=i32, seq_lens_at=i32, query_ends_at=i32, table_at=i32,
-        max_tokens=i32, max_reqs=i32, max_blocks=i32, PAD_SLOT=PAD_SLOT_ID, TOKENS=1024, REQS=64, COLUMNS=64)
+        query_start_loc_ptr=p32, block_table_ptr=p32, block_table_stride=i32, max_tokens=i32, max_reqs=i32,
+        max_blocks=i32, PAD_SLOT=PAD_SLOT_ID, TOKENS=1024, REQS=64, COLUMNS=64, HEADER=8)
     # The small-M projections as SmolLM2 decodes one token (K = 576) and verifies four drafts (five rows,
     # ROWS = 8): the folded add + norm with the compact prologue (its rstd after the weight loop, as
     # bfloat16 runs it), and the plain output projection.
@@ -116,9 +116,10 @@ def kernels():
         ids_ptr=p64, embed_ptr=bf16, hidden_ptr=bf16, embed_norm_ptr=bf16, hidden_norm_ptr=bf16, out_ptr=bf16,
         n=i32, stride_e=i32, stride_h=i32, stride_o=i32, eps="fp32", BLOCK=1024)
     yield inflight_inputs._take_inflight_inputs_kernel, dict(
-        meta_ptr=p64, accepted_ptr=p64, accepted_stride=i32, tokens_ptr=p64, tokens_stride=i32, drafts_ptr=p64,
+        staged_ptr=p64, accepted_ptr=p64, accepted_stride=i32, tokens_ptr=p64, tokens_stride=i32, drafts_ptr=p64,
         drafts_stride=i32, input_ids_ptr=p64, positions_ptr=p64, seq_lens_ptr=p32, slot_mapping_ptr=p64,
-        block_table_ptr=p32, block_table_stride=i32, block_size=i32, NUM_DRAFT_COLS=3, BLOCK=4)
+        block_table_ptr=p32, block_table_stride=i32, block_size=i32, META_AT=3, META_ROWS=4, NUM_DRAFT_COLS=3,
+        BLOCK=4)
 
 
 def compile_for_hopper(index: int) -> None:

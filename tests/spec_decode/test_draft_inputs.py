@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specserve.spec_decode.draft_inputs import gather_draft_inputs
+from staging import staged_extras
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -52,13 +53,15 @@ def reference(requests, accepted, tokens, input_ids, positions, block_table, t, 
 @pytest.mark.parametrize("seed", range(4))
 def test_gathers_what_the_reference_says(use_triton, seed):
     requests, accepted, tokens, input_ids, positions, block_table, t, n = scenario(seed, k=3)
-    pad_to = t + 37
-    outs = dict(next_ids=torch.full((t + 60,), -5), last=torch.full((8,), -5), last_tokens=torch.full((8,), -5),
-                base_positions=torch.full((8,), -5), draft_block_table=torch.full((8, 70), -5, dtype=torch.int32))
+    num_sched, pad_to, pad_reqs = requests.shape[0], t + 37, 8
+    outs = dict(next_ids=torch.full((t + 60,), -5), last=torch.full((9,), -5), last_tokens=torch.full((9,), -5),
+                base_positions=torch.full((9,), -5), draft_block_table=torch.full((9, 70), -5, dtype=torch.int32))
     to = lambda x: x.to(DEVICE)  # noqa: E731
     outs = {name: to(x) for name, x in outs.items()}
-    gather_draft_inputs(to(requests), to(accepted), to(tokens), to(input_ids), to(positions), to(block_table), t,
-                        pad_to, **outs, use_triton=use_triton)
+    staged = staged_extras({"draft_requests": requests.numpy()}, num_tokens=t, device=DEVICE)
+    # A bound past the requests, as a graph recorded for a larger batch launches: the header's count rules.
+    gather_draft_inputs(staged, to(accepted), to(tokens), to(input_ids), to(positions), to(block_table), pad_to,
+                        pad_reqs, **outs, max_rows=num_sched + seed, use_triton=use_triton)
     nxt, last, last_tokens, base, table = reference(requests, accepted, tokens, input_ids, positions, block_table,
                                                     t, pad_to)
     outs = {name: x.cpu() for name, x in outs.items()}
@@ -67,7 +70,10 @@ def test_gathers_what_the_reference_says(use_triton, seed):
     assert outs["last_tokens"][:n].tolist() == [last_tokens[i] for i in range(n)]
     assert outs["base_positions"][:n].tolist() == [base[i] for i in range(n)]
     assert outs["draft_block_table"][:n].tolist() == [table[i] for i in range(n)]
-    assert (outs["last"][n:] == -5).all() and (outs["draft_block_table"][n:] == -5).all()
+    assert (outs["last"][n:num_sched] == -5).all() and (outs["draft_block_table"][n:] == -5).all()
+    # A padded graph's rows past the scheduled requests index token 0 and draft from token 0.
+    for name in ("last", "last_tokens"):
+        assert outs[name][num_sched:pad_reqs].tolist() == [0] * (pad_reqs - num_sched) and outs[name][pad_reqs] == -5
 
 
 @pytest.mark.gpu

@@ -40,7 +40,7 @@ def graphed_llm(case, mode: M, k: int = 3) -> tuple[LLM, list]:
     used = []
     runner, spec = engine.runner, engine.runner.speculator
     for name, mgr in (("target", runner.graphs), ("prefill", spec.prefill_graphs), ("decode", spec.decode_graphs),
-                      ("loop", spec.greedy_loop_graphs)):
+                      ("loop", spec.greedy_loop_graphs), ("whole", runner.whole_step_graphs)):
         original = mgr.run
 
         def run(desc, forward, metadata, _original=original, _name=name, _mgr=mgr):
@@ -66,7 +66,10 @@ def test_graph_modes_keep_greedy_output_and_dispatch_as_designed(case, mode):
     prefill = {m for n, m in used if n == "prefill"}
     assert M.PIECEWISE not in decode  # seed #39773
     if mode.has_full:
-        assert M.FULL in target and M.FULL in prefill and ("loop", M.FULL) in used
+        # Uniform greedy batches (every verification here) replay the whole step, loop included, as one graph.
+        assert ("whole", M.FULL) in used
+    if mode is M.FULL:
+        assert M.FULL in target and M.FULL in prefill  # mixed batches
     if mode.has_piecewise:
         assert M.PIECEWISE in target and M.PIECEWISE in prefill
     if mode is M.FULL_DECODE_ONLY:
@@ -98,9 +101,12 @@ def test_greedy_decode_samples_in_its_own_graph_and_others_do_not(case, mode):
 
 
 def record_greedy_replays(llm: LLM) -> list:
+    """Descriptors of the replays that sample or verify greedily in a graph: of the greedy outputs' own graph,
+    or of the whole step's."""
     runner, replays = llm.engine.runner, []
-    original = runner.greedy_graphs.run
-    runner.greedy_graphs.run = lambda desc, *args: replays.append(desc) or original(desc, *args)
+    for mgr in (runner.greedy_graphs, runner.whole_step_graphs):
+        original = mgr.run
+        mgr.run = lambda desc, *args, _original=original: replays.append(desc) or _original(desc, *args)
     return replays
 
 
@@ -120,7 +126,9 @@ def test_greedy_verification_of_uniform_batches_runs_in_its_own_graph(case, mode
     llm.engine.runner.outputs.packed.fill_(987654)
     assert outputs(llm, prompts) == ref
     verified = {d.num_reqs for d in replays if d.query_len == 4}  # k = 3
-    assert 8 in verified  # 7 requests pad to 8
+    # 7 requests pad to 8 while they all verify together; the target drafting for itself finishes them in
+    # fewer, staggered steps.
+    assert 8 in verified if drafter == "eagle3" else verified
     in_graph = copy.deepcopy(llm.engine.spec_stats)
     assert in_graph.num_drafted > 0 and (in_graph.num_accepted > 0) == (drafter == "target itself")
     # Asking for logprobs verifies the same drafts eagerly: each position accepts as often.
@@ -192,9 +200,28 @@ def test_greedy_loop_graph_drafts_what_eager_drafting_drafts(case, k):
     # Four requests, a capture size: a padded batch multiplies matrices of another height, whose float32
     # sums differ in the last bits and may flip a near-tie between two draft logits (7 requests did).
     graphed = recorded_drafts(llm, prompts[:4])
-    assert ("loop", M.FULL) in used
+    assert ("whole", M.FULL) in used
     assert graphed == recorded_drafts(eager, prompts[:4])
     assert sum(len(d) for step in graphed for d in step.values()) > 0
+
+
+@pytest.mark.parametrize("num_prompts", [4, 7])
+def test_whole_step_graph_does_what_its_parts_do(case, num_prompts):
+    """The whole step as one graph against the same step in one graph per part (the target, greedy
+    verification, the drafter's prefill and loop): the same tokens and the same drafts every step, also for
+    7 requests padded to 8, whose padded rows the whole step's gather fills (poisoned here)."""
+    _, prompts, ref, _ = case
+    whole, used = graphed_llm(case, M.FULL_AND_PIECEWISE)
+    parts, _ = graphed_llm(case, M.FULL_AND_PIECEWISE)
+    parts.engine.runner.whole_step_graphs = None
+    for llm in (whole, parts):
+        llm.engine.runner.draft_last_indices.fill_(987654)
+        llm.engine.runner.draft_last_tokens.fill_(987654)
+    drafted = recorded_drafts(whole, prompts[:num_prompts])
+    assert ("whole", M.FULL) in used
+    assert drafted == recorded_drafts(parts, prompts[:num_prompts])
+    assert outputs(whole, prompts[:num_prompts]) == ref[:num_prompts]
+    assert whole.engine.spec_stats.accepted_per_position == parts.engine.spec_stats.accepted_per_position
 
 
 def test_sampled_batches_run_decode_steps_one_graph_at_a_time(case):
@@ -237,7 +264,7 @@ def test_small_batch_after_large_batch_gets_its_own_outputs(case):
     assert outputs(llm, prompts) == ref
     used.clear()
     assert outputs(llm, prompts[-1:]) == ref[-1:]
-    assert ("target", M.FULL) in used
+    assert ("whole", M.FULL) in used
 
 
 def test_debug_check_passes_then_catches_a_stale_replay(case):

@@ -70,7 +70,7 @@ def test_scatter_writes_every_buffer_with_padding(use_triton, num_reqs):
                     query_start_loc=torch.full((MAX_REQS + 1,), -7, dtype=torch.int32),
                     block_table=torch.full((MAX_REQS, MAX_BLOCKS), -7, dtype=torch.int32))
         bufs = {k: v.to(DEVICE) for k, v in bufs.items()}
-        scatter_staged_inputs(staged, layout, **bufs, use_triton=use_triton)
+        scatter_staged_inputs(staged, **bufs, use_triton=use_triton)
         want = reference(input_ids, positions, qlens, seq_lens, block_rows)
         for name, expected in want.items():
             got = bufs[name].cpu()
@@ -86,6 +86,7 @@ def test_input_buffers_stage_extras_and_refuse_overflow():
     bufs = InputBuffers(4, 16, 5, torch.device(DEVICE), extra_capacity=8)
     meta = bufs.prepare(np.array([5, 6, 7]), np.array([3]), np.array([3]), np.array([[2]]), BLOCK_SIZE,
                         {"rows": np.array([[1, 2], [3, 4]])})
+    bufs.spread()
     assert meta.num_tokens == 3 and bufs.slot_mapping[:3].tolist() == [8, 9, 10]
     assert bufs.staged_extra("rows").tolist() == [[1, 2], [3, 4]]
     with pytest.raises(RuntimeError, match="max_num_batched_tokens"):
@@ -99,6 +100,7 @@ def test_prepare_places_each_query_after_its_cached_tokens():
     table = np.array([[6, 3], [9, 0]])
     qlens, seq_lens = np.array([3, 1]), np.array([BLOCK_SIZE + 2, 5])
     bufs.prepare(np.array([11, 12, 13, 14]), qlens, seq_lens, table, BLOCK_SIZE)
+    bufs.spread()
     positions = [p for q, n in zip(qlens, seq_lens) for p in range(n - q, n)]
     owner = [r for r, q in enumerate(qlens) for _ in range(q)]
     assert bufs.positions[:4].tolist() == positions
@@ -115,6 +117,21 @@ def test_host_block_table_appends_clears_and_gathers():
     t.clear(0)
     t.sync(0, [1])  # the row's next request
     assert t.gather([0, 2]).tolist() == [[1], [7]]
+
+
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "torch"])
+def test_a_reset_stages_an_empty_step_that_spreads_into_empty_buffers(use_triton):
+    """What a whole-step graph's capture spreads: after reset(), the staged header describes no tokens and no
+    requests, so spreading it (from a poisoned staged array) leaves every buffer as reset() does."""
+    bufs = InputBuffers(4, 16, 5, torch.device(DEVICE))
+    bufs.prepare(np.array([11, 12, 13]), np.array([3]), np.array([7]), np.array([[6, 3]]), BLOCK_SIZE)
+    bufs.staged[8:].fill_(987654)
+    bufs.reset()
+    want = {name: getattr(bufs, name).clone() for name in ("input_ids", "positions", "slot_mapping", "seq_lens",
+                                                           "query_start_loc")}
+    scatter_staged_inputs(bufs.staged, bufs.input_ids, bufs.positions, bufs.slot_mapping, bufs.seq_lens,
+                          bufs.query_start_loc, bufs.block_table, use_triton=use_triton)
+    assert all(torch.equal(getattr(bufs, name), value) for name, value in want.items())
 
 
 @pytest.mark.gpu
