@@ -9,6 +9,8 @@ Per k, each repeat prints tok/s and, per engine step (launches), the host's time
 its parts), in resolve, and in the completion event's wait alone: with asynchronous scheduling the host
 enqueues step N+1 while the GPU runs step N, so a step that waits long is GPU-bound, one that hardly
 waits is host-bound (the GPU then idles between steps). The timing wrappers add about 1 us a call.
+--parts times every repeat a second time with the runner's whole-step graphs off (each part of a step
+replayed from its own graph, with eager launches between), in the same process.
 --kernels N then runs the first N prompts once more under the torch profiler and prints the GPU kernels
 per engine step (their sum against the step's wall time is the GPU's idle share).
 """
@@ -20,25 +22,12 @@ import time
 from collections import defaultdict
 
 import torch
-from profile_kernels import kernel_table
+from profile_kernels import kernel_table, launch_parts, wrap_timed
 from torch.profiler import ProfilerActivity, profile
 
 from specserve.llm import LLM
 from specserve.prompt_files import load_prompt_file, prompt_token_ids
 from specserve.sampling_params import SamplingParams
-
-
-def wrap(owner, attr: str, name: str, spent: dict, calls: dict) -> None:
-    fn = getattr(owner, attr)
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            spent[name] += time.perf_counter() - start
-            calls[name] += 1
-    setattr(owner, attr, timed)
 
 
 def main() -> None:
@@ -51,6 +40,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kernels", type=int, default=0, metavar="N", help="profile N prompts' kernels per step")
+    ap.add_argument("--parts", action="store_true",
+                    help="time each repeat twice: with the whole-step graphs, then with each part in its own graph")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("host_per_step needs a CUDA device")
@@ -63,13 +54,11 @@ def main() -> None:
             llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
         spent, calls = defaultdict(float), defaultdict(int)
         runner, engine = llm.engine.runner, llm.engine
-        parts = [(runner, "launch"), (runner, "resolve"), (runner.buffers, "prepare"), (runner, "_run_target"),
-                 (runner, "_sample"), (runner, "_verify"), (runner, "_propose"), (runner.outputs, "copy_to_host"),
-                 (engine.scheduler, "schedule"), (engine.scheduler, "update"), (engine, "_output")]
-        if runner.speculator is not None:
-            parts.append((runner.speculator, "propose"))
+        parts = [(runner, "launch"), (runner, "resolve"), *launch_parts(runner), (engine.scheduler, "schedule"),
+                 (engine.scheduler, "update"), (engine, "_output")]
         for owner, attr in parts:
-            wrap(owner, attr, f"{type(owner).__name__}.{attr}", spent, calls)
+            wrap_timed(owner, attr, f"{type(owner).__name__}.{attr}", spent, calls)
+        whole = runner.whole_step_graphs
         wait = torch.cuda.Event.synchronize
 
         def timed_wait(event):
@@ -79,18 +68,22 @@ def main() -> None:
         torch.cuda.Event.synchronize = timed_wait
         try:
             for rep in range(a.repeats):
-                spent.clear()
-                calls.clear()
-                start = time.perf_counter()
-                outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=a.max_tokens), use_tqdm=False)
-                wall = time.perf_counter() - start
-                tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-                steps = calls["ModelRunner.launch"]
-                print(f"k={k} repeat {rep}: {tokens / wall:.0f} tok/s, {steps} steps, {1e3 * wall / steps:.3f} ms a "
-                      "step; host ms a step: " + ", ".join(f"{n} {1e3 * t / steps:.3f}" for n, t in spent.items()),
-                      flush=True)
+                for label in ("whole step", "parts") if a.parts and whole is not None else ("",):
+                    runner.whole_step_graphs = None if label == "parts" else whole
+                    spent.clear()
+                    calls.clear()
+                    start = time.perf_counter()
+                    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=a.max_tokens),
+                                        use_tqdm=False)
+                    wall = time.perf_counter() - start
+                    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+                    steps = calls["ModelRunner.launch"]
+                    print(f"k={k} repeat {rep}{' ' + label if label else ''}: {tokens / wall:.0f} tok/s, {steps} "
+                          f"steps, {1e3 * wall / steps:.3f} ms a step; host ms a step: "
+                          + ", ".join(f"{n} {1e3 * t / steps:.3f}" for n, t in spent.items()), flush=True)
         finally:
             torch.cuda.Event.synchronize = wait
+            runner.whole_step_graphs = whole
         if a.kernels:
             steps_before = calls["ModelRunner.launch"]
             with profile(activities=[ProfilerActivity.CUDA]) as prof:

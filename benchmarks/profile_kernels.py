@@ -100,6 +100,34 @@ def profile_model(name: str, batch: int, top: int, host_profile: int, spec: Spec
     torch.cuda.empty_cache()
 
 
+def wrap_timed(owner, attr: str, name: str, spent: dict, calls: dict | None = None) -> None:
+    """Replace owner.attr by a wrapper adding each call's host time to spent[name] (and one to calls[name]);
+    `del owner.attr` restores an instance's method. A wrapper costs about 1 us a call."""
+    fn = getattr(owner, attr)
+
+    def run(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] += time.perf_counter() - start
+            if calls is not None:
+                calls[name] += 1
+    setattr(owner, attr, run)
+
+
+def launch_parts(runner) -> list[tuple[object, str]]:
+    """The parts of runner.launch worth timing: (owner, method name)."""
+    parts = [(runner, "_runs_whole"), (runner, "_run_target"), (runner, "_verify"), (runner, "_sample"),
+             (runner, "_propose"), (runner.buffers, "prepare"), (runner.buffers, "spread"),
+             (runner.outputs, "copy_to_host")]
+    if runner.whole_step_graphs is not None:
+        parts.append((runner.whole_step_graphs, "run"))
+    if runner.speculator is not None:
+        parts.append((runner.speculator, "propose"))
+    return parts
+
+
 def host_split(engine: LLMEngine, prompts: list[list[int]], host_profile: int, tokens_per_step: int = 1,
                steps: int = 200) -> None:
     """Wall time per engine step, split into enqueueing the step on the device (runner.launch), reading a
@@ -107,25 +135,13 @@ def host_split(engine: LLMEngine, prompts: list[list[int]], host_profile: int, t
     (scheduling, outputs, detokenization); then, with host_profile > 0, the host functions that take
     the most time under cProfile (which slows Python, so compare the shares, not the times)."""
     runner, spent = engine.runner, defaultdict(float)
-
-    def timed(name, fn):
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[name] += time.perf_counter() - start
-        return run
-
-    runner.launch, runner.resolve = timed("launch", runner.launch), timed("resolve (waits)", runner.resolve)
+    wrap_timed(runner, "launch", "launch", spent)
+    wrap_timed(runner, "resolve", "resolve (waits)", spent)
     # Parts of launch, timed on their own (nested, so they do not add up): one that takes far longer than
     # the work it enqueues is waiting for the GPU.
-    inner = [(runner, "_run_target"), (runner, "_verify"), (runner, "_sample"), (runner, "_propose"),
-             (runner.buffers, "prepare"), (runner.outputs, "copy_to_host")]
-    if runner.speculator is not None:
-        inner.append((runner.speculator, "propose"))
+    inner = launch_parts(runner)
     for owner, attr in inner:
-        setattr(owner, attr, timed(f"{type(owner).__name__}.{attr}", getattr(owner, attr)))
+        wrap_timed(owner, attr, f"{type(owner).__name__}.{attr}", spent)
     params = SamplingParams(temperature=0.0, max_tokens=(2 * steps + 20) * tokens_per_step, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
