@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from heads import save_eagle_head
+from step_drafts import recorded_drafts
 from specserve import LLM, SamplingParams
 from specserve.worker.cudagraph_mode import CUDAGraphMode as M
 
@@ -86,22 +87,6 @@ def test_every_mode_replays_equal_eager_and_greedy_is_lossless(case, mode, spec)
             assert (counts["decode"] > 0) == M[mode].has_full
 
 
-def recorded_drafts(llm: LLM, prompts) -> list[dict[str, list[int]]]:
-    """The drafts every step proposed, in step order."""
-    runner, steps = llm.engine.runner, []
-    original = runner.resolve
-
-    def resolve(handle):
-        out = original(handle)
-        steps.append(dict(out.drafts))
-        return out
-
-    runner.resolve = resolve
-    llm.generate(prompts, GREEDY, use_tqdm=False)
-    del runner.resolve
-    return steps
-
-
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "eagle3"])
 @pytest.mark.parametrize("mode", [m.name for m in M if m.has_full])
 def test_whole_step_graphs_are_lossless_and_draft_what_the_parts_draft(case, mode, spec):
@@ -116,7 +101,7 @@ def test_whole_step_graphs_are_lossless_and_draft_what_the_parts_draft(case, mod
         parts = make_llm(case, mode, spec, debug=False)
         parts.engine.runner.whole_step_graphs = None
         for n in (5, 3):
-            assert recorded_drafts(whole, prompts[:n]) == recorded_drafts(parts, prompts[:n])
+            assert recorded_drafts(whole, prompts[:n], GREEDY) == recorded_drafts(parts, prompts[:n], GREEDY)
         assert whole.engine.spec_stats.num_drafted > 0
     for n in (12, 5, 1, 3):
         outs = [o.outputs[0].token_ids for o in whole.generate(prompts[:n], GREEDY, use_tqdm=False)]

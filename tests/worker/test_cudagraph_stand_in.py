@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from heads import save_eagle_head
+from step_drafts import recorded_drafts
 from specserve import LLM, SamplingParams
 from specserve.worker.cudagraph import CUDAGraphMismatchError
 from specserve.worker.cudagraph_mode import CUDAGraphMode as M
@@ -173,21 +174,6 @@ def test_forced_acceptance_takes_the_same_draws_in_the_verification_graph(case):
     assert 0 < stats.num_accepted < stats.num_drafted
 
 
-def recorded_drafts(llm: LLM, prompts) -> list[dict[str, list[int]]]:
-    """The drafts every step proposed, in step order (what the next step verifies)."""
-    runner, steps = llm.engine.runner, []
-    original = runner.resolve
-
-    def resolve(handle):
-        out = original(handle)
-        steps.append(dict(out.drafts))
-        return out
-
-    runner.resolve = resolve
-    outputs(llm, prompts)
-    return steps
-
-
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_loop_graph_drafts_what_eager_drafting_drafts(case, k):
     path, prompts, _, head = case
@@ -199,9 +185,9 @@ def test_greedy_loop_graph_drafts_what_eager_drafting_drafts(case, k):
     llm.engine.runner.speculator.first_hidden.fill_(float("nan"))
     # Four requests, a capture size: a padded batch multiplies matrices of another height, whose float32
     # sums differ in the last bits and may flip a near-tie between two draft logits (7 requests did).
-    graphed = recorded_drafts(llm, prompts[:4])
+    graphed = recorded_drafts(llm, prompts[:4], GREEDY)
     assert ("whole", M.FULL) in used
-    assert graphed == recorded_drafts(eager, prompts[:4])
+    assert graphed == recorded_drafts(eager, prompts[:4], GREEDY)
     assert sum(len(d) for step in graphed for d in step.values()) > 0
 
 
@@ -217,9 +203,9 @@ def test_whole_step_graph_does_what_its_parts_do(case, num_prompts):
     for llm in (whole, parts):
         llm.engine.runner.draft_last_indices.fill_(987654)
         llm.engine.runner.draft_last_tokens.fill_(987654)
-    drafted = recorded_drafts(whole, prompts[:num_prompts])
+    drafted = recorded_drafts(whole, prompts[:num_prompts], GREEDY)
     assert ("whole", M.FULL) in used
-    assert drafted == recorded_drafts(parts, prompts[:num_prompts])
+    assert drafted == recorded_drafts(parts, prompts[:num_prompts], GREEDY)
     assert outputs(whole, prompts[:num_prompts]) == ref[:num_prompts]
     assert whole.engine.spec_stats.accepted_per_position == parts.engine.spec_stats.accepted_per_position
 
