@@ -437,8 +437,9 @@ class ModelRunner:
         """The drafter's inputs from this step's outputs (draft_inputs.py), padded to desc."""
         b = self.buffers
         gather_draft_inputs(b.staged, self.outputs.accepted, self.outputs.tokens, b.input_ids, b.positions,
-                            b.block_table, desc.num_tokens, desc.num_reqs, self.speculator.next_ids, self.draft_last_indices,
-                            self.draft_last_tokens, self.draft_base_positions, self.draft_block_table, max_rows)
+                            b.block_table, desc.num_tokens, desc.num_reqs, self.speculator.next_ids,
+                            self.draft_last_indices, self.draft_last_tokens, self.draft_base_positions,
+                            self.draft_block_table, max_rows)
 
     def _propose(self, sched, sampling, desc, target_out, metadata) -> None:
         """Draft the next tokens of every request that produced tokens this step, on the device: each
