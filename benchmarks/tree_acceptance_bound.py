@@ -1,0 +1,155 @@
+"""How far a tree of drafts could take an EAGLE-3 head's acceptance: the best static trees of N nodes, from where
+the target's own tokens rank among the head's drafts, on the real model and MT-bench first turns (CPU, float32).
+
+For every answer position (a row) the head is unrolled along the target's tokens, as train-eagle scores held-out
+data and as drafting runs while its drafts are accepted, and the rank of the target's next token among the head's
+draft-vocabulary logits is kept at each depth (a token outside the draft vocabulary ranks last). A static tree is
+a set of rank paths closed under prefixes, e.g. (0,), (1,), (0, 0): the top two drafts first, then the top draft
+after the first. At a row it accepts as many drafts as its deepest node on the row's rank path is deep, and adds
+the bonus token. Trees of N nodes are built greedily on half of the prompts (each next node the child that the
+most rows reach, which for a fixed N maximises the accepted drafts on that half) and scored on the other half, so
+the figures are what a tree chosen in advance would have done on prompts it was not chosen on. A chain of k
+drafts is the tree (0,), (0, 0), ... of k nodes.
+
+Two means are printed: over rows (every position alike), and over the steps of a walk through each answer as
+the engine takes it (each step starts after the last token the one before emitted), which is what
+eval-acceptance reports: easy stretches, where many drafts pass, take fewer steps, so it reads lower.
+
+    python benchmarks/tree_acceptance_bound.py --prompts mt_bench.jsonl [--head smollm2-135m-eagle3]
+        [--num-prompts 40] [--max-tokens 128] [--depth 5] [--nodes 5 8 12 16 24 32 48 64]
+
+Ranks past --max-rank (default 8) are never in a tree. Rows run to --depth drafts only where the answer holds
+that many tokens after them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from specserve.heads import resolve_head
+from specserve.llm import LLM
+from specserve.prompt_files import load_prompt_file, prompt_token_ids
+from specserve.sampling_params import SamplingParams
+from specserve.spec_decode.config import SpeculativeConfig
+from specserve.spec_decode.factory import load_head
+from specserve.train.attention import UnrolledAttention
+from specserve.train.batches import collate
+from specserve.train.data import Sequence
+from specserve.train.features import TargetFeatures, plain_torch
+from specserve.train.ttt import unroll
+
+
+@torch.no_grad()
+def rank_paths(head, features: TargetFeatures, answers: list[Sequence], depth: int) -> list[list[tuple[int, ...]]]:
+    """Per answer, per row in order (an answer position with `depth` tokens after its next one), the target
+    token's rank among the head's drafts at each depth."""
+    draft_of = torch.full((features.arch.vocab_size,), -1, dtype=torch.int64)
+    draft_of[head.target_ids] = torch.arange(head.target_ids.shape[0])
+    paths = []
+    for s in answers:
+        ids, p = torch.tensor(s.ids), len(s.prompt_ids)
+        rows = torch.arange(p - 1, len(ids) - depth - 1)
+        if len(rows) == 0:
+            continue
+        batch = collate([s])
+        ranks = []
+        for j, normed in enumerate(unroll(head, features(batch).aux, batch.ids, depth)):
+            logits = head.lm_head(normed[rows]).float()
+            wanted = draft_of[ids[rows + j + 2]]
+            score = logits.gather(1, wanted.clamp(min=0)[:, None])
+            rank = (logits > score).sum(dim=1)
+            ranks.append(torch.where(wanted >= 0, rank, logits.shape[1]))
+        paths.append([tuple(r) for r in torch.stack(ranks, dim=1).tolist()])
+    return paths
+
+
+def reach(paths: list[list[tuple[int, ...]]], max_rank: int) -> Counter:
+    """How many rows' rank paths pass through each node (a rank path of at most max_rank at every depth)."""
+    counts = Counter()
+    for path in (path for answer in paths for path in answer):
+        for d in range(len(path)):
+            if path[d] >= max_rank:
+                break
+            counts[path[:d + 1]] += 1
+    return counts
+
+
+def best_tree(counts: Counter, nodes: int) -> list[tuple[int, ...]]:
+    """The `nodes` nodes, closed under prefixes, that the most rows reach: greedily, each next node the child of
+    the tree (or a root node) with the largest count. A child never reaches more rows than its parent, so the
+    greedy choice keeps the tree closed under prefixes."""
+    tree: set[tuple[int, ...]] = set()
+    while len(tree) < nodes:
+        candidates = [(n, c) for n, c in counts.items() if n not in tree and (len(n) == 1 or n[:-1] in tree)]
+        if not candidates:
+            break
+        tree.add(max(candidates, key=lambda nc: (nc[1], -len(nc[0])))[0])
+    return sorted(tree, key=lambda n: (len(n), n))
+
+
+def accepted(held: set[tuple[int, ...]], path: tuple[int, ...]) -> int:
+    return sum(path[:d + 1] in held for d in range(len(path)))
+
+
+def acceptance(tree: list[tuple[int, ...]], answers: list[list[tuple[int, ...]]]) -> tuple[float, float]:
+    """Mean accepted drafts plus the bonus token: per row, and per step of a walk through each answer."""
+    held = set(tree)
+    rows = [accepted(held, path) for paths in answers for path in paths]
+    emitted, steps = 0, 0
+    for paths in answers:
+        r = 0
+        while r < len(paths):
+            a = accepted(held, paths[r]) + 1
+            emitted, steps, r = emitted + a, steps + 1, r + a
+    return 1 + sum(rows) / len(rows), emitted / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--head", default="smollm2-135m-eagle3")
+    ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--depth", type=int, default=5)
+    ap.add_argument("--max-rank", type=int, default=8)
+    ap.add_argument("--nodes", type=int, nargs="+", default=[5, 8, 12, 16, 24, 32, 48, 64])
+    a = ap.parse_args()
+    head_dir = resolve_head(a.head)
+    llm = LLM(a.model, device="cpu", max_model_len=1024, max_num_seqs=32)
+    head_config = json.loads((Path(head_dir) / "config.json").read_text())
+    features = TargetFeatures(a.model, tuple(head_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
+                              torch.float32, "cpu")
+    spec = SpeculativeConfig.parse({"method": "eagle3", "model": head_dir, "num_speculative_tokens": 1})
+    head = load_head(spec, features.model, features.arch, UnrolledAttention())
+    plain_torch(head)
+    loaded = load_prompt_file(a.prompts)
+    conversations = loaded[:: max(1, len(loaded) // a.num_prompts)][: a.num_prompts]
+    prompts = [prompt_token_ids(llm, c) for c in conversations]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=a.max_tokens), use_tqdm=False)
+    answers = [Sequence(p, o.outputs[0].token_ids, 0.0) for p, o in zip(prompts, outs)]
+    # Every other prompt builds the trees; the rest score them.
+    build, held_out = (rank_paths(head, features, answers[i::2], a.depth) for i in (0, 1))
+    print(f"{len(answers)} prompts ({a.prompts}), {sum(map(len, build))} rows to build trees on, "
+          f"{sum(map(len, held_out))} to score them; depth {a.depth}, ranks below {a.max_rank}")
+    print(f"{'tree (nodes per depth)':<28} {'nodes':>5}   accept len, build: rows / steps   held out: rows / steps")
+
+    def row(name: str, tree: list[tuple[int, ...]]) -> None:
+        (b_rows, b_steps), (h_rows, h_steps) = acceptance(tree, build), acceptance(tree, held_out)
+        print(f"{name:<28} {len(tree):>5}   {b_rows:>17.3f} / {b_steps:.3f}   {h_rows:>16.3f} / {h_steps:.3f}")
+
+    for k in range(1, a.depth + 1):
+        row(f"chain of {k}", [(0,) * d for d in range(1, k + 1)])
+    counts = reach(build, a.max_rank)
+    for n in a.nodes:
+        tree = best_tree(counts, n)
+        widths = Counter(len(node) for node in tree)
+        row(f"best static ({'/'.join(str(widths[d]) for d in range(1, max(widths) + 1))})", tree)
+
+
+if __name__ == "__main__":
+    main()
