@@ -16,7 +16,9 @@ the engine takes it (each step starts after the last token the one before emitte
 eval-acceptance reports: easy stretches, where many drafts pass, take fewer steps, so it reads lower.
 
     python benchmarks/tree_acceptance_bound.py --prompts mt_bench.jsonl [--head smollm2-135m-eagle3]
-        [--num-prompts 40] [--max-tokens 128] [--depth 5] [--nodes 5 8 12 16 24 32 48 64]
+        [--num-prompts 40] [--max-tokens 128] [--depth 5] [--tree-depths 4 5] [--nodes 5 8 12 16 24 32 48 64]
+
+--tree-depths builds trees no deeper than each of its values (default: --depth) from the same rows.
 
 Ranks past --max-rank (default 8) are never in a tree. Rows run to --depth drafts only where the answer holds
 that many tokens after them.
@@ -78,13 +80,14 @@ def reach(paths: list[list[tuple[int, ...]]], max_rank: int) -> Counter:
     return counts
 
 
-def best_tree(counts: Counter, nodes: int) -> list[tuple[int, ...]]:
+def best_tree(counts: Counter, nodes: int, max_depth: int) -> list[tuple[int, ...]]:
     """The `nodes` nodes, closed under prefixes, that the most rows reach: greedily, each next node the child of
-    the tree (or a root node) with the largest count. A child never reaches more rows than its parent, so the
-    greedy choice keeps the tree closed under prefixes."""
+    the tree (or a root node) with the largest count, at most max_depth deep. A child never reaches more rows
+    than its parent, so the greedy choice keeps the tree closed under prefixes."""
     tree: set[tuple[int, ...]] = set()
     while len(tree) < nodes:
-        candidates = [(n, c) for n, c in counts.items() if n not in tree and (len(n) == 1 or n[:-1] in tree)]
+        candidates = [(n, c) for n, c in counts.items()
+                      if n not in tree and len(n) <= max_depth and (len(n) == 1 or n[:-1] in tree)]
         if not candidates:
             break
         tree.add(max(candidates, key=lambda nc: (nc[1], -len(nc[0])))[0])
@@ -117,6 +120,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--depth", type=int, default=5)
     ap.add_argument("--max-rank", type=int, default=8)
+    ap.add_argument("--tree-depths", type=int, nargs="+", help="deepest tree levels to build (default: --depth)")
     ap.add_argument("--nodes", type=int, nargs="+", default=[5, 8, 12, 16, 24, 32, 48, 64])
     a = ap.parse_args()
     head_dir = resolve_head(a.head)
@@ -145,10 +149,11 @@ def main() -> None:
     for k in range(1, a.depth + 1):
         row(f"chain of {k}", [(0,) * d for d in range(1, k + 1)])
     counts = reach(build, a.max_rank)
-    for n in a.nodes:
-        tree = best_tree(counts, n)
-        widths = Counter(len(node) for node in tree)
-        row(f"best static ({'/'.join(str(widths[d]) for d in range(1, max(widths) + 1))})", tree)
+    for depth in a.tree_depths or [a.depth]:
+        for n in a.nodes:
+            tree = best_tree(counts, n, depth)
+            widths = Counter(len(node) for node in tree)
+            row(f"best static ({'/'.join(str(widths[d]) for d in range(1, max(widths) + 1))})", tree)
 
 
 if __name__ == "__main__":
