@@ -210,11 +210,9 @@ class ModelRunner:
             return False
         reqs = [s.request for s in sched.scheduled]
         batch = SamplingBatch.build(reqs, self.device)
-        if not batch.all_greedy or batch.max_logprobs is not None:
-            return False
         if desc.query_len == 1:
-            return not any(r.needs_host_tokens for r in reqs)
-        return all(len(s.spec_token_ids) == desc.query_len - 1 for s in sched.scheduled)
+            return _samples_argmax(batch, reqs)
+        return _argmax_only(batch) and _verifies_all_drafts(desc, sched.scheduled)
 
     def _greedy_in_graph(self, desc: BatchDescriptor, sched: SchedulerOutput, batch_rows: list[int]) -> bool:
         """Whether a greedy batch's sampling or verification runs as its greedy graph: every scheduled request
@@ -360,7 +358,7 @@ class ModelRunner:
                 desc: BatchDescriptor) -> None:
         reqs = [sched.scheduled[i].request for i in batch_rows]
         batch = SamplingBatch.build(reqs, self.device)
-        greedy = batch.all_greedy and batch.max_logprobs is None and not any(r.needs_host_tokens for r in reqs)
+        greedy = _samples_argmax(batch, reqs)
         # A decode batch in a full graph where every request samples: its sampling is recorded too. A uniform
         # batch of k + 1 query tokens here is a prefill with nothing to verify, so it runs eagerly.
         if greedy and desc.query_len == 1 and self._greedy_in_graph(desc, sched, batch_rows):
@@ -386,11 +384,10 @@ class ModelRunner:
         reqs = [s.request for s in scheduled]
         batch = SamplingBatch.build(reqs, self.device)
         forced = self.forced_acceptance_prob
-        greedy = batch.all_greedy and batch.max_logprobs is None
+        greedy = _argmax_only(batch)
         v = self.uniform_verify
-        # A uniform batch's query is the last token and k drafts: every request must verify all k.
         if greedy and v is not None and self._greedy_in_graph(desc, sched, batch_rows) \
-                and all(len(s.spec_token_ids) == desc.query_len - 1 for s in scheduled):
+                and _verifies_all_drafts(desc, scheduled):
             self._forced_draws(desc, len(reqs))
             self.greedy_graphs.run(desc, self._greedy_outputs, None)
             return
@@ -467,6 +464,22 @@ class ModelRunner:
             self.outputs.drafts[:n].copy_(drafts)
         else:
             self.outputs.drafts.index_copy_(0, b.staged_extra("sampling_rows"), drafts)
+
+
+def _argmax_only(batch: SamplingBatch) -> bool:
+    """Every request takes the argmax and asks for no logprobs: the step needs the tokens alone."""
+    return batch.all_greedy and batch.max_logprobs is None
+
+
+def _samples_argmax(batch: SamplingBatch, reqs) -> bool:
+    """Sampling without drafts is the argmax alone: _argmax_only, and no request needs the host's tokens
+    (penalties, min_tokens), which only the plain sampler applies."""
+    return _argmax_only(batch) and not any(r.needs_host_tokens for r in reqs)
+
+
+def _verifies_all_drafts(desc: BatchDescriptor, scheduled) -> bool:
+    """A uniform batch's query is the last token and k drafts: every request must verify all k."""
+    return all(len(s.spec_token_ids) == desc.query_len - 1 for s in scheduled)
 
 
 @dataclass
