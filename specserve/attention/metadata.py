@@ -35,3 +35,8 @@ class AttentionMetadata:
     seq_lens_cpu: torch.Tensor
     # What a backend derives from this metadata once per step and reuses in every layer.
     backend_state: dict = field(default_factory=dict)
+    # Trees of drafts (spec_decode/tree.py): [num_tokens] int64, or None without trees. Request i's tree starts
+    # at key tree_start = seq_len - q_len - tree_offset; query token t sees a key s >= tree_start only if bit
+    # s - tree_start of tree_bits[t] is set (causality still holds). -1 (every bit) for tokens outside trees.
+    tree_bits: torch.Tensor | None = None
+    tree_offset: int = 0

@@ -73,8 +73,10 @@ class TorchAttentionBackend:
         out = torch.zeros_like(q)
         qsl, seq_lens = layout.qsl, layout.seq_lens
         for i in layout.long:
+            bits = None if metadata.tree_bits is None else metadata.tree_bits[qsl[i]:qsl[i + 1]]
             out[qsl[i]:qsl[i + 1]] = _attend(q[qsl[i]:qsl[i + 1]], *gather_kv(kv_cache, metadata.block_table[i],
-                                                                              seq_lens[i]), scale)
+                                                                              seq_lens[i]), scale,
+                                             bits, metadata.tree_offset)
         if layout.batched is not None:
             _attend_batched(q, out, kv_cache, layout.batched, scale)
         return out
@@ -100,11 +102,21 @@ def _step_layout(metadata: AttentionMetadata, block_size: int, dev) -> _StepLayo
     token = torch.where(real, torch.tensor([qsl[i] for i in short], device=dev)[:, None] + t[None, :], 0)
     q_pos = lens[:, None] - q_lens[:, None] + t[None, :]
     mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < lens[:, None, None])
+    if metadata.tree_bits is not None:
+        tree_start = (lens - q_lens - metadata.tree_offset)[:, None]
+        mask &= tree_visible(metadata.tree_bits[token], (key_pos[None, :] - tree_start)[:, None, :])
     live = (key_pos[None, :] < lens[:, None])[:, :, None, None]
     return _StepLayout(qsl, seq_lens, long, _BatchedLayout(blocks, live, token, real, mask[:, None], max_s))
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+def tree_visible(bits: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
+    """Whether a key rel places past its request's tree start is visible to a query with these tree bits
+    (broadcast together; see AttentionMetadata.tree_bits)."""
+    return (rel < 0) | ((bits[..., None] >> rel.clamp(0, 31)) & 1).bool()
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+            tree_bits: torch.Tensor | None = None, tree_offset: int = 0) -> torch.Tensor:
     """Causal attention of one request's q_len queries, the last tokens of its seq_len keys."""
     q_len, seq_len = q.shape[0], keys.shape[0]
     group = q.shape[1] // keys.shape[1]
@@ -112,7 +124,10 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: fl
     values = values.to(q.dtype).repeat_interleave(group, dim=1)
     # Query j sits at position seq_len - q_len + j and sees keys 0..that position.
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-    mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+    key_pos = torch.arange(seq_len, device=q.device)
+    mask = key_pos[None, :] <= q_pos[:, None]
+    if tree_bits is not None:
+        mask &= tree_visible(tree_bits, key_pos - (seq_len - q_len - tree_offset))
     o = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                                        attn_mask=mask, scale=scale)
     return o.transpose(0, 1)

@@ -74,6 +74,8 @@ def _paged_attention_kernel(
     MIN_CHUNK: tl.constexpr,  # fewest keys a part holds: shorter contexts stay whole
     part_acc_ptr, part_max_ptr, part_sum_ptr,  # [num_tokens, num_heads, NUM_SPLITS(, HEAD_DIM)] float32
     counter_ptr,  # int32 per (request, KV head, tile), zero between launches
+    tree_bits_ptr, tree_offset,  # trees of drafts (AttentionMetadata.tree_bits), read when TREE
+    TREE: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -97,6 +99,9 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + offs_m % GROUP
     row_valid = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
     q_pos = seq_len - q_len + tok
+    if TREE:
+        tree_start = seq_len - q_len - tree_offset
+        tree_bits = tl.load(tree_bits_ptr + q_start + tok, mask=row_valid, other=-1)
 
     q_off = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
     dot_ty = tl.float32 if DOT_FP32 else q_ptr.dtype.element_ty
@@ -131,6 +136,10 @@ def _paged_attention_kernel(
         # IEEE: float32 operands must not silently drop to tf32.
         qk = tl.dot(q, k.to(dot_ty), input_precision="ieee") * qk_scale
         visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if TREE:
+            rel = offs_n - tree_start
+            seen = (tree_bits[:, None] >> tl.minimum(tl.maximum(rel, 0), 31)[None, :]) & 1
+            visible = visible & ((rel < 0)[None, :] | (seen != 0))
         qk = tl.where(visible, qk, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -261,6 +270,8 @@ class TritonAttentionBackend:
             DOT_FP32=on_cpu and q.dtype == torch.bfloat16,
             NUM_SPLITS=splits, MIN_CHUNK=MIN_CHUNK, part_acc_ptr=parts[0], part_max_ptr=parts[1],
             part_sum_ptr=parts[2], counter_ptr=counters,
+            tree_bits_ptr=out if metadata.tree_bits is None else metadata.tree_bits, tree_offset=metadata.tree_offset,
+            TREE=metadata.tree_bits is not None,
         )
         return out
 

@@ -6,9 +6,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from specserve.errors import ConfigError
+from specserve.spec_decode.tree import MAX_TREE_NODES, DraftTree
 
 METHODS = ("eagle", "eagle3", "ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
+# Draft tokens one step may verify: a chain's k, or a tree's nodes.
+MAX_DRAFT_TOKENS = max(MAX_SPECULATIVE_TOKENS, MAX_TREE_NODES)
 
 
 @dataclass
@@ -21,6 +24,9 @@ class SpeculativeConfig:
     # Benchmark only: accept each draft with this probability regardless of the models,
     # which makes speed measurable at a fixed acceptance rate. Output is then not the target's.
     forced_acceptance_prob: float | None = None
+    # EAGLE heads only: draft a static tree of the head's ranked guesses instead of a chain (tree.py), as
+    # vLLM's field of this name: "[(0,), (1,), (0, 0)]". num_speculative_tokens is then the tree's depth.
+    speculative_token_tree: str | list | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> None:
@@ -48,6 +54,29 @@ class SpeculativeConfig:
         p = self.forced_acceptance_prob
         if p is not None and not 0.0 <= p <= 1.0:
             bad("forced_acceptance_prob", f"must be in [0, 1], got {p}")
+        if self.speculative_token_tree is not None:
+            if self.method not in ("eagle", "eagle3"):
+                bad("speculative_token_tree", f"trees of drafts need an EAGLE head; method {self.method!r} drafts "
+                    "a chain: use method 'eagle' or 'eagle3', or drop the tree")
+            if p is not None:
+                bad("forced_acceptance_prob", "forces acceptance of a chain of drafts; drop it with a tree")
+            depth = self.tree.depth
+            if k != depth:
+                bad("num_speculative_tokens", f"is {k} but the tree is {depth} deep: with a tree it must be the "
+                    f"tree's depth ({depth}), or leave it out")
+
+    @property
+    def tree(self) -> DraftTree | None:
+        """The tree of drafts, or None for a chain."""
+        if self.speculative_token_tree is None:
+            return None
+        return DraftTree.build(self.speculative_token_tree)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafts one step verifies: the tree's nodes, or k."""
+        tree = self.tree
+        return tree.num_nodes if tree is not None else self.num_speculative_tokens
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
@@ -66,6 +95,8 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ConfigError(f"speculative_config.{unknown[0]}", f"unknown field; known fields: {', '.join(sorted(known))}")
+        if value.get("speculative_token_tree") is not None and "num_speculative_tokens" not in value:
+            value = {**value, "num_speculative_tokens": DraftTree.build(value["speculative_token_tree"]).depth}
         for required in ("method", "num_speculative_tokens"):
             if required not in value:
                 raise ConfigError(f"speculative_config.{required}", "is required")
