@@ -8,7 +8,8 @@ the previous step's outputs, each such request gets:
     input_ids[first]         = the token the previous step emitted last (its bonus or recovered token)
     input_ids[first + 1 + t] = the previous step's draft t                (t < s)
     positions, seq_len       moved back by R = drafts verified - drafts accepted in the previous step
-    slot_mapping             recomputed from the block table at the moved positions
+    slot_mapping[first + t]  recomputed from the block table at the moved position of token 0, plus t
+                             (a token of a tree of drafts sits at its depth but keeps its own slot)
 
 Rows and tokens of other requests are left alone, so this runs after the
 ordinary upload and before the forward, all on one stream, without a host
@@ -52,10 +53,10 @@ def take_inflight_inputs_torch(staged: torch.Tensor, accepted: torch.Tensor, tok
     index = first[which] + offset
     draft = drafts[prev[which], (offset - 1).clamp(min=0)] if drafts.shape[1] else last[which]
     input_ids[index] = torch.where(offset == 0, last[which], draft)
-    pos = positions[index] - rejected[which]
-    positions[index] = pos
-    block = block_table[row[which], pos // block_size].to(torch.int64)
-    slot_mapping[index] = block * block_size + pos % block_size
+    slot_pos = (positions[first] - rejected)[which] + offset
+    positions[index] = positions[index] - rejected[which]
+    block = block_table[row[which], slot_pos // block_size].to(torch.int64)
+    slot_mapping[index] = block * block_size + slot_pos % block_size
     seq_lens[row] -= rejected.to(seq_lens.dtype)
 
 
@@ -89,9 +90,10 @@ if triton is not None:
             draft = last
         tl.store(input_ids_ptr + first + t, tl.where(t == 0, last, draft), mask=live)
         pos = tl.load(positions_ptr + first + t, mask=live, other=0) - rejected
+        slot_pos = tl.sum(tl.where(t == 0, pos, 0), axis=0) + t
         tl.store(positions_ptr + first + t, pos, mask=live)
-        block = tl.load(block_table_ptr + row * block_table_stride + pos // block_size, mask=live, other=0)
-        tl.store(slot_mapping_ptr + first + t, block.to(tl.int64) * block_size + pos % block_size, mask=live)
+        block = tl.load(block_table_ptr + row * block_table_stride + slot_pos // block_size, mask=live, other=0)
+        tl.store(slot_mapping_ptr + first + t, block.to(tl.int64) * block_size + slot_pos % block_size, mask=live)
         seq_len = tl.load(seq_lens_ptr + row)
         tl.store(seq_lens_ptr + row, (seq_len - rejected).to(tl.int32))
 

@@ -19,19 +19,22 @@ from specserve.worker.staged_inputs import HEADER_SLOTS, StagedLayout, pack_step
 
 class InputBuffers:
     def __init__(self, max_num_reqs: int, max_num_tokens: int, max_blocks_per_req: int, device: torch.device,
-                 extra_capacity: int = 0):
+                 extra_capacity: int = 0, trees: bool = False):
         self.device = device
+        # Whether steps may verify trees of drafts: the metadata then carries each token's tree bits.
+        self.trees = trees
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
         i32, i64 = torch.int32, torch.int64
         self.input_ids = torch.zeros(max_num_tokens, dtype=i64, device=device)
         self.positions = torch.zeros(max_num_tokens, dtype=i64, device=device)
         self.slot_mapping = torch.full((max_num_tokens,), PAD_SLOT_ID, dtype=i64, device=device)
+        self.tree_bits = torch.full((max_num_tokens,), -1, dtype=i64, device=device)
         self.query_start_loc = torch.zeros(max_num_reqs + 1, dtype=i32, device=device)
         self.seq_lens = torch.zeros(max_num_reqs, dtype=i32, device=device)
         self.block_table = torch.zeros(max_num_reqs, max_blocks_per_req, dtype=i32, device=device)
         # One step's host arrays, packed (staged_inputs.py); extra_capacity bounds the caller's extras.
-        capacity = 3 * max_num_tokens + max_num_reqs * (2 + max_blocks_per_req) + extra_capacity
+        capacity = 4 * max_num_tokens + max_num_reqs * (2 + max_blocks_per_req) + extra_capacity
         self.staged = torch.zeros(capacity, dtype=i64, device=device)
         pin = device.type == "cuda"
         # Host staging copies, pinned on CUDA so the copy is asynchronous. Two, used in turn: with
@@ -49,12 +52,15 @@ class InputBuffers:
         table: np.ndarray,
         block_size: int,
         extras: dict[str, np.ndarray] | None = None,
+        tree_shift: np.ndarray | None = None,
+        tree_bits: np.ndarray | None = None,
     ) -> AttentionMetadata:
         """Stage the step's inputs (and the caller's extra int64 arrays, read back with staged_extra()) and copy
         them to the device at once; spread() then writes them into the persistent buffers. Returns the step's
         metadata.
         Each request's query is its last query_lens[i] positions before seq_lens[i]; table[i] holds its
-        block ids."""
+        block ids. A token of a tree of drafts keeps its cache slot but sits tree_shift[t] positions earlier
+        (its index in the tree minus its depth), and tree_bits[t] says which of the tree it sees."""
         self._staging ^= 1
         num_reqs, num_tokens = len(query_lens), len(input_ids)
         qsl = np.zeros(num_reqs + 1, dtype=np.int64)
@@ -63,8 +69,11 @@ class InputBuffers:
         # Token t of request r sits at position seq_lens[r] - query_lens[r] + (t - qsl[r]).
         positions = np.arange(num_tokens) + (seq_lens - qsl[1:])[req_of_token]
         slots = table[req_of_token, positions // block_size] * block_size + positions % block_size
+        if tree_shift is not None:
+            positions = positions - tree_shift
         host = self._host[self._staging]
-        layout = pack_step_inputs(host.numpy(), input_ids, positions, slots, seq_lens, qsl[1:], table, extras or {})
+        layout = pack_step_inputs(host.numpy(), input_ids, positions, slots, seq_lens, qsl[1:], table, extras or {},
+                                  tree_bits)
         self.staged[:layout.size].copy_(host[:layout.size], non_blocking=True)
         self._layout = layout
         metadata = self.padded_metadata(num_reqs, num_tokens, int(query_lens.max()), int(seq_lens.max()))
@@ -80,7 +89,7 @@ class InputBuffers:
         """Write the staged step into the persistent buffers, padding included (one launch, the same every
         step: the sizes come from the staged header)."""
         scatter_staged_inputs(self.staged, self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
-                              self.query_start_loc, self.block_table)
+                              self.query_start_loc, self.block_table, tree_bits=self.tree_bits if self.trees else None)
 
     def staged_extra(self, name: str) -> torch.Tensor:
         """The device copy of extra array `name` of the last prepare(), in its shape (int64)."""
@@ -96,6 +105,7 @@ class InputBuffers:
         self.slot_mapping.fill_(PAD_SLOT_ID)
         self.input_ids.zero_()
         self.positions.zero_()
+        self.tree_bits.fill_(-1)
 
     def padded_metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int) -> AttentionMetadata:
         """Metadata over the first num_reqs rows and num_tokens tokens of the buffers, whatever they hold:
@@ -107,4 +117,5 @@ class InputBuffers:
             # Only the reference backend reads these, and graphs with it run on the CPU stand-in alone,
             # where device and host memory are one.
             query_start_loc_cpu=self.query_start_loc[: num_reqs + 1], seq_lens_cpu=self.seq_lens[:num_reqs],
+            tree_bits=self.tree_bits[:num_tokens] if self.trees else None,
         )

@@ -8,8 +8,8 @@ int64 array (StagedLayout says where each part sits), copies it into one
 device staging buffer, and `scatter_staged_inputs` writes the persistent
 buffers, padding included:
 
-    tokens t < T                 input_ids, positions, slot_mapping from the staged arrays
-    tokens T <= t < max_tokens   0, 0, PAD_SLOT_ID                          (design.md 4.5)
+    tokens t < T                 input_ids, positions, slot_mapping, tree_bits from the staged arrays
+    tokens T <= t < max_tokens   0, 0, PAD_SLOT_ID, -1                      (design.md 4.5)
     requests r < R               seq_lens[r], query_start_loc[r + 1], block_table row r
                                  (its first `table_width` staged columns, zeros after)
     requests R <= r < max_reqs   seq_lens 0, query_start_loc[r + 1] = T (empty requests)
@@ -73,8 +73,12 @@ class StagedLayout:
         return HEADER_SLOTS + 2 * self.num_tokens
 
     @property
-    def seq_lens(self) -> int:
+    def tree_bits(self) -> int:
         return HEADER_SLOTS + 3 * self.num_tokens
+
+    @property
+    def seq_lens(self) -> int:
+        return HEADER_SLOTS + 4 * self.num_tokens
 
     @property
     def query_ends(self) -> int:  # query_start_loc[1:]
@@ -91,8 +95,9 @@ class StagedLayout:
 
 def pack_step_inputs(host: np.ndarray, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                      seq_lens: np.ndarray, query_ends: np.ndarray, table: np.ndarray,
-                     extras: dict[str, np.ndarray]) -> StagedLayout:
-    """Write the step's arrays into host (an int64 staging array) and return where they are."""
+                     extras: dict[str, np.ndarray], tree_bits: np.ndarray | None = None) -> StagedLayout:
+    """Write the step's arrays into host (an int64 staging array) and return where they are. tree_bits: each
+    token's (AttentionMetadata.tree_bits); None: -1 for all."""
     num_tokens, num_reqs, width = len(input_ids), len(seq_lens), table.shape[1]
     offset = StagedLayout(num_tokens, num_reqs, width, {}, 0).end
     placed = {}
@@ -112,6 +117,10 @@ def pack_step_inputs(host: np.ndarray, input_ids: np.ndarray, positions: np.ndar
         if name in placed:
             header[at_slot], header[rows_slot] = placed[name][0], placed[name][1][0]
     host[:HEADER_SLOTS] = header
+    if tree_bits is None:
+        host[layout.tree_bits:layout.tree_bits + num_tokens] = -1
+    else:
+        host[layout.tree_bits:layout.tree_bits + num_tokens] = tree_bits
     for start, values in ((layout.ids, input_ids), (layout.positions, positions), (layout.slots, slots),
                           (layout.seq_lens, seq_lens), (layout.query_ends, query_ends), (layout.table, table)):
         host[start:start + values.size] = values.reshape(-1)
@@ -139,12 +148,14 @@ def staged_layout(staged: torch.Tensor) -> StagedLayout:
 
 def scatter_staged_inputs_torch(staged: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                                 slot_mapping: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                                block_table: torch.Tensor) -> None:
+                                block_table: torch.Tensor, tree_bits: torch.Tensor | None = None) -> None:
     """The scatter in torch ops (the CPU path and the kernel's reference)."""
     layout = staged_layout(staged)
     t, r, w = layout.num_tokens, layout.num_reqs, layout.table_width
     for buf, start, pad in ((input_ids, layout.ids, 0), (positions, layout.positions, 0),
-                            (slot_mapping, layout.slots, PAD_SLOT_ID)):
+                            (slot_mapping, layout.slots, PAD_SLOT_ID), (tree_bits, layout.tree_bits, -1)):
+        if buf is None:
+            continue
         buf[:t].copy_(staged[start:start + t])
         buf[t:].fill_(pad)
     seq_lens[:r].copy_(staged[layout.seq_lens:layout.seq_lens + r])
@@ -161,9 +172,9 @@ if triton is not None:
     @triton.jit
     def _scatter_staged_inputs_kernel(
         staged_ptr, input_ids_ptr, positions_ptr, slot_mapping_ptr, seq_lens_ptr, query_start_loc_ptr,
-        block_table_ptr, block_table_stride, max_tokens, max_reqs, max_blocks,
+        block_table_ptr, block_table_stride, max_tokens, max_reqs, max_blocks, tree_bits_ptr,
         PAD_SLOT: tl.constexpr, TOKENS: tl.constexpr, REQS: tl.constexpr, COLUMNS: tl.constexpr,
-        HEADER: tl.constexpr,
+        HEADER: tl.constexpr, TREE: tl.constexpr,
     ):
         # The step's sizes come from the header (slots 0-2, see HEADER_SLOTS), so one launch, or one graph
         # of it, serves every step; the parts follow the header in StagedLayout's order.
@@ -172,7 +183,8 @@ if triton is not None:
         table_width = tl.load(staged_ptr + 2)
         positions_at = HEADER + num_tokens
         slots_at = positions_at + num_tokens
-        seq_lens_at = slots_at + num_tokens
+        tree_bits_at = slots_at + num_tokens
+        seq_lens_at = tree_bits_at + num_tokens
         query_ends_at = seq_lens_at + num_reqs
         table_at = query_ends_at + num_reqs
         pid = tl.program_id(0)
@@ -185,6 +197,9 @@ if triton is not None:
         tl.store(input_ids_ptr + t, ids, mask=in_buffer)
         tl.store(positions_ptr + t, pos, mask=in_buffer)
         tl.store(slot_mapping_ptr + t, slot, mask=in_buffer)
+        if TREE:
+            bits = tl.load(staged_ptr + tree_bits_at + t, mask=live, other=-1)
+            tl.store(tree_bits_ptr + t, bits, mask=in_buffer)
 
         r = pid * REQS + tl.arange(0, REQS)
         real = r < num_reqs
@@ -204,21 +219,24 @@ if triton is not None:
 
 def scatter_staged_inputs(staged: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                           slot_mapping: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                          block_table: torch.Tensor, *, use_triton: bool | None = None) -> None:
+                          block_table: torch.Tensor, *, tree_bits: torch.Tensor | None = None,
+                          use_triton: bool | None = None) -> None:
     """Write the persistent input buffers from the staged array (see the module docstring), its sizes read
     from its header on the device: one Triton launch on CUDA, the same for every step; torch ops elsewhere
-    (use_triton forces either; tests run the kernel under TRITON_INTERPRET=1)."""
+    (use_triton forces either; tests run the kernel under TRITON_INTERPRET=1). tree_bits: written when given
+    (engines that draft trees)."""
     if use_triton is None:
         use_triton = triton is not None and staged.is_cuda
     if not use_triton:
-        scatter_staged_inputs_torch(staged, input_ids, positions, slot_mapping, seq_lens, query_start_loc, block_table)
+        scatter_staged_inputs_torch(staged, input_ids, positions, slot_mapping, seq_lens, query_start_loc, block_table,
+                                    tree_bits)
         return
     assert staged.dtype == torch.int64 and block_table.stride(1) == 1 and seq_lens.dtype == torch.int32
     max_tokens, max_reqs = input_ids.shape[0], seq_lens.shape[0]
     grid = (max(triton.cdiv(max_tokens, _TOKENS_PER_PROGRAM), triton.cdiv(max_reqs, _REQS_PER_PROGRAM)),)
     _scatter_staged_inputs_kernel[grid](
         staged, input_ids, positions, slot_mapping, seq_lens, query_start_loc, block_table, block_table.stride(0),
-        max_tokens, max_reqs, block_table.shape[1],
+        max_tokens, max_reqs, block_table.shape[1], input_ids if tree_bits is None else tree_bits,
         PAD_SLOT=PAD_SLOT_ID, TOKENS=_TOKENS_PER_PROGRAM, REQS=_REQS_PER_PROGRAM, COLUMNS=_TABLE_COLUMNS,
-        HEADER=HEADER_SLOTS,
+        HEADER=HEADER_SLOTS, TREE=tree_bits is not None,
     )

@@ -41,10 +41,12 @@ def kernels():
             target_ptr=p64, input_ids_ptr=p64, index_ptr=p64, num_drafts_ptr=p64, out_rows_ptr=p64,
             uniform_ptr="*fp32", accepted_ptr=p64, accepted_stride=i32, tokens_ptr=p64, tokens_stride=i32,
             forced_accept_prob="fp32", K1=4, FORCED=forced, BLOCK=4)
-    yield staged_inputs._scatter_staged_inputs_kernel, dict(
-        staged_ptr=p64, input_ids_ptr=p64, positions_ptr=p64, slot_mapping_ptr=p64, seq_lens_ptr=p32,
-        query_start_loc_ptr=p32, block_table_ptr=p32, block_table_stride=i32, max_tokens=i32, max_reqs=i32,
-        max_blocks=i32, PAD_SLOT=PAD_SLOT_ID, TOKENS=1024, REQS=64, COLUMNS=64, HEADER=8)
+    for tree in (False, True):
+        yield staged_inputs._scatter_staged_inputs_kernel, dict(
+            staged_ptr=p64, input_ids_ptr=p64, positions_ptr=p64, slot_mapping_ptr=p64, seq_lens_ptr=p32,
+            query_start_loc_ptr=p32, block_table_ptr=p32, block_table_stride=i32, max_tokens=i32, max_reqs=i32,
+            max_blocks=i32, tree_bits_ptr=p64, PAD_SLOT=PAD_SLOT_ID, TOKENS=1024, REQS=64, COLUMNS=64, HEADER=8,
+            TREE=tree)
     # The small-M projections as SmolLM2 decodes one token (K = 576) and verifies four drafts (five rows,
     # ROWS = 8): the folded add + norm with the compact prologue (its rstd after the weight loop, as
     # bfloat16 runs it), and the plain output projection.
@@ -92,13 +94,16 @@ def kernels():
         block_table_ptr=p32, qk_scale="fp32", stride_qt=i32, stride_qh=i32, stride_ot=i32, stride_oh=i32,
         stride_cb=i32, stride_cs=i32, stride_ch=i32, stride_bt=i32, block_size=i32, num_reqs=i32, num_tokens=i32,
         BLOCK_M=16, DOT_FP32=False, MIN_CHUNK=triton_backend.MIN_CHUNK, part_acc_ptr=f32, part_max_ptr=f32,
-        part_sum_ptr=f32, counter_ptr=p32)
+        part_sum_ptr=f32, counter_ptr=p32, tree_bits_ptr=p64, tree_offset=i32, TREE=False)
     # Llama-3-8B's decode at batch 1, keys split over 16 programs (atomics, L2 loads, a barrier).
     yield triton_backend._paged_attention_kernel, dict(
         attention, GROUP=4, HEAD_DIM=128, BLOCK_Q=4, BLOCK_N=64, NUM_SPLITS=16)
     # SmolLM2's (3 query heads a KV head, head_dim 64: 32 splits, wide key steps).
     yield triton_backend._paged_attention_kernel, dict(
         attention, GROUP=3, HEAD_DIM=64, BLOCK_Q=5, BLOCK_N=triton_backend.NARROW_HEAD_DECODE_BLOCK_N, NUM_SPLITS=32)
+    # ... verifying a tree of drafts (16 query tokens, 64 rows).
+    yield triton_backend._paged_attention_kernel, dict(
+        attention, BLOCK_M=64, GROUP=3, HEAD_DIM=64, BLOCK_Q=21, BLOCK_N=64, NUM_SPLITS=1, TREE=True)
     # The fused residual add + RMSNorm.
     yield rmsnorm._rms_norm_kernel, dict(
         x_ptr=bf16, residual_ptr=bf16, weight_ptr=bf16, out_ptr=bf16, heads=i32, stride_xt=i32, stride_xh=i32,

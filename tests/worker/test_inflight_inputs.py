@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from specserve.spec_decode.tree import DraftTree
 from specserve.worker.inflight_inputs import take_inflight_inputs
 from staging import staged_extras
 
@@ -15,9 +16,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK_SIZE = 4
 
 
-def scenario(k: int, seed: int):
+def scenario(k: int, seed: int, tree: DraftTree | None = None):
     """A batch of 6 requests, 3 of them in flight, over poisoned buffers; returns (meta, previous step's
-    outputs, buffers, expected buffers)."""
+    outputs, buffers, expected buffers). With a tree of k drafts, an in-flight request's token t sits at the
+    depth of tree index t, and keeps slot start + t."""
     rng = random.Random(seed)
     prev_rows, rows, max_blocks = 7, 6, 16
     accepted = torch.tensor([rng.randint(0, k) for _ in range(prev_rows)])
@@ -36,11 +38,13 @@ def scenario(k: int, seed: int):
             meta.append([i, prev, first, n, rng.randint(int(accepted[prev]), k)])
         start = rng.randint(8, 40)
         input_ids += [rng.randrange(1, 99) for _ in range(n)]
-        positions += list(range(start, start + n))
+        depths = tree.depths if tree is not None and i in in_flight else range(n)
+        positions += [start + depths[t] for t in range(n)]
         seq_lens.append(start + n)
         first += n
+    first_positions = [positions[sum(counts[:r])] for r in range(rows)]
     slots = [int(block_table[r, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
-             for r, n in enumerate(counts) for p in positions[sum(counts[:r]):sum(counts[:r]) + n]]
+             for r, n in enumerate(counts) for p in range(first_positions[r], first_positions[r] + n)]
     buffers = dict(input_ids=torch.tensor(input_ids + [-5] * 3), positions=torch.tensor(positions + [-5] * 3),
                    seq_lens=torch.tensor(seq_lens + [-5], dtype=torch.int32), slot_mapping=torch.tensor(slots + [-5] * 3))
     expected = {name: t.clone() for name, t in buffers.items()}
@@ -49,8 +53,8 @@ def scenario(k: int, seed: int):
         expected["seq_lens"][row] -= rejected
         for t in range(n):
             expected["input_ids"][start + t] = tokens[prev, accepted[prev]] if t == 0 else drafts[prev, t - 1]
-            pos = int(expected["positions"][start + t]) - rejected
-            expected["positions"][start + t] = pos
+            expected["positions"][start + t] -= rejected
+            pos = first_positions[row] - rejected + t
             expected["slot_mapping"][start + t] = int(block_table[row, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE
     # The previous step's outputs as the runner keeps them: columns of one packed buffer.
     packed = torch.cat([accepted[:, None], tokens, drafts], dim=1)
@@ -69,6 +73,17 @@ def test_inflight_inputs_match_the_reference(use_triton, k, seed):
     # is what the kernel follows.
     take_inflight_inputs(staged, accepted, tokens, drafts, buf["input_ids"], buf["positions"], buf["seq_lens"],
                          buf["slot_mapping"], block_table, BLOCK_SIZE, max_rows=3 + seed, use_triton=use_triton)
+    for name, want in expected.items():
+        assert torch.equal(buf[name].cpu(), want), name
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("seed", range(3))
+def test_inflight_tree_tokens_keep_their_depths_and_slots(use_triton, seed):
+    tree = DraftTree.build([(0,), (1,), (0, 0)])
+    staged, (accepted, tokens, drafts), buf, expected, block_table = scenario(3, seed, tree)
+    take_inflight_inputs(staged, accepted, tokens, drafts, buf["input_ids"], buf["positions"], buf["seq_lens"],
+                         buf["slot_mapping"], block_table, BLOCK_SIZE, max_rows=3, use_triton=use_triton)
     for name, want in expected.items():
         assert torch.equal(buf[name].cpu(), want), name
 
