@@ -8,17 +8,20 @@ a set of rank paths closed under prefixes, e.g. (0,), (1,), (0, 0): the top two 
 after the first. At a row it accepts as many drafts as its deepest node on the row's rank path is deep, and adds
 the bonus token. Trees of N nodes are built greedily on half of the prompts (each next node the child that the
 most rows reach, which for a fixed N maximises the accepted drafts on that half) and scored on the other half, so
-the figures are what a tree chosen in advance would have done on prompts it was not chosen on. A chain of k
-drafts is the tree (0,), (0, 0), ... of k nodes.
+the figures are what a tree chosen in advance would have done on prompts it was not chosen on. With
+--score-prompts the trees are built on the prompts of --prompts and scored on those of --score-prompts instead.
+A chain of k drafts is the tree (0,), (0, 0), ... of k nodes. After the table each best tree is printed as a
+Python list of its nodes, by depth then rank, to paste into a config.
 
 Two means are printed: over rows (every position alike), and over the steps of a walk through each answer as
 the engine takes it (each step starts after the last token the one before emitted), which is what
 eval-acceptance reports: easy stretches, where many drafts pass, take fewer steps, so it reads lower.
 
-    python benchmarks/tree_acceptance_bound.py --prompts mt_bench.jsonl [--head smollm2-135m-eagle3]
-        [--num-prompts 40] [--max-tokens 128] [--depth 5] [--tree-depths 4 5] [--nodes 5 8 12 16 24 32 48 64]
+    python benchmarks/tree_acceptance_bound.py --prompts mt_bench.jsonl [--score-prompts OTHER.jsonl]
+        [--head smollm2-135m-eagle3] [--num-prompts 40] [--max-tokens 128] [--depth 5] [--tree-depths 4 5] [--nodes 5 8 12 16 24 32 48 64]
 
 --tree-depths builds trees no deeper than each of its values (default: --depth) from the same rows.
+--num-prompts takes that many prompts, spread evenly, from each file (default: 40, or all with --score-prompts).
 
 Ranks past --max-rank (default 8) are never in a tree. Rows run to --depth drafts only where the answer holds
 that many tokens after them.
@@ -114,9 +117,10 @@ def acceptance(tree: list[tuple[int, ...]], answers: list[list[tuple[int, ...]]]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", required=True)
+    ap.add_argument("--score-prompts", help="score the trees on these prompts (default: half of --prompts)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--head", default="smollm2-135m-eagle3")
-    ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--num-prompts", type=int, help="per file (default: 40, or all with --score-prompts)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--depth", type=int, default=5)
     ap.add_argument("--max-rank", type=int, default=8)
@@ -131,15 +135,25 @@ def main() -> None:
     spec = SpeculativeConfig.parse({"method": "eagle3", "model": head_dir, "num_speculative_tokens": 1})
     head = load_head(spec, features.model, features.arch, UnrolledAttention())
     plain_torch(head)
-    loaded = load_prompt_file(a.prompts)
-    conversations = loaded[:: max(1, len(loaded) // a.num_prompts)][: a.num_prompts]
-    prompts = [prompt_token_ids(llm, c) for c in conversations]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=a.max_tokens), use_tqdm=False)
-    answers = [Sequence(p, o.outputs[0].token_ids, 0.0) for p, o in zip(prompts, outs)]
-    # Every other prompt builds the trees; the rest score them.
-    build, held_out = (rank_paths(head, features, answers[i::2], a.depth) for i in (0, 1))
-    print(f"{len(answers)} prompts ({a.prompts}), {sum(map(len, build))} rows to build trees on, "
-          f"{sum(map(len, held_out))} to score them; depth {a.depth}, ranks below {a.max_rank}")
+    num_prompts = a.num_prompts or (None if a.score_prompts else 40)
+
+    def greedy_answers(path: str) -> list[Sequence]:
+        loaded = load_prompt_file(path)
+        n = num_prompts or len(loaded)
+        prompts = [prompt_token_ids(llm, c) for c in loaded[:: max(1, len(loaded) // n)][:n]]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=a.max_tokens), use_tqdm=False)
+        return [Sequence(p, o.outputs[0].token_ids, 0.0) for p, o in zip(prompts, outs)]
+
+    answers = greedy_answers(a.prompts)
+    if a.score_prompts:
+        scored = greedy_answers(a.score_prompts)
+        build, held_out = (rank_paths(head, features, s, a.depth) for s in (answers, scored))
+        source = f"built on {len(answers)} prompts ({a.prompts}), scored on {len(scored)} ({a.score_prompts})"
+    else:  # every other prompt builds the trees; the rest score them
+        build, held_out = (rank_paths(head, features, answers[i::2], a.depth) for i in (0, 1))
+        source = f"{len(answers)} prompts ({a.prompts}), every other one to build trees on"
+    print(f"{source}: {sum(map(len, build))} rows to build trees on, {sum(map(len, held_out))} to score them; "
+          f"depth {a.depth}, ranks below {a.max_rank}")
     print(f"{'tree (nodes per depth)':<28} {'nodes':>5}   accept len, build: rows / steps   held out: rows / steps")
 
     def row(name: str, tree: list[tuple[int, ...]]) -> None:
@@ -149,11 +163,13 @@ def main() -> None:
     for k in range(1, a.depth + 1):
         row(f"chain of {k}", [(0,) * d for d in range(1, k + 1)])
     counts = reach(build, a.max_rank)
-    for depth in a.tree_depths or [a.depth]:
-        for n in a.nodes:
-            tree = best_tree(counts, n, depth)
-            widths = Counter(len(node) for node in tree)
-            row(f"best static ({'/'.join(str(widths[d]) for d in range(1, max(widths) + 1))})", tree)
+    trees = [(depth, best_tree(counts, n, depth)) for depth in a.tree_depths or [a.depth] for n in a.nodes]
+    for _, tree in trees:
+        widths = Counter(len(node) for node in tree)
+        row(f"best static ({'/'.join(str(widths[d]) for d in range(1, max(widths) + 1))})", tree)
+    print()
+    for depth, tree in trees:
+        print(f"best static, {len(tree)} nodes, depth <= {depth}: {tree}")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ class LLMEngine:
             self.runner.capture_graphs(mode, CudaGraphRecorder(self.runner.device), backend)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.max_model_len)
-        self.scheduler = Scheduler(config, self.kv, num_lookahead_tokens=spec.num_speculative_tokens if spec else 0)
+        self.scheduler = Scheduler(config, self.kv, num_lookahead_tokens=spec.num_draft_tokens if spec else 0,
+                                   tree=spec.tree if spec else None)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._counter = itertools.count()
         # Running totals for metrics: prompt tokens of admitted requests, and tokens generated, those of

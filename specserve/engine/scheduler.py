@@ -24,6 +24,7 @@ from specserve.config import EngineConfig
 from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.request import Request, RequestStatus
 from specserve.spec_decode.metrics import SpecDecodeStats
+from specserve.spec_decode.tree import DraftTree
 
 
 # Stands for a token the device supplies (asynchronous scheduling): never read on the host.
@@ -67,11 +68,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, num_lookahead_tokens: int = 0):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, num_lookahead_tokens: int = 0,
+                 tree: DraftTree | None = None):
         self.config = config
         self.kv = kv
-        # Drafts per step (k) when speculating; blocks are reserved for them ahead.
+        # Drafts per step (k, or a tree's nodes) when speculating; blocks are reserved for them ahead.
         self.num_lookahead = num_lookahead_tokens
+        # Drafting a tree: acceptance is counted per depth of the tree (a step's drafts are a tree cut short).
+        self.tree = tree
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -204,8 +208,10 @@ class Scheduler:
             if not s.samples:
                 continue
             if s.spec_token_ids:
-                req.spec_stats.record(len(s.spec_token_ids), len(new_tokens) - 1)
-                self.spec_stats.record(len(s.spec_token_ids), len(new_tokens) - 1)
+                n = len(s.spec_token_ids)
+                positions = n if self.tree is None else self.tree.depth_of_prefix(n)
+                req.spec_stats.record(positions, len(new_tokens) - 1)
+                self.spec_stats.record(positions, len(new_tokens) - 1)
             for t in new_tokens:
                 if req.append_token(t):
                     break

@@ -111,6 +111,10 @@ class Eagle3Head(nn.Module):
             return fused_linear_argmax(h, self.lm_head.weight, token_map=self.target_ids)[0]
         return self.target_ids.index_select(0, greedy_argmax(self.lm_head(h), captured))
 
+    def top_tokens(self, h: torch.Tensor, k: int) -> torch.Tensor:
+        """[n, k] target ids of the k best draft-vocabulary logits, best first."""
+        return self.target_ids[self.lm_head(h).topk(k, dim=-1).indices]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rename(name: str) -> str | None:
             name = name.removeprefix("model.")

@@ -149,3 +149,22 @@ def gather_draft_inputs(staged: torch.Tensor, accepted: torch.Tensor, tokens: to
         block_table.shape[1], REQUESTS_AT=at_slot, REQUESTS_ROWS=rows_slot, NUM_TOKENS_AT=NUM_TOKENS,
         TOKENS=_TOKENS_PER_LOOP, COLUMNS=_TABLE_COLUMNS,
     )
+
+
+def follow_tree_paths(path_tokens: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor,
+                      positions: torch.Tensor, next_ids: torch.Tensor, last: torch.Tensor,
+                      base_positions: torch.Tensor) -> None:
+    """After gather_draft_inputs, the drafter's inputs of requests that verified trees of drafts: their
+    accepted tokens are not consecutive in the step, but at the token indices path_tokens [n, D + 1] (root,
+    then each accepted draft). The token after path node d is emitted token d (tokens [n, D + 1]: the
+    accepted drafts, then the bonus token), and the last accepted token is path node accepted. slots [n]:
+    each request's drafting index."""
+    depth = torch.arange(path_tokens.shape[1], device=path_tokens.device)
+    on_path = depth[None, :] <= accepted[:, None]
+    end = accepted[:, None]
+    last_index = path_tokens.gather(1, end)
+    # Past the path, the last node's entry again: the same index written with the same value.
+    next_ids[torch.where(on_path, path_tokens, last_index).flatten()] = torch.where(
+        on_path, tokens, tokens.gather(1, end)).flatten()
+    last[slots] = last_index.squeeze(1)
+    base_positions[slots] = positions[last_index.squeeze(1)]

@@ -92,7 +92,7 @@ def build_speculator(cfg: SpeculativeConfig, runner, backend) -> Speculator:
         if arch.vocab_size != target.vocab_size:
             raise _bad("model", f"the draft model's vocabulary size {arch.vocab_size} does not match the target's "
                        f"{target.vocab_size}; it must share the target's tokenizer")
-        caches = runner.allocate_kv_caches(arch)
+        caches = list(runner.allocate_kv_caches(arch).unbind(0))
         logger.info("Draft model: %d layers, hidden %d", arch.num_layers, arch.hidden_size)
         return DraftModelSpeculator(model, caches, **common)
     from specserve.spec_decode.eagle.speculator import EagleSpeculator
@@ -101,4 +101,4 @@ def build_speculator(cfg: SpeculativeConfig, runner, backend) -> Speculator:
     head = head.eval().requires_grad_(False)
     (cache,) = runner.allocate_kv_caches(head.cfg, num_layers=1)
     logger.info("%s head loaded from %s", cfg.method.upper(), cfg.model)
-    return EagleSpeculator(head, cache, **common)
+    return EagleSpeculator(head, cache, tree_tables=runner.tree_tables, **common)

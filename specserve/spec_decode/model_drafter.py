@@ -27,6 +27,8 @@ from specserve.kernels.argmax import greedy_argmax
 from specserve.sample.sampler import filtered_probs, sample_from_probs
 from specserve.spec_decode.eagle_inputs import DraftStepBuffers, prepare_draft_step
 from specserve.spec_decode.speculator import DraftInput, Speculator
+from specserve.spec_decode.tree_drafting import draft_tree
+from specserve.spec_decode.tree_verify import TreeTables
 from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager
 from specserve.worker.cudagraph_mode import CUDAGraphMode
 
@@ -38,8 +40,10 @@ class ModelDrafter(Speculator):
     def __init__(self, k: int, vocab_size: int, max_num_reqs: int, max_num_tokens: int, block_size: int,
                  max_position: int, device: torch.device, generator: torch.Generator,
                  target_input_ids: torch.Tensor, target_positions: torch.Tensor, feedback_size: int | None = None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, tree_tables: TreeTables | None = None):
         self.num_speculative_tokens = k
+        # Draft a tree instead of a chain (tree_drafting.py); EAGLE heads only.
+        self.tree_tables = tree_tables
         self.block_size = block_size
         self.max_position = max_position
         self.device = device
@@ -86,6 +90,14 @@ class ModelDrafter(Speculator):
         captured: the call is being recorded into a CUDA graph (see greedy_argmax)."""
         return greedy_argmax(self.compute_logits(hidden), captured)
 
+    def top_tokens(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """[n, k]: the k likeliest next tokens of each row, best first (trees of drafts)."""
+        return self.compute_logits(hidden).topk(k, dim=-1).indices
+
+    def move_kv(self, source: torch.Tensor, dest: torch.Tensor) -> None:
+        """Copy the drafter's cache slots source to dest (tree_verify.move_kv), for trees of drafts."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft trees")
+
     def greedy_decode_step(self, tokens, feedback, positions, metadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the next greedy drafts, hidden states to feed back or None): decode_hidden, then greedy_tokens,
         inside the greedy loop's graph; drafters override it to fuse the two."""
@@ -114,6 +126,8 @@ class ModelDrafter(Speculator):
             return self._prefill(desc, metadata, target_graphs.graphs[desc.key].outputs)
 
         self.prefill_graphs.capture(prefill, prefill_prepare, target_graphs.capture_descriptors())
+        if self.tree_tables is not None:  # a tree drafts in passes of its own (tree_drafting.py)
+            return
         self.decode_graphs = CUDAGraphManager(
             "draft decode", target_graphs.mode.for_draft_decode(), sizes, max_reqs, max_reqs, (1,), recorder, debug)
 
@@ -202,6 +216,12 @@ class ModelDrafter(Speculator):
 
         graphs = self.prefill_graphs
         for_logits, fed_back = graphs.run(desc, prefill, inp.metadata) if graphs else prefill(desc, inp.metadata)
+        if self.tree_tables is not None:
+            if inp.kv_moves is not None:
+                self.move_kv(*inp.kv_moves)
+            last = inp.last_token_indices
+            return draft_tree(self, self.tree_tables, for_logits.index_select(0, last), fed_back.index_select(0, last),
+                              inp.base_positions, inp.block_table)
         drafts: list[torch.Tensor] = []
         current = inp.last_tokens
         last = inp.last_token_indices

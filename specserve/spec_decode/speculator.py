@@ -39,6 +39,9 @@ class DraftInput:
     block_table: torch.Tensor
     rows: torch.Tensor  # [n] each request's row in the draft-probability buffer
     sampling: SamplingBatch
+    # Trees of drafts: the cache moves of the accepted nodes (tree_verify.kv_moves), which the drafter applies
+    # to its own cache after its prefill wrote the tree's slots.
+    kv_moves: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Speculator:

@@ -13,12 +13,14 @@ from specserve.engine.scheduler import SchedulerOutput
 from specserve.kernels.argmax import greedy_argmax
 from specserve.models.arch_config import ArchConfig
 from specserve.outputs import Logprob
-from specserve.sample.sampler import Sampler, SamplerOutput, SamplingBatch, filtered_probs, token_logprobs
-from specserve.spec_decode.config import MAX_SPECULATIVE_TOKENS
-from specserve.spec_decode.draft_inputs import gather_draft_inputs
+from specserve.sample.sampler import (Sampler, SamplerOutput, SamplingBatch, filtered_probs, sample_from_probs,
+                                      token_logprobs)
+from specserve.spec_decode.config import MAX_DRAFT_TOKENS
+from specserve.spec_decode.draft_inputs import follow_tree_paths, gather_draft_inputs
 from specserve.spec_decode.greedy_verify import UniformVerifyInputs, greedy_verify
 from specserve.spec_decode.rejection_sampler import draw_randomness, rejection_sample
 from specserve.spec_decode.speculator import DraftInput, Speculator
+from specserve.spec_decode.tree_verify import TreeTables, emitted_tokens, kv_moves, move_kv, walk_tree
 from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager, default_capture_sizes
 from specserve.worker.cudagraph_mode import CUDAGraphMode
 from specserve.worker.graph_recorder import AttentionSplitter
@@ -58,19 +60,26 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or max(
             2, int(config.kv_cache_memory_gb * 2**30) // kv_block_bytes(arch, self.block_size, self.dtype)
         )
-        self.kv_caches = self.allocate_kv_caches(arch)
+        self.kv_stack = self.allocate_kv_caches(arch)
+        self.kv_caches = list(self.kv_stack.unbind(0))
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                     self.num_blocks * kv_block_bytes(arch, self.block_size, self.dtype) / 2**30)
         # Room for the context plus draft lookahead slots.
-        max_blocks_per_req = -(-(config.max_model_len + MAX_SPECULATIVE_TOKENS) // self.block_size) + 1
+        max_blocks_per_req = -(-(config.max_model_len + MAX_DRAFT_TOKENS) // self.block_size) + 1
         spec = config.speculative_config
+        # A tree of drafts (spec_decode/tree.py) instead of a chain, and its tables on the device.
+        self.tree = spec.tree if spec else None
+        self.tree_tables = TreeTables.build(self.tree, self.device) if self.tree else None
+        # This step's accepted paths (token indices), accepted counts, emitted tokens and cache moves.
+        self._tree_step: tuple | None = None
         # Extras a step stages beside its inputs, per request at most: the in-flight row (5), sampling or
         # verification indices (k + 4), the drafter's request row (5) and its rows (2); and one value of
         # alignment padding per extra.
-        extras = config.max_num_seqs * (16 + MAX_SPECULATIVE_TOKENS) + 16
+        extras = config.max_num_seqs * (16 + MAX_DRAFT_TOKENS) + 16
         self.buffers = InputBuffers(config.max_num_seqs, config.max_num_batched_tokens, max_blocks_per_req, self.device,
-                                    extra_capacity=extras)
-        self.outputs = StepOutputs(config.max_num_seqs, spec.num_speculative_tokens if spec else 0, self.device)
+                                    extra_capacity=extras, trees=self.tree is not None)
+        self.outputs = StepOutputs(config.max_num_seqs, spec.num_draft_tokens if spec else 0, self.device,
+                                   max_accepted=spec.num_speculative_tokens if spec else 0)
         # Request id -> (its batch row, drafts verified) in the last launched step, for a step scheduled
         # before that one's results were back.
         self._previous: dict[str, tuple[int, int]] = {}
@@ -94,10 +103,12 @@ class ModelRunner:
         self.capture_seconds: float | None = None
         self.graph_memory_bytes: int | None = None
 
-    def allocate_kv_caches(self, arch: ArchConfig, num_layers: int | None = None) -> list[torch.Tensor]:
-        """Paged KV caches in the runner's block layout (the target's, or a drafter's over the same blocks)."""
-        shape = (2, self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers or arch.num_layers)]
+    def allocate_kv_caches(self, arch: ArchConfig, num_layers: int | None = None) -> torch.Tensor:
+        """Paged KV caches in the runner's block layout (the target's, or a drafter's over the same blocks), one
+        tensor [layers, 2, blocks, block_size, kv heads, head dim] whose entries are the layers' caches, so one
+        copy moves slots in all of them (tree_verify.move_kv)."""
+        shape = (num_layers or arch.num_layers, 2, self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def set_speculator(self, speculator: Speculator, forced_acceptance_prob: float | None) -> None:
         self.speculator = speculator
@@ -115,7 +126,7 @@ class ModelRunner:
         cfg = self.config
         splitter = AttentionSplitter(backend)
         splitter.install(self.model)
-        k = getattr(self.speculator, "num_speculative_tokens", 0)
+        k = self.outputs.num_drafts
         sizes = cfg.cudagraph_capture_sizes or default_capture_sizes(min(256, cfg.max_num_batched_tokens))
         self.graphs = CUDAGraphManager(
             "target", mode, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -126,20 +137,24 @@ class ModelRunner:
         query_lens = (1, 1 + k) if k else (1,)
         uniform = [d for d in self.graphs.capture_descriptors()
                    if d.mode is CUDAGraphMode.FULL and d.query_len in query_lens]
-        if k:
+        if k and self.tree is None:
             self.uniform_verify = UniformVerifyInputs.allocate(cfg.max_num_seqs, k, self.device,
                                                                forced=self.forced_acceptance_prob is not None)
+        # Greedy sampling of a decode batch, and greedy verification of a chain of drafts.
+        greedy_lens = (1,) if self.tree is not None else query_lens
         self.greedy_graphs = CUDAGraphManager(
             "greedy sampling", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-            uniform_query_lens=query_lens, recorder=recorder, debug=cfg.debug_cudagraph)
-        self.greedy_graphs.capture(self._greedy_outputs, self._prepare_capture, uniform)
+            uniform_query_lens=greedy_lens, recorder=recorder, debug=cfg.debug_cudagraph)
+        self.greedy_graphs.capture(self._greedy_outputs, self._prepare_capture,
+                                   [d for d in uniform if d.query_len in greedy_lens])
         drafter = self.speculator if self.speculator is not None and self.speculator.on_device else None
         if drafter is not None and hasattr(drafter, "capture_graphs"):
             drafter.capture_graphs(self.graphs, splitter, recorder, sizes, cfg.debug_cudagraph, self._prepare_capture,
                                    self.draft_base_positions, self.draft_block_table)
         # The debug check re-runs a graph's forward after its replay, but a whole step reads the outputs of the
         # step before, which its replay overwrote: under debug each part runs (and is checked) in its own graph.
-        if not cfg.debug_cudagraph and (drafter is None or getattr(drafter, "greedy_loop_graphs", None)):
+        if not cfg.debug_cudagraph and self.tree is None and (
+                drafter is None or getattr(drafter, "greedy_loop_graphs", None)):
             self.whole_step_graphs = CUDAGraphManager(
                 "whole step", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                 uniform_query_lens=query_lens, recorder=recorder)
@@ -290,9 +305,10 @@ class ModelRunner:
             offset += n
         drafts_on_device = self.speculator is not None and self.speculator.on_device
         plan = StepPlan.build(sched, sampling, draft_requests, inflight, drafts_on_device, self._row)
+        self._tree_step = None
         metadata = self.buffers.prepare(np.array(ids, dtype=np.int64), np.array(qlens, dtype=np.int64),
                                         np.array(slens, dtype=np.int64), self.host_block_table.gather(rows),
-                                        self.block_size, plan.extras)
+                                        self.block_size, plan.extras, *self._tree_layout(sched, offset))
         b = self.buffers
         desc = self._dispatch(offset, qlens)
         handle = StepHandle(sched, sampling)
@@ -316,11 +332,30 @@ class ModelRunner:
         if plan.sample_rows:
             self._sample(hidden, sched, plan.sample_rows, handle, desc)
         if plan.verify_rows:
-            self._verify(hidden, sched, plan.verify_rows, handle, desc)
+            verify = self._verify if self.tree is None else self._verify_tree
+            verify(hidden, sched, plan.verify_rows, handle, desc)
         if self.speculator is not None and self.speculator.on_device:
             self._propose(sched, sampling, desc, (padded_hidden, padded_aux), metadata)
         handle.host, handle.event = self.outputs.copy_to_host(len(sched.scheduled))
         return handle
+
+    def _tree_layout(self, sched: SchedulerOutput, num_tokens: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(position shift, tree bits) of each token (InputBuffers.prepare) when drafting trees: a verifying
+        request's last 1 + n tokens are the root and the first n drafts of the tree."""
+        if self.tree is None:
+            return None, None
+        shift = np.zeros(num_tokens, dtype=np.int64)
+        bits = np.full(num_tokens, -1, dtype=np.int64)
+        tree_shift = np.arange(self.tree.num_nodes + 1) - np.array(self.tree.depths)
+        tree_bits = np.array(self.tree.ancestor_bits)
+        end = 0
+        for s in sched.scheduled:
+            end += s.num_new_tokens
+            n = len(s.spec_token_ids) + 1
+            if s.samples and n > 1:
+                shift[end - n:end] = tree_shift[:n]
+                bits[end - n:end] = tree_bits[:n]
+        return shift, bits
 
     def _forced_draws(self, desc: BatchDescriptor, n: int) -> None:
         """Under forced acceptance, the uniform draws a verification graph reads, from the generator the eager
@@ -337,7 +372,7 @@ class ModelRunner:
         if handle.event is not None:
             handle.event.synchronize()
         table = handle.host.tolist()
-        k = self.outputs.num_drafts
+        k = self.outputs.max_accepted
         scheduled = handle.sched.scheduled
         for i in handle.sampling:
             row = table[i]
@@ -430,6 +465,47 @@ class ModelRunner:
             result = token_logprobs(raw, tokens.flatten().clamp(min=0), batch.max_logprobs)
             handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=k + 1))
 
+    def _verify_tree(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
+                     desc: BatchDescriptor) -> None:
+        """Verify each request's tree of drafts (tree_verify.py): the target's token at every node, argmax or
+        sampled, then the walk from the root; then move the accepted nodes' keys and values to their
+        positions' slots. Keeps the accepted paths and the moves for the drafter (self._tree_step)."""
+        reqs = [sched.scheduled[i].request for i in batch_rows]
+        batch = SamplingBatch.build(reqs, self.device)
+        b, tables = self.buffers, self.tree_tables
+        index, num, where = b.staged_extra("verify_index"), b.staged_extra("verify_drafts"), b.staged_extra("verify_rows")
+        n, width = index.shape[0], index.shape[1]
+        verified = hidden.index_select(0, index.view(-1))
+        logits = None
+        if _argmax_only(batch):
+            target = self.model.greedy_tokens(verified).view(n, width)
+        else:
+            logits = self.model.compute_logits(verified)
+            target = greedy_argmax(logits)
+            if not batch.all_greedy:
+                expanded = SamplingBatch.build([r for r in reqs for _ in range(width)], self.device)
+                sampled = sample_from_probs(filtered_probs(logits, expanded), expanded.generators,
+                                            self.sampler.default_generator)
+                target = torch.where(expanded.greedy, target, sampled)
+            target = target.view(n, width)
+        full = torch.zeros(n, tables.tree.num_nodes + 1, dtype=torch.int64, device=self.device)
+        full[:, :width] = target
+        nodes = torch.zeros_like(full)
+        nodes[:, :width] = b.input_ids[index]
+        accepted, path = walk_tree(full, nodes, num, tables)
+        tokens = emitted_tokens(full, path, accepted)
+        self.outputs.accepted.index_copy_(0, where, accepted)
+        self.outputs.tokens.index_copy_(0, where, tokens)
+        padded_index = torch.cat([index, index[:, -1:].expand(n, full.shape[1] - width)], dim=1)
+        moves = kv_moves(padded_index, path, accepted, b.slot_mapping)
+        move_kv(self.kv_stack, *moves)
+        self._tree_step = (padded_index.gather(1, path), accepted, tokens, moves)
+        if batch.max_logprobs is not None:
+            on_path = index.gather(1, path.clamp(max=width - 1))
+            raw = self.model.compute_logits(hidden.index_select(0, on_path.view(-1))).log_softmax(dim=-1)
+            result = token_logprobs(raw, tokens.flatten().clamp(min=0), batch.max_logprobs)
+            handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=path.shape[1]))
+
     def _gather_draft_inputs(self, desc: BatchDescriptor, max_rows: int) -> None:
         """The drafter's inputs from this step's outputs (draft_inputs.py), padded to desc."""
         b = self.buffers
@@ -445,6 +521,11 @@ class ModelRunner:
         n = len(sampling)
         scheduled = [sched.scheduled[i] for i in sampling]
         self._gather_draft_inputs(desc, max_rows=len(sched.scheduled))
+        moves = None
+        if self.tree is not None and self._tree_step is not None:
+            path_tokens, accepted, tokens, moves = self._tree_step
+            follow_tree_paths(path_tokens, accepted, tokens, b.staged_extra("verify_slots"), b.positions,
+                              spec.next_ids, self.draft_last_indices, self.draft_base_positions)
         drafting = [s.request for s in scheduled]
         inp = DraftInput(
             target_out=target_out,
@@ -458,6 +539,7 @@ class ModelRunner:
             block_table=self.draft_block_table,
             rows=b.staged_extra("draft_rows"),
             sampling=SamplingBatch.build(drafting, self.device),
+            kv_moves=moves,
         )
         drafts = spec.propose(inp)
         if sampling[-1] == n - 1:  # rows 0..n-1: every scheduled request drafts
@@ -522,4 +604,7 @@ class StepPlan:
             extras["draft_rows"] = np.array([row_of(sched.scheduled[i].request.request_id) for i in sampling],
                                             dtype=np.int64)
             extras["sampling_rows"] = np.array(sampling, dtype=np.int64)
+            # Each verified request's drafting index (trees of drafts: draft_inputs.follow_tree_paths).
+            drafting = {row: i for i, row in enumerate(sampling)}
+            extras["verify_slots"] = np.array([drafting[i] for i in verify_rows], dtype=np.int64)
         return cls(sample_rows, verify_rows, extras)

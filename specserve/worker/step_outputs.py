@@ -1,7 +1,8 @@
 """What each step produced, by the step's batch row, in one persistent device buffer.
 
 Columns: accepted drafts | the tokens emitted (accepted drafts, then the bonus or recovered token; one
-for a plain decode) | the next step's drafts. The next step reads them on the device when it was
+for a plain decode) | the next step's drafts. At most max_accepted drafts are accepted: k for a chain of k
+drafts, the depth for a tree of num_drafts. The next step reads them on the device when it was
 scheduled before this one's results were back (asynchronous scheduling); the host gets all of them in
 one copy into pinned memory, alternating between two host buffers because a step's copy may land while
 the host still reads the previous step's.
@@ -12,14 +13,15 @@ import torch
 
 
 class StepOutputs:
-    def __init__(self, max_num_reqs: int, num_drafts: int, device: torch.device):
-        k = num_drafts
-        self.num_drafts = k
+    def __init__(self, max_num_reqs: int, num_drafts: int, device: torch.device, max_accepted: int | None = None):
+        a = num_drafts if max_accepted is None else max_accepted
+        self.num_drafts = num_drafts
+        self.max_accepted = a
         self.device = device
-        self.packed = torch.zeros(max_num_reqs, 2 + 2 * k, dtype=torch.int64, device=device)
+        self.packed = torch.zeros(max_num_reqs, 2 + a + num_drafts, dtype=torch.int64, device=device)
         self.accepted = self.packed[:, 0]
-        self.tokens = self.packed[:, 1:k + 2]
-        self.drafts = self.packed[:, k + 2:]
+        self.tokens = self.packed[:, 1:a + 2]
+        self.drafts = self.packed[:, a + 2:]
         cuda = device.type == "cuda"
         self._host = [torch.zeros(self.packed.shape, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         # One completion event per host buffer, recorded on the stream the runner launches on: looking the

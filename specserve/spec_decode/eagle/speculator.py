@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from specserve.spec_decode.model_drafter import ModelDrafter
+from specserve.spec_decode.tree_verify import move_kv
 
 
 class EagleSpeculator(ModelDrafter):
@@ -38,6 +39,13 @@ class EagleSpeculator(ModelDrafter):
 
     def compute_logits(self, hidden):
         return self.head.compute_logits(hidden)
+
+    def top_tokens(self, hidden, k):
+        top = getattr(self.head, "top_tokens", None)
+        return top(hidden, k) if top is not None else super().top_tokens(hidden, k)
+
+    def move_kv(self, source, dest):
+        move_kv(self.kv_cache.unsqueeze(0), source, dest)
 
     def greedy_tokens(self, hidden, captured=False):
         greedy = getattr(self.head, "greedy_tokens", None)

@@ -1,0 +1,91 @@
+"""Verification of trees of drafts, and the cache moves that follow it.
+
+The target ran every node of each request's tree (tree.py); `target[i, j]` is
+its token at tree index j of request i: the argmax, or a sample from the
+request's distribution there. From the root, the walk moves to the child that
+carries the target's token, while there is one. The drafts are deterministic,
+so each emitted token is the target's own token at the previous one: output
+is exactly what the target alone would produce, greedy or sampled.
+
+The accepted nodes' keys and values sit at their tree slots (root slot + tree
+index); the next step expects them at root slot + depth. `kv_moves` says which
+slots to copy where, and `move_kv` copies them for all layers at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.spec_decode.tree import DraftTree
+
+
+@dataclass
+class TreeTables:
+    """A DraftTree's index tables on the device."""
+
+    tree: DraftTree
+    children: torch.Tensor  # [N + 1, C] int64: tree indices of each index's children, -1 past them
+    parents: torch.Tensor  # [N + 1] int64
+    ranks: torch.Tensor  # [N + 1] int64
+    ancestor_bits: torch.Tensor  # [N + 1] int64
+
+    @classmethod
+    def build(cls, tree: DraftTree, device: torch.device) -> TreeTables:
+        kids = [[i for i in range(1, tree.num_nodes + 1) if tree.parents[i] == p] for p in range(tree.num_nodes + 1)]
+        width = max(map(len, kids))
+        children = torch.tensor([k + [-1] * (width - len(k)) for k in kids], dtype=torch.int64, device=device)
+
+        def table(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(tree, children, table(tree.parents), table(tree.ranks), table(tree.ancestor_bits))
+
+
+def walk_tree(target: torch.Tensor, node_tokens: torch.Tensor, num_drafts: torch.Tensor,
+              tables: TreeTables) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted [n], path [n, D + 1]): the drafts each request accepts, and the tree indices of the root and
+    of each accepted draft, 0 (the root) past them. target, node_tokens: [n, N + 1] (node_tokens[:, 0] is not
+    read); num_drafts [n]: a request whose tree was cut to its first num_drafts drafts sees no later index."""
+    n, depth = target.shape[0], tables.tree.depth
+    path = torch.zeros(n, depth + 1, dtype=torch.int64, device=target.device)
+    accepted = torch.zeros(n, dtype=torch.int64, device=target.device)
+    current = path[:, 0].clone()
+    alive = torch.ones(n, dtype=torch.bool, device=target.device)
+    for d in range(1, depth + 1):
+        kids = tables.children[current]
+        present = (kids >= 0) & (kids <= num_drafts[:, None])
+        wanted = target.gather(1, current[:, None])
+        match = present & (node_tokens.gather(1, kids.clamp(min=0)) == wanted)
+        alive &= match.any(dim=1)
+        current = torch.where(alive, kids.gather(1, match.long().argmax(dim=1, keepdim=True)).squeeze(1), current)
+        path[:, d] = torch.where(alive, current, 0)
+        accepted += alive.long()
+    return accepted, path
+
+
+def emitted_tokens(target: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """[n, D + 1]: the target's token at the root and at each accepted node (the accepted drafts, then the
+    bonus token), -1 past them."""
+    depth = torch.arange(path.shape[1], device=path.device)
+    return torch.where(depth[None, :] <= accepted[:, None], target.gather(1, path), -1)
+
+
+def kv_moves(index: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor,
+             slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source slots, destination slots) [n * D]: accepted node of depth d moves from its tree slot to the
+    slot of tree index d. index [n, N + 1]: each request's token indices by tree index (verify_index);
+    entries past a request's accepted drafts copy its root's slot onto itself, which no move writes."""
+    depth = torch.arange(1, path.shape[1], device=path.device)
+    moved = depth[None, :] <= accepted[:, None]
+    root = index[:, :1]
+    source = torch.where(moved, index.gather(1, path[:, 1:]), root)
+    dest = torch.where(moved, index[:, 1:path.shape[1]], root)
+    return slot_mapping[source.flatten()], slot_mapping[dest.flatten()]
+
+
+def move_kv(caches: torch.Tensor, source: torch.Tensor, dest: torch.Tensor) -> None:
+    """Copy keys and values at slots `source` to slots `dest` in every layer of caches [L, 2, blocks,
+    block_size, ...]. All are read before any is written: a destination may be another move's source."""
+    flat = caches.flatten(2, 3)
+    flat.index_copy_(2, dest, flat.index_select(2, source))

@@ -1,0 +1,39 @@
+"""End to end: trees of drafts are lossless, greedy and sampled, and a tree that is a chain drafts and accepts
+what the chain does."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import make_hf_model, repetitive_prompts as prompts  # noqa: F401
+from heads import save_eagle_head
+from specserve import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama):
+    path, hf = tiny_llama
+    ps = prompts(hf.config.vocab_size)
+    llm = LLM(str(path), max_model_len=256)
+    ref = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+    return path, hf, ps, ref
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory, tiny_llama):
+    _, hf = tiny_llama
+    root = tmp_path_factory.mktemp("tree")
+    return {m: save_eagle_head(root / m, hf.config, m, seed=s) for m, s in (("eagle", 1), ("eagle3", 2))}
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_tree_greedy_equals_no_speculation(target, heads, method):
+    path, _, ps, ref = target
+    llm = LLM(str(path), max_model_len=256, speculative_config={
+        "method": method, "model": str(heads[method]), "speculative_token_tree": TREE},
+        max_num_batched_tokens=48, num_kv_blocks=17, block_size=16)
+    outs = llm.generate(ps, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert llm.engine.spec_stats.num_drafted > 0
