@@ -272,6 +272,20 @@ class ModelDrafter(Speculator):
         loop_desc = loop.dispatch(n, n, 1)
         return self._greedy_loop(loop_desc, loop.metadata[loop_desc.key])
 
+    def propose_tree_in_graph(self, desc: BatchDescriptor, target_out: tuple, metadata: AttentionMetadata,
+                              kv_moves: tuple[torch.Tensor, torch.Tensor], num_reqs: torch.Tensor,
+                              last_token_indices: torch.Tensor, base_positions: torch.Tensor,
+                              block_table: torch.Tensor) -> torch.Tensor:
+        """propose() of a tree for a batch the target ran as the full graph for desc, inside the runner's whole
+        tree step: [desc.num_reqs, N] drafts. num_reqs ([1] on the device) holds how many rows are real; the
+        padded ones draft nothing and write no cache slot."""
+        n = desc.num_reqs
+        for_logits, fed_back = self._prefill(desc, metadata, target_out)
+        self.move_kv(*kv_moves)
+        last = last_token_indices[:n]
+        return draft_tree(self, self.tree_tables, for_logits.index_select(0, last), fed_back.index_select(0, last),
+                          base_positions, block_table, num_reqs)
+
     def _keep_feedback(self, n: int, fed_back: torch.Tensor | None, last: torch.Tensor) -> None:
         """The prefill's state to feed back at each request's last accepted token, into the decode steps' rows."""
         if self.feedback is not None and fed_back is not None:

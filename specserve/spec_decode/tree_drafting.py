@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import torch
 
-from specserve.attention.metadata import AttentionMetadata
+from specserve.attention.metadata import PAD_SLOT_ID, AttentionMetadata
 from specserve.spec_decode.tree_verify import TreeTables
 
 
 def tree_pass_metadata(tables: TreeTables, d: int, n: int, base_positions: torch.Tensor, block_table: torch.Tensor,
-                       block_size: int, max_position: int) -> tuple[AttentionMetadata, torch.Tensor]:
-    """(metadata, positions [n * m]) of the pass over the m drafts of depth d for n requests."""
+                       block_size: int, max_position: int,
+                       num_reqs: torch.Tensor | None) -> tuple[AttentionMetadata, torch.Tensor]:
+    """(metadata, positions [n * m]) of the pass over the m drafts of depth d for n requests; rows at or past
+    num_reqs ([1] on the device; None: none) are a graph's padding: no keys, no cache writes."""
     level = tables.tree.level(d)
     m, dev = len(level), base_positions.device
     base = base_positions[:n, None]
@@ -33,22 +35,28 @@ def tree_pass_metadata(tables: TreeTables, d: int, n: int, base_positions: torch
     positions = (base + d).clamp(max=max_position - 1).expand(n, m).flatten()
     slot_pos = (base + index[None, :]).clamp(max=block_table.shape[1] * block_size - 1)
     blocks = block_table[:n].gather(1, slot_pos // block_size).to(torch.int64)
+    slots = blocks * block_size + slot_pos % block_size
     query_start_loc = torch.arange(0, n * m + 1, m, device=dev, dtype=torch.int32)
     seq_lens = (base_positions[:n] + level.stop).to(torch.int32)
+    if num_reqs is not None:
+        real = torch.arange(n, device=dev) < num_reqs
+        slots = torch.where(real[:, None], slots, PAD_SLOT_ID)
+        seq_lens = torch.where(real, seq_lens, 0)
     metadata = AttentionMetadata(
         num_reqs=n, num_tokens=n * m, max_query_len=m, max_seq_len=max_position + level.stop,
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table[:n],
-        slot_mapping=(blocks * block_size + slot_pos % block_size).flatten(),
+        slot_mapping=slots.flatten(),
         query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens,
         tree_bits=(tables.ancestor_bits[level.start:level.stop] >> 1).repeat(n), tree_offset=level.start - 1)
     return metadata, positions
 
 
 def draft_tree(drafter, tables: TreeTables, first_hidden: torch.Tensor, first_feedback: torch.Tensor,
-               base_positions: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+               base_positions: torch.Tensor, block_table: torch.Tensor,
+               num_reqs: torch.Tensor | None = None) -> torch.Tensor:
     """[n, N] drafts in tree order. first_hidden, first_feedback [n, H]: the prefill's hidden state for the
     logits and its fed-back state, at each request's last accepted token. drafter: a ModelDrafter with
-    decode_hidden (the head over several tokens a request) and top_tokens."""
+    decode_hidden (the head over several tokens a request) and top_tokens. num_reqs: see tree_pass_metadata."""
     tree = tables.tree
     n = first_hidden.shape[0]
     tokens = torch.zeros(n, tree.num_nodes + 1, dtype=torch.int64, device=first_hidden.device)
@@ -64,7 +72,7 @@ def draft_tree(drafter, tables: TreeTables, first_hidden: torch.Tensor, first_fe
         if d == tree.depth:
             break
         metadata, positions = tree_pass_metadata(tables, d, n, base_positions, block_table, drafter.block_size,
-                                                 drafter.max_position)
+                                                 drafter.max_position, num_reqs)
         hidden, back = drafter.decode_hidden(tokens[:, level.start:level.stop].flatten(), 
                                              fed_back[:, tables.parents[level.start:level.stop]].flatten(0, 1),
                                              positions, metadata)

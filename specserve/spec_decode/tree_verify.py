@@ -71,17 +71,28 @@ def emitted_tokens(target: torch.Tensor, path: torch.Tensor, accepted: torch.Ten
     return torch.where(depth[None, :] <= accepted[:, None], target.gather(1, path), -1)
 
 
-def kv_moves(index: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor,
-             slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_moves(index: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor, slot_mapping: torch.Tensor,
+             spare_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(source slots, destination slots) [n * D]: accepted node of depth d moves from its tree slot to the
     slot of tree index d. index [n, N + 1]: each request's token indices by tree index (verify_index);
-    entries past a request's accepted drafts copy its root's slot onto itself, which no move writes."""
+    entries past a request's accepted drafts copy its root's slot onto itself, which no move writes.
+    Padded rows of a graph (slot PAD_SLOT_ID) copy spare_slot, a slot no request owns, onto itself."""
     depth = torch.arange(1, path.shape[1], device=path.device)
     moved = depth[None, :] <= accepted[:, None]
     root = index[:, :1]
     source = torch.where(moved, index.gather(1, path[:, 1:]), root)
     dest = torch.where(moved, index[:, 1:path.shape[1]], root)
-    return slot_mapping[source.flatten()], slot_mapping[dest.flatten()]
+    source, dest = slot_mapping[source.flatten()], slot_mapping[dest.flatten()]
+    return torch.where(source < 0, spare_slot, source), torch.where(dest < 0, spare_slot, dest)
+
+
+def tree_outcome(target: torch.Tensor, node_tokens: torch.Tensor, num_drafts: torch.Tensor, index: torch.Tensor,
+                 tables: TreeTables, slot_mapping: torch.Tensor, spare_slot: int):
+    """Everything a verified tree yields, [n, ...] each: (accepted, emitted tokens, token indices of the
+    accepted path, cache moves). index [n, N + 1]: each request's token indices by tree index."""
+    accepted, path = walk_tree(target, node_tokens, num_drafts, tables)
+    moves = kv_moves(index, path, accepted, slot_mapping, spare_slot)
+    return accepted, emitted_tokens(target, path, accepted), index.gather(1, path), moves
 
 
 def move_kv(caches: torch.Tensor, source: torch.Tensor, dest: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ from specserve.spec_decode.draft_inputs import follow_tree_paths, gather_draft_i
 from specserve.spec_decode.greedy_verify import UniformVerifyInputs, greedy_verify
 from specserve.spec_decode.rejection_sampler import draw_randomness, rejection_sample
 from specserve.spec_decode.speculator import DraftInput, Speculator
-from specserve.spec_decode.tree_verify import TreeTables, emitted_tokens, kv_moves, move_kv, walk_tree
+from specserve.spec_decode.tree_verify import TreeTables, move_kv, tree_outcome
 from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager, default_capture_sizes
 from specserve.worker.cudagraph_mode import CUDAGraphMode
 from specserve.worker.graph_recorder import AttentionSplitter
@@ -61,6 +61,7 @@ class ModelRunner:
             2, int(config.kv_cache_memory_gb * 2**30) // kv_block_bytes(arch, self.block_size, self.dtype)
         )
         self.kv_stack = self.allocate_kv_caches(arch)
+        self.spare_slot = self.num_blocks * self.block_size
         self.kv_caches = list(self.kv_stack.unbind(0))
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                     self.num_blocks * kv_block_bytes(arch, self.block_size, self.dtype) / 2**30)
@@ -107,7 +108,9 @@ class ModelRunner:
         """Paged KV caches in the runner's block layout (the target's, or a drafter's over the same blocks), one
         tensor [layers, 2, blocks, block_size, kv heads, head dim] whose entries are the layers' caches, so one
         copy moves slots in all of them (tree_verify.move_kv)."""
-        shape = (num_layers or arch.num_layers, 2, self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        # One block more than the pool hands out: its first slot is where padded rows' cache moves go.
+        shape = (num_layers or arch.num_layers, 2, self.num_blocks + 1, self.block_size, arch.num_kv_heads,
+                 arch.head_dim)
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def set_speculator(self, speculator: Speculator, forced_acceptance_prob: float | None) -> None:
@@ -153,8 +156,15 @@ class ModelRunner:
                                    self.draft_base_positions, self.draft_block_table)
         # The debug check re-runs a graph's forward after its replay, but a whole step reads the outputs of the
         # step before, which its replay overwrote: under debug each part runs (and is checked) in its own graph.
-        if not cfg.debug_cudagraph and self.tree is None and (
-                drafter is None or getattr(drafter, "greedy_loop_graphs", None)):
+        if self.tree is not None and not cfg.debug_cudagraph:
+            # A tree's whole step, for batches where every request verifies the whole tree.
+            self.tree_index = torch.arange(cfg.max_num_seqs * (1 + k), device=self.device).view(-1, 1 + k)
+            self.whole_step_graphs = CUDAGraphManager(
+                "whole tree step", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs,
+                cfg.max_num_batched_tokens, uniform_query_lens=(1 + k,), recorder=recorder)
+            self.whole_step_graphs.capture(self._whole_tree_step, self._prepare_capture,
+                                           [d for d in uniform if d.query_len == 1 + k])
+        elif not cfg.debug_cudagraph and (drafter is None or getattr(drafter, "greedy_loop_graphs", None)):
             self.whole_step_graphs = CUDAGraphManager(
                 "whole step", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                 uniform_query_lens=query_lens, recorder=recorder)
@@ -215,6 +225,32 @@ class ModelRunner:
                                                   b.staged[NUM_REQS:NUM_REQS + 1], self.draft_last_indices,
                                                   self.draft_last_tokens)
             out.drafts[:n].copy_(drafts)
+
+    def _whole_tree_step(self, desc: BatchDescriptor, metadata):
+        """_whole_step for trees of drafts: every request verifies the whole tree greedily, so its tokens are
+        rows i * (N + 1) .. of the step, and every index is fixed (self.tree_index). Padded rows move cache
+        slots only in the spare slot and draft nothing (tree_drafting.py)."""
+        b, out, n, q = self.buffers, self.outputs, desc.num_reqs, desc.query_len
+        b.spread()
+        take_inflight_inputs(b.staged, out.accepted, out.tokens, out.drafts, b.input_ids, b.positions, b.seq_lens,
+                             b.slot_mapping, b.block_table, self.block_size, max_rows=n)
+        padded_hidden, padded_aux = self._target_forward(desc, metadata)
+        target = self.model.greedy_tokens(padded_hidden[:n * q], captured=True).view(n, q)
+        index = self.tree_index[:n]
+        all_drafts = index[:, -1] - index[:, 0]  # N, as a tensor
+        accepted, tokens, path_tokens, moves = tree_outcome(target, b.input_ids[:n * q].view(n, q), all_drafts, index,
+                                                            self.tree_tables, b.slot_mapping, self.spare_slot)
+        out.accepted[:n].copy_(accepted)
+        out.tokens[:n].copy_(tokens)
+        move_kv(self.kv_stack, *moves)
+        self._gather_draft_inputs(desc, max_rows=n)
+        spec = self.speculator
+        follow_tree_paths(path_tokens, accepted, tokens, index[:, 0] // q, b.positions, spec.next_ids,
+                          self.draft_last_indices, self.draft_base_positions)
+        drafts = spec.propose_tree_in_graph(desc, (padded_hidden, padded_aux), metadata, moves,
+                                            b.staged[NUM_REQS:NUM_REQS + 1], self.draft_last_indices,
+                                            self.draft_base_positions, self.draft_block_table)
+        out.drafts[:n].copy_(drafts)
 
     def _runs_whole(self, desc: BatchDescriptor, sched: SchedulerOutput, sampling: list[int]) -> bool:
         """Whether the step replays its whole-step graph: a uniform batch with one, where every request samples
@@ -316,7 +352,7 @@ class ModelRunner:
                           for i in sampling}
         if self._runs_whole(desc, sched, sampling):
             self._forced_draws(desc, len(sampling))
-            self.whole_step_graphs.run(desc, self._whole_step, None)
+            self.whole_step_graphs.run(desc, self._whole_step if self.tree is None else self._whole_tree_step, None)
             handle.host, handle.event = self.outputs.copy_to_host(len(sched.scheduled))
             return handle
         b.spread()
@@ -492,17 +528,15 @@ class ModelRunner:
         full[:, :width] = target
         nodes = torch.zeros_like(full)
         nodes[:, :width] = b.input_ids[index]
-        accepted, path = walk_tree(full, nodes, num, tables)
-        tokens = emitted_tokens(full, path, accepted)
+        padded_index = torch.cat([index, index[:, -1:].expand(n, full.shape[1] - width)], dim=1)
+        accepted, tokens, path_tokens, moves = tree_outcome(full, nodes, num, padded_index, tables, b.slot_mapping,
+                                                            self.spare_slot)
         self.outputs.accepted.index_copy_(0, where, accepted)
         self.outputs.tokens.index_copy_(0, where, tokens)
-        padded_index = torch.cat([index, index[:, -1:].expand(n, full.shape[1] - width)], dim=1)
-        moves = kv_moves(padded_index, path, accepted, b.slot_mapping)
         move_kv(self.kv_stack, *moves)
-        self._tree_step = (padded_index.gather(1, path), accepted, tokens, moves)
+        self._tree_step = (path_tokens, accepted, tokens, moves)
         if batch.max_logprobs is not None:
-            on_path = index.gather(1, path.clamp(max=width - 1))
-            raw = self.model.compute_logits(hidden.index_select(0, on_path.view(-1))).log_softmax(dim=-1)
+            raw = self.model.compute_logits(hidden.index_select(0, path_tokens.view(-1))).log_softmax(dim=-1)
             result = token_logprobs(raw, tokens.flatten().clamp(min=0), batch.max_logprobs)
             handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=path.shape[1]))
 

@@ -7,6 +7,8 @@ import pytest
 from conftest import make_hf_model, repetitive_prompts as prompts  # noqa: F401
 from heads import save_eagle_head
 from specserve import LLM, SamplingParams
+from specserve.worker.cudagraph_mode import CUDAGraphMode as M
+from specserve.worker.graph_recorder import EagerRecorder
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
@@ -37,3 +39,22 @@ def test_tree_greedy_equals_no_speculation(target, heads, method):
     outs = llm.generate(ps, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert llm.engine.spec_stats.num_drafted > 0
+
+
+@pytest.mark.parametrize("mode", [M.FULL_AND_PIECEWISE, M.FULL_DECODE_ONLY, M.PIECEWISE], ids=lambda m: m.name)
+def test_tree_under_graphs_with_the_cpu_stand_in(target, heads, mode):
+    """Graphs recorded for trees (the CPU stand-in re-runs each recording): output unchanged, and greedy batches
+    that verify whole trees run as the whole tree step, padded rows included (3 requests in graphs of 4)."""
+    path, _, ps, ref = target
+    llm = LLM(str(path), max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+              cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64],
+              speculative_config={"method": "eagle3", "model": str(heads["eagle3"]), "speculative_token_tree": TREE})
+    runner = llm.engine.runner
+    runner.capture_graphs(mode, EagerRecorder(), llm.engine.attention_backend)
+    whole = runner.whole_step_graphs
+    replays = []
+    original = whole.run
+    whole.run = lambda desc, fn, md: replays.append(desc.num_reqs) or original(desc, fn, md)
+    outs = llm.generate(ps[:3], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref[:3]
+    assert (4 in replays) == (mode is not M.PIECEWISE) and (mode is M.PIECEWISE) == (not replays)
