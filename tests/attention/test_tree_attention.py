@@ -107,3 +107,12 @@ def test_tree_shape():
     assert list(TREE.level(2)) == [4, 5, 6] and TREE.top_k(1) == 3 and TREE.top_k(2) == 2
     assert all(bool(TREE.ancestor_bits[q] >> k & 1) == sees(TREE, q, k) for q in range(10) for k in range(10))
     assert TREE.depth_of_prefix(5) == 2
+
+
+@pytest.mark.gpu
+def test_tree_attention_on_the_gpu():
+    assert DEVICE == "cuda"
+    for dtype in (torch.float32, torch.bfloat16):
+        test_verification_of_trees_beside_other_requests(dtype)
+    for depth in (1, 2, 3):
+        test_a_level_of_the_drafters_tree(depth)

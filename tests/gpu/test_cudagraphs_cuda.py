@@ -132,3 +132,37 @@ def test_graphs_are_captured_quickly_and_report_memory(case):
     runner = llm.engine.runner
     assert runner.capture_seconds is not None and runner.capture_seconds < 60
     assert runner.graph_memory_bytes is not None and runner.graph_memory_bytes >= 0
+
+
+TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]"
+
+
+@pytest.mark.parametrize("mode,debug", [("FULL_AND_PIECEWISE", False), ("FULL_AND_PIECEWISE", True),
+                                        ("PIECEWISE", True), ("NONE", False)])
+def test_trees_of_drafts_are_lossless_under_graphs(case, mode, debug):
+    """A tree of drafts in real graphs: greedy output equals the CPU's at every batch size, the whole tree step
+    (without the debug check) drafts what the parts draft, and sampling runs beside it."""
+    path, prompts, ref, head = case
+
+    def tree_llm():
+        return LLM(str(path), max_model_len=256, device="cuda", dtype="float32", cudagraph_mode=mode,
+                   debug_cudagraph=debug, max_num_seqs=16, max_num_batched_tokens=128,
+                   cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64, 128],
+                   speculative_config={"method": "eagle3", "model": str(head), "speculative_token_tree": TREE})
+
+    llm = tree_llm()
+    counts = count_replays(llm)
+    if mode == "FULL_AND_PIECEWISE" and not debug:
+        parts = tree_llm()
+        parts.engine.runner.whole_step_graphs = None
+        for n in (5, 3):
+            assert recorded_drafts(llm, prompts[:n], GREEDY) == recorded_drafts(parts, prompts[:n], GREEDY)
+    for n in (12, 5, 1, 3):
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts[:n], GREEDY, use_tqdm=False)]
+        assert outs == ref[:n], f"mode {mode}, batch {n}"
+    assert llm.engine.spec_stats.num_drafted > 0
+    if mode != "NONE":
+        assert counts["target"] > 0 and counts["prefill"] > 0
+        assert (counts["whole"] > 0) == (mode == "FULL_AND_PIECEWISE" and not debug)
+    sampled = SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in llm.generate(prompts[:4], sampled, use_tqdm=False))
