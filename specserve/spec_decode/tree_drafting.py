@@ -32,7 +32,8 @@ def tree_pass_metadata(tables: TreeTables, d: int, n: int, base_positions: torch
     base = base_positions[:n, None]
     index = torch.arange(level.start, level.stop, device=dev)
     # The clamp keeps the rotary table in range at the end of the context; drafts there are never accepted.
-    positions = (base + d).clamp(max=max_position - 1).expand(n, m).flatten()
+    # contiguous: a kernel reads the positions with unit stride, and at n = 1 flatten() keeps expand's stride 0.
+    positions = (base + d).clamp(max=max_position - 1).expand(n, m).contiguous().flatten()
     slot_pos = (base + index[None, :]).clamp(max=block_table.shape[1] * block_size - 1)
     blocks = block_table[:n].gather(1, slot_pos // block_size).to(torch.int64)
     slots = blocks * block_size + slot_pos % block_size
