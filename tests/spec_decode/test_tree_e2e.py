@@ -1,26 +1,17 @@
-"""End to end: trees of drafts are lossless, greedy and sampled, and a tree that is a chain drafts and accepts
-what the chain does."""
+"""End to end: trees of drafts are lossless, eagerly and in graphs, and a tree that is a chain drafts exactly
+what the chain does, step by step."""
 from __future__ import annotations
 
 import pytest
 
-from conftest import make_hf_model, repetitive_prompts as prompts  # noqa: F401
 from heads import save_eagle_head
-from specserve import LLM, SamplingParams
+from step_drafts import recorded_drafts
+from test_speculative_e2e import GREEDY, target  # noqa: F401 (the target's fixture, with its reference outputs)
+from specserve import LLM
 from specserve.worker.cudagraph_mode import CUDAGraphMode as M
 from specserve.worker.graph_recorder import EagerRecorder
 
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama):
-    path, hf = tiny_llama
-    ps = prompts(hf.config.vocab_size)
-    llm = LLM(str(path), max_model_len=256)
-    ref = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
-    return path, hf, ps, ref
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +49,16 @@ def test_tree_under_graphs_with_the_cpu_stand_in(target, heads, mode):
     outs = llm.generate(ps[:3], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref[:3]
     assert (4 in replays) == (mode is not M.PIECEWISE) and (mode is M.PIECEWISE) == (not replays)
+
+
+def test_a_tree_that_is_a_chain_drafts_what_the_chain_drafts(target, heads):
+    """The tree drafter (one pass a depth, tree masks, cache moves) against the chain drafter, same head."""
+    path, _, ps, ref = target
+
+    def llm(extra):
+        return LLM(str(path), max_model_len=256, speculative_config={
+            "method": "eagle3", "model": str(heads["eagle3"]), **extra})
+
+    chain = recorded_drafts(llm({"num_speculative_tokens": 3}), ps[:4], GREEDY)
+    tree = recorded_drafts(llm({"speculative_token_tree": "[(0,), (0, 0), (0, 0, 0)]"}), ps[:4], GREEDY)
+    assert tree == chain and any(chain)
