@@ -73,6 +73,9 @@ class ModelRunner:
         self.tree_tables = TreeTables.build(self.tree, self.device) if self.tree else None
         # This step's accepted paths (token indices), accepted counts, emitted tokens and cache moves.
         self._tree_step: tuple | None = None
+        # Each tree index's position shift (index - depth) and tree bits, as _tree_layout stages them.
+        self._tree_shift = np.arange(self.tree.num_nodes + 1) - np.array(self.tree.depths) if self.tree else None
+        self._tree_bits = np.array(self.tree.ancestor_bits) if self.tree else None
         # Extras a step stages beside its inputs, per request at most: the in-flight row (5), sampling or
         # verification indices (k + 4), the drafter's request row (5) and its rows (2); and one value of
         # alignment padding per extra.
@@ -340,7 +343,8 @@ class ModelRunner:
                 draft_requests.append((offset, n, -1, 0, req.all_token_ids[start + n]))
             offset += n
         drafts_on_device = self.speculator is not None and self.speculator.on_device
-        plan = StepPlan.build(sched, sampling, draft_requests, inflight, drafts_on_device, self._row)
+        plan = StepPlan.build(sched, sampling, draft_requests, inflight, drafts_on_device, self._row,
+                              trees=self.tree is not None)
         self._tree_step = None
         metadata = self.buffers.prepare(np.array(ids, dtype=np.int64), np.array(qlens, dtype=np.int64),
                                         np.array(slens, dtype=np.int64), self.host_block_table.gather(rows),
@@ -382,15 +386,13 @@ class ModelRunner:
             return None, None
         shift = np.zeros(num_tokens, dtype=np.int64)
         bits = np.full(num_tokens, -1, dtype=np.int64)
-        tree_shift = np.arange(self.tree.num_nodes + 1) - np.array(self.tree.depths)
-        tree_bits = np.array(self.tree.ancestor_bits)
         end = 0
         for s in sched.scheduled:
             end += s.num_new_tokens
             n = len(s.spec_token_ids) + 1
             if s.samples and n > 1:
-                shift[end - n:end] = tree_shift[:n]
-                bits[end - n:end] = tree_bits[:n]
+                shift[end - n:end] = self._tree_shift[:n]
+                bits[end - n:end] = self._tree_bits[:n]
         return shift, bits
 
     def _forced_draws(self, desc: BatchDescriptor, n: int) -> None:
@@ -538,7 +540,7 @@ class ModelRunner:
         if batch.max_logprobs is not None:
             raw = self.model.compute_logits(hidden.index_select(0, path_tokens.view(-1))).log_softmax(dim=-1)
             result = token_logprobs(raw, tokens.flatten().clamp(min=0), batch.max_logprobs)
-            handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=path.shape[1]))
+            handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=path_tokens.shape[1]))
 
     def _gather_draft_inputs(self, desc: BatchDescriptor, max_rows: int) -> None:
         """The drafter's inputs from this step's outputs (draft_inputs.py), padded to desc."""
@@ -608,7 +610,7 @@ class StepPlan:
 
     @classmethod
     def build(cls, sched: SchedulerOutput, sampling: list[int], draft_requests: list[tuple], inflight: list[tuple],
-              drafts_on_device: bool, row_of) -> StepPlan:
+              drafts_on_device: bool, row_of, trees: bool = False) -> StepPlan:
         extras: dict[str, np.ndarray] = {}
         if inflight:
             extras["inflight"] = np.array(inflight, dtype=np.int64)
@@ -638,7 +640,8 @@ class StepPlan:
             extras["draft_rows"] = np.array([row_of(sched.scheduled[i].request.request_id) for i in sampling],
                                             dtype=np.int64)
             extras["sampling_rows"] = np.array(sampling, dtype=np.int64)
-            # Each verified request's drafting index (trees of drafts: draft_inputs.follow_tree_paths).
-            drafting = {row: i for i, row in enumerate(sampling)}
-            extras["verify_slots"] = np.array([drafting[i] for i in verify_rows], dtype=np.int64)
+            if trees:
+                # Each verified request's drafting index (draft_inputs.follow_tree_paths).
+                drafting = {row: i for i, row in enumerate(sampling)}
+                extras["verify_slots"] = np.array([drafting[i] for i in verify_rows], dtype=np.int64)
         return cls(sample_rows, verify_rows, extras)

@@ -38,3 +38,22 @@ def test_shipped_head_accepts_drafts_losslessly(reference):
     assert outs == ref
     stats = llm.engine.spec_stats.as_dict()
     assert stats["mean_acceptance_length"] >= 1.8, stats
+
+
+def test_a_tree_of_drafts_emits_the_models_tokens_and_logprobs(reference):
+    """The shipped head drafting a tree: tokens and logprobs (those of the accepted path's rows) as without
+    speculation, and more tokens a step than a chain of the tree's depth accepts on these prompts (1.8)."""
+    chats, _ = reference
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
+    plain = LLM("smollm2-135m", max_model_len=512).generate(chats, params, use_tqdm=False)
+    llm = LLM("smollm2-135m", max_model_len=512, speculative_config={
+        "method": "eagle3", "model": "smollm2-135m-eagle3",
+        "speculative_token_tree": "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"})
+    tree = llm.generate(chats, params, use_tqdm=False)
+    assert llm.engine.spec_stats.mean_acceptance_length >= 1.8
+    for p, t in zip(plain, tree):
+        assert t.outputs[0].token_ids == p.outputs[0].token_ids
+        for want, got in zip(p.outputs[0].logprobs, t.outputs[0].logprobs, strict=True):
+            assert want.keys() == got.keys()
+            for token, lp in want.items():
+                assert abs(got[token].logprob - lp.logprob) < 1e-3 and got[token].rank == lp.rank
