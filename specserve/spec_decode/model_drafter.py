@@ -217,11 +217,8 @@ class ModelDrafter(Speculator):
         graphs = self.prefill_graphs
         for_logits, fed_back = graphs.run(desc, prefill, inp.metadata) if graphs else prefill(desc, inp.metadata)
         if self.tree_tables is not None:
-            if inp.kv_moves is not None:
-                self.move_kv(*inp.kv_moves)
-            last = inp.last_token_indices
-            return draft_tree(self, self.tree_tables, for_logits.index_select(0, last), fed_back.index_select(0, last),
-                              inp.base_positions, inp.block_table)
+            return self._draft_tree(for_logits, fed_back, inp.last_token_indices, inp.kv_moves, inp.base_positions,
+                                    inp.block_table)
         drafts: list[torch.Tensor] = []
         current = inp.last_tokens
         last = inp.last_token_indices
@@ -279,10 +276,17 @@ class ModelDrafter(Speculator):
         """propose() of a tree for a batch the target ran as the full graph for desc, inside the runner's whole
         tree step: [desc.num_reqs, N] drafts. num_reqs ([1] on the device) holds how many rows are real; the
         padded ones draft nothing and write no cache slot."""
-        n = desc.num_reqs
         for_logits, fed_back = self._prefill(desc, metadata, target_out)
-        self.move_kv(*kv_moves)
-        last = last_token_indices[:n]
+        return self._draft_tree(for_logits, fed_back, last_token_indices[:desc.num_reqs], kv_moves, base_positions,
+                                block_table, num_reqs)
+
+    def _draft_tree(self, for_logits: torch.Tensor, fed_back: torch.Tensor, last: torch.Tensor,
+                    kv_moves: tuple[torch.Tensor, torch.Tensor] | None, base_positions: torch.Tensor,
+                    block_table: torch.Tensor, num_reqs: torch.Tensor | None = None) -> torch.Tensor:
+        """After the prefill: the verified trees' cache moves in the drafter's cache (its prefill wrote the tree
+        slots), then the next tree from the prefill's states at each last accepted token."""
+        if kv_moves is not None:
+            self.move_kv(*kv_moves)
         return draft_tree(self, self.tree_tables, for_logits.index_select(0, last), fed_back.index_select(0, last),
                           base_positions, block_table, num_reqs)
 

@@ -74,7 +74,7 @@ def draft_tree(drafter, tables: TreeTables, first_hidden: torch.Tensor, first_fe
             break
         metadata, positions = tree_pass_metadata(tables, d, n, base_positions, block_table, drafter.block_size,
                                                  drafter.max_position, num_reqs)
-        hidden, back = drafter.decode_hidden(tokens[:, level.start:level.stop].flatten(), 
+        hidden, back = drafter.decode_hidden(tokens[:, level.start:level.stop].flatten(),
                                              fed_back[:, tables.parents[level.start:level.stop]].flatten(0, 1),
                                              positions, metadata)
         fed_back[:, level.start:level.stop] = back.view(n, len(level), -1)
