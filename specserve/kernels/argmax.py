@@ -44,28 +44,38 @@ def _chunk_argmax_kernel(x_ptr, stride_x, n_cols, val_ptr, idx_ptr, CHUNK: tl.co
 
 
 @triton.jit
-def _pick_chunk_kernel(val_ptr, idx_ptr, map_ptr, out_ptr, num_chunks, MAP: tl.constexpr, CHUNKS: tl.constexpr):
+def _pick_chunk_kernel(val_ptr, idx_ptr, map_ptr, out_ptr, num_chunks, MAP: tl.constexpr, CHUNKS: tl.constexpr,
+                       TOP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNKS)
     valid = offs < num_chunks
     v = tl.load(val_ptr + row * num_chunks + offs, mask=valid, other=float("-inf"))
     i = tl.load(idx_ptr + row * num_chunks + offs, mask=valid, other=2**31 - 1)
-    best = tl.min(tl.where(v == tl.max(v, 0), i, 2**31 - 1), 0).to(tl.int64)
-    if MAP:
-        best = tl.load(map_ptr + best)
-    tl.store(out_ptr + row, best)
+    for rank in tl.static_range(TOP):
+        best = tl.min(tl.where(v == tl.max(v, 0), i, 2**31 - 1), 0)
+        # Taking the column out (all its copies: a program short of columns offers N more than once) leaves
+        # the next best.
+        taken = i == best
+        v = tl.where(taken, float("-inf"), v)
+        i = tl.where(taken, 2**31 - 1, i)
+        best = best.to(tl.int64)
+        if MAP:
+            best = tl.load(map_ptr + best)
+        tl.store(out_ptr + row * TOP + rank, best)
 
 
-def pick_chunks(maxima: torch.Tensor, firsts: torch.Tensor, token_map: torch.Tensor | None = None) -> torch.Tensor:
+def pick_chunks(maxima: torch.Tensor, firsts: torch.Tensor, token_map: torch.Tensor | None = None,
+                top: int = 1) -> torch.Tensor:
     """Each row's argmax from per-chunk (first maximum, its column) pairs [rows, chunks] (float32, int32), chunks
     in column order: the first chunk holding the row's maximum wins. token_map [columns] int64 maps the
-    column to the id returned. int64 [rows]."""
+    column to the id returned. int64 [rows]. With top > 1, the candidates are each chunk's top best columns
+    (distinct columns) and the result [rows, top] is the row's best, best first, ties to the lower column."""
     rows, chunks = maxima.shape
-    out = torch.empty(rows, dtype=torch.int64, device=maxima.device)
+    out = torch.empty(rows, top, dtype=torch.int64, device=maxima.device)
     if rows:
         _pick_chunk_kernel[(rows,)](maxima, firsts, token_map if token_map is not None else out, out, chunks,
-                                    MAP=token_map is not None, CHUNKS=triton.next_power_of_2(chunks))
-    return out
+                                    MAP=token_map is not None, CHUNKS=triton.next_power_of_2(chunks), TOP=top)
+    return out.view(rows) if top == 1 else out
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Small-M projection in Triton: out = prologue(x) @ weight^T for at most 16 tokens, optionally SiLU-and-mul.
+"""Small-M projection in Triton: out = prologue(x) @ weight^T for at most 32 tokens, optionally SiLU-and-mul.
 
 For decode and small verify batches a projection is a matrix-vector product
 bound by reading its weight; cuBLAS runs it at a fraction of the bandwidth
@@ -12,11 +12,12 @@ epilogue optionally applies SiLU-and-mul to a gate/up weight [2I, K]: each
 program accumulates the same columns of both halves and stores
 silu(gate) * up [M, I], so the [M, 2I] intermediate is never written.
 
-With ARGMAX the logits never reach memory either: each program stores the
-first maximum of its columns per row (after rounding to the weight's dtype,
-as the unfused projection stores them) and argmax.py's pick kernel chooses
-among the programs, so a draft head's lm_head, its argmax and the norm in
-front of it are two launches (fused_linear_argmax).
+With TOP the logits never reach memory either: each program stores the
+first maximum of its columns per row, or its TOP best (after rounding to
+the weight's dtype, as the unfused projection stores them), and argmax.py's
+pick kernel chooses among the programs, so a draft head's lm_head, its
+argmax (or a tree's top guesses) and the norm in front of it are two
+launches (fused_linear_argmax, fused_linear_topk).
 
 There is no split-K: reducing partial sums across programs would need either
 float atomics (a summation order that varies from run to run) or a second
@@ -31,7 +32,7 @@ import triton.language as tl
 
 from specserve.kernels.argmax import pick_chunks
 from specserve.kernels.small_m_configs import SmallMConfig, linear_config
-from specserve.kernels.small_m_prologue import (BLOCK_M, check_prologue, dot_in_float32, input_chunk, prologue_meta,
+from specserve.kernels.small_m_prologue import (check_prologue, dot_in_float32, input_chunk, prologue_meta,
                                                  prologue_rows, row_rstd, store_residual_slice)
 
 
@@ -39,7 +40,7 @@ from specserve.kernels.small_m_prologue import (BLOCK_M, check_prologue, dot_in_
 def _fused_linear_kernel(
     x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr, idx_ptr,
     M, N, K, stride_xm, stride_rm, stride_rom, stride_wn, stride_om, eps,
-    ADD: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, ARGMAX: tl.constexpr, DOT_FP32: tl.constexpr,
+    ADD: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, TOP: tl.constexpr, DOT_FP32: tl.constexpr,
     COMPACT: tl.constexpr, ROWS: tl.constexpr, PRE_K: tl.constexpr, SLICE_K: tl.constexpr, LATE_RSTD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -74,15 +75,22 @@ def _fused_linear_kernel(
         acc_up = acc_up * rstd[:, None]
 
     offs_m = tl.arange(0, BLOCK_M)
-    if ARGMAX:
-        # Per row, the first maximum of this program's columns; out holds [M, programs] float32 maxima. A NaN
-        # never wins (as in argmax.py's chunk kernel), so a row of NaN still picks a column in range.
+    if TOP > 0:
+        # Per row, the TOP best of this program's columns, best first, ties to the first; out holds [M, programs
+        # x TOP] float32 values. A NaN never wins (as in argmax.py's chunk kernel), so a row of NaN still picks
+        # columns in range.
         logits = acc.to(w_ty).to(tl.float32)
         logits = tl.where((offs_n < N)[None, :] & (logits == logits), logits, float("-inf"))
-        top = tl.max(logits, 1)
-        first = tl.min(tl.where(logits == top[:, None], offs_n[None, :], N), 1)
-        tl.store(out_ptr + offs_m * stride_om + pid, top, mask=offs_m < M)
-        tl.store(idx_ptr + offs_m * stride_om + pid, first, mask=offs_m < M)
+        # The columns still to choose from, N for those taken (or past N): -inf columns stay distinct.
+        cols = tl.where(offs_n < N, offs_n, N)[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        for rank in tl.static_range(TOP):
+            top = tl.max(logits, 1)
+            first = tl.min(tl.where(logits == top[:, None], cols, N), 1)
+            tl.store(out_ptr + offs_m * stride_om + pid * TOP + rank, top, mask=offs_m < M)
+            tl.store(idx_ptr + offs_m * stride_om + pid * TOP + rank, first, mask=offs_m < M)
+            taken = cols == first[:, None]
+            logits = tl.where(taken, float("-inf"), logits)
+            cols = tl.where(taken, N, cols)
     else:
         out_ty = out_ptr.dtype.element_ty
         # Rounded to the output dtype where the unfused path stores a tensor, so the paths differ in
@@ -99,7 +107,7 @@ def _fused_linear_kernel(
 
 
 def fused_linear(
-    x: torch.Tensor,  # [M, K], M <= 16
+    x: torch.Tensor,  # [M, K], M <= 32
     weight: torch.Tensor,  # [N, K]; with silu_mul [2I, K]: the gate rows, then the up rows
     *,
     norm_weight: torch.Tensor | None = None,  # [K]: RMSNorm x (or x + residual) first
@@ -123,7 +131,7 @@ def fused_linear(
 
 
 def fused_linear_argmax(
-    x: torch.Tensor,  # [M, K], M <= 16
+    x: torch.Tensor,  # [M, K], M <= 32
     weight: torch.Tensor,  # [N, K]
     *,
     norm_weight: torch.Tensor | None = None,
@@ -135,19 +143,42 @@ def fused_linear_argmax(
     """(tokens, x + residual): tokens = (norm(x [+ residual]) @ weight^T).argmax(-1) as int64 [M], the first
     maximum of each row of the logits rounded to the weight's dtype, mapped through token_map if given.
     The prologue and its arguments are fused_linear's."""
+    tokens, residual_out = fused_linear_topk(x, weight, 1, norm_weight=norm_weight, eps=eps, residual=residual,
+                                             token_map=token_map, config=config)
+    return tokens.view(-1), residual_out
+
+
+def fused_linear_topk(
+    x: torch.Tensor,  # [M, K], M <= 32
+    weight: torch.Tensor,  # [N, K]
+    k: int,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+    token_map: torch.Tensor | None = None,  # [N] int64: the id to return for each column
+    config: SmallMConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(tokens, x + residual): the columns of the k largest logits of each row as int64 [M, k], best first, ties
+    to the lower column (the logits rounded to the weight's dtype), mapped through token_map if given. The
+    prologue and its arguments are fused_linear's."""
     check_prologue(x, weight, norm_weight, residual)
     if token_map is not None and (token_map.shape != (weight.shape[0],) or token_map.dtype != torch.int64):
         raise ValueError(f"token_map must be int64 [{weight.shape[0]}], got {token_map.dtype} {tuple(token_map.shape)}")
     cfg = config or linear_config(weight, wide=False, norm=norm_weight is not None, m=x.shape[0])
+    if not 1 <= k <= min(cfg.block_n, weight.shape[0]):
+        raise ValueError(f"k must be between 1 and {min(cfg.block_n, weight.shape[0])} (the columns a program owns "
+                         f"and the weight's rows), got {k}")
     programs = triton.cdiv(weight.shape[0], cfg.block_n)
-    maxima = torch.empty((x.shape[0], programs), dtype=torch.float32, device=x.device)
-    firsts = torch.empty((x.shape[0], programs), dtype=torch.int32, device=x.device)
-    residual_out = _launch(x, weight, norm_weight, eps, residual, False, cfg, weight.shape[0], maxima, firsts)
-    return pick_chunks(maxima, firsts, token_map), residual_out
+    maxima = torch.empty((x.shape[0], programs * k), dtype=torch.float32, device=x.device)
+    firsts = torch.empty((x.shape[0], programs * k), dtype=torch.int32, device=x.device)
+    residual_out = _launch(x, weight, norm_weight, eps, residual, False, cfg, weight.shape[0], maxima, firsts, k)
+    return pick_chunks(maxima, firsts, token_map, top=k).view(x.shape[0], k), residual_out
 
 
-def _launch(x, weight, norm_weight, eps, residual, silu_mul, config, n, out, firsts) -> torch.Tensor | None:
-    """Run the kernel over x into out (with firsts: the per-program argmax buffers); returns x + residual."""
+def _launch(x, weight, norm_weight, eps, residual, silu_mul, config, n, out, firsts, top=0) -> torch.Tensor | None:
+    """Run the kernel over x into out (with firsts: the buffers of each program's top best columns); returns
+    x + residual."""
     m, k = x.shape
     residual_out = torch.empty_like(x) if residual is not None else None
     if m == 0 or n == 0:
@@ -160,9 +191,9 @@ def _launch(x, weight, norm_weight, eps, residual, silu_mul, config, n, out, fir
         norm_weight if norm_weight is not None else x, weight, out, firsts if firsts is not None else out,
         m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0,
         residual_out.stride(0) if residual_out is not None else 0, weight.stride(0), out.stride(0), eps,
-        ADD=residual is not None, NORM=norm, SILU_MUL=silu_mul, ARGMAX=firsts is not None,
+        ADD=residual is not None, NORM=norm, SILU_MUL=silu_mul, TOP=top,
         DOT_FP32=dot_in_float32(x),
-        **prologue_meta(x, norm, cfg.compact, grid), BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        **prologue_meta(x, norm, cfg.compact, grid), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return residual_out

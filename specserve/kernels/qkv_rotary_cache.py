@@ -1,6 +1,6 @@
 """Small-M qkv projection with rotary embedding and the paged KV-cache write in its epilogue, in Triton.
 
-One kernel for an attention layer's whole input side at <= 16 tokens: the
+One kernel for an attention layer's whole input side at <= 32 tokens: the
 prologue of small_m_prologue.py (residual add and RMSNorm), the fused q/k/v
 projection, the optional qkv bias, neox rotary embedding of q and k (float32
 cos/sin tables [max_positions, head_dim / 2], as models/layers.py
@@ -9,7 +9,7 @@ tokens' cache slots. Only q comes back, [M, num_heads, head_dim] for the
 attention kernel; k and v exist in the cache alone.
 
 A program owns BLOCK_P rotary pairs (d, d + head_dim / 2) of one head and
-accumulates them as two [16, BLOCK_P] halves, so rotate-halves pairs live in
+accumulates them as two [BLOCK_M, BLOCK_P] halves, so rotate-halves pairs live in
 the same program and need no slicing; several programs share a wide head
 (8B: four of 16 pairs) to give the grid enough programs. Programs of value
 heads skip the rotation. A PAD_SLOT_ID slot (or a token past the end of
@@ -23,7 +23,7 @@ import triton.language as tl
 
 from specserve.attention.metadata import PAD_SLOT_ID
 from specserve.kernels.small_m_configs import SmallMConfig, qkv_config
-from specserve.kernels.small_m_prologue import (BLOCK_M, check_prologue, dot_in_float32, input_chunk, prologue_meta,
+from specserve.kernels.small_m_prologue import (check_prologue, dot_in_float32, input_chunk, prologue_meta,
                                                  prologue_rows, row_rstd, store_residual_slice)
 
 
@@ -125,7 +125,7 @@ def _qkv_rotary_cache_kernel(
 
 
 def qkv_rotary_cache(
-    x: torch.Tensor,  # [M, K], M <= 16
+    x: torch.Tensor,  # [M, K], M <= 32
     weight: torch.Tensor,  # [(num_heads + 2 * num_kv_heads) * head_dim, K]: q, k, v heads
     positions: torch.Tensor,  # [>= M] int: the first M are x's
     cos: torch.Tensor,  # [max_positions, head_dim // 2] float32
@@ -181,7 +181,7 @@ def qkv_rotary_cache(
         kv_cache.shape[2], num_heads, num_kv_heads, half, eps,
         ADD=residual is not None, NORM=norm, BIAS=bias is not None,
         DOT_FP32=dot_in_float32(x), PAD_SLOT=PAD_SLOT_ID,
-        **prologue_meta(x, norm, cfg.compact, grid[0] * grid[1]), BLOCK_M=BLOCK_M, BLOCK_P=cfg.block_n, BLOCK_K=cfg.block_k,
+        **prologue_meta(x, norm, cfg.compact, grid[0] * grid[1]), BLOCK_P=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return q, residual_out

@@ -1,6 +1,6 @@
 """Launch configurations of the small-M projection kernels, per shape class.
 
-At M <= 16 a projection reads its weight once and does almost no arithmetic,
+At M <= 32 a projection reads its weight once and does almost no arithmetic,
 so a configuration is judged by how well it keeps the memory system busy:
 enough programs to occupy every SM (132 on an H100), enough bytes in flight
 per SM (block_n x block_k x num_stages weight elements) to cover the DRAM
@@ -24,7 +24,7 @@ class SmallMConfig:
     block_k: int
     num_warps: int
     num_stages: int
-    # With a norm prologue: compute it on the token rows only and repeat them over the tile's 16 rows
+    # With a norm prologue: compute it on the token rows only and repeat them over the tile's rows
     # (small_m_prologue.py). Ignored without one.
     compact: bool = False
 

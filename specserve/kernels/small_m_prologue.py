@@ -1,7 +1,7 @@
 """The input side shared by the small-M projection kernels: x, optionally plus the residual, RMS-normed.
 
 A projection over few tokens is bound by reading its weight, so its input
-rows (at most 16 x K) are cheap to reread: every program of the projection
+rows (at most 32 x K) are cheap to reread: every program of the projection
 recomputes the prologue for the K chunk it multiplies, instead of a separate
 norm kernel writing the normed rows for the projection to read back.
 
@@ -19,7 +19,7 @@ rounded to x's dtype before it is normed, as the torch path stores it; the
 normed and weighted row is rounded once, to the weight's dtype for the dot.
 
 With COMPACT the prologue computes only the ROWS = next_power_of_2(M) token
-rows and repeats them over the 16 rows of the tile (rows past M are never
+rows and repeats them over the BLOCK_M rows of the tile (rows past M are never
 stored): measured best at one token, worse at four.
 
 x + residual, the next residual stream, is written once: every program
@@ -33,9 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
-# Rows of every tile: tl.dot needs 16. A projection over fewer tokens masks the rest;
+# Rows of a tile up to 16 tokens: tl.dot needs 16. A projection over fewer tokens masks the rest;
 # it is memory-bound, so the idle rows of the MMA cost nothing.
 BLOCK_M = 16
+# The most token rows a launch takes, in a tile of this many rows: verifying a tree of drafts runs up
+# to 32 rows a request, and a tile twice as tall still reads the weight once.
+MAX_ROWS = 32
 # Elements of the prepass's [ROWS, PRE_K] float32 chunk on a GPU: 32 registers a thread at 4 warps.
 PREPASS_ELEMENTS = 4096
 # Under the interpreter a short prepass chunk, so that test shapes span several chunks and their masks.
@@ -133,18 +136,26 @@ def store_residual_slice(res_out_ptr, s, program, M, K, stride_rom, ROWS: tl.con
              mask=mask)
 
 
-def prologue_meta(x: torch.Tensor, norm: bool, compact: bool, num_programs: int) -> dict:
-    """The prologue's compile-time sizes for a launch of num_programs programs over x [M, K].
+def block_m(m: int) -> int:
+    """The tile's rows for m token rows: BLOCK_M up to 16, the tile small_m_configs.py was measured in
+    (decode's), MAX_ROWS above."""
+    return BLOCK_M if m <= BLOCK_M else MAX_ROWS
 
-    ROWS: the token rows the prepass (and a COMPACT prologue) computes; without a norm BLOCK_M, so the plain
-    projection compiles once for every M. SLICE_K: each program's share of x + residual. LATE_RSTD: see
+
+def prologue_meta(x: torch.Tensor, norm: bool, compact: bool, num_programs: int) -> dict:
+    """The tile's rows and the prologue's compile-time sizes for a launch of num_programs programs over x [M, K].
+
+    BLOCK_M: block_m(M). ROWS: the token rows the prepass (and a COMPACT prologue, which repeats them
+    BLOCK_M // ROWS times: both powers of two) computes; without a norm BLOCK_M, so the plain projection
+    compiles once for every M of a tile size. SLICE_K: each program's share of x + residual. LATE_RSTD: see
     late_rstd_ok.
     """
     m, k = x.shape
-    rows = triton.next_power_of_2(max(m, 1)) if norm else BLOCK_M
+    tile_rows = block_m(m)
+    rows = triton.next_power_of_2(max(m, 1)) if norm else tile_rows
     pre_k_max = INTERPRETER_PREPASS_K if x.device.type == "cpu" else PREPASS_ELEMENTS // rows
     return dict(
-        COMPACT=norm and compact, ROWS=rows,
+        BLOCK_M=tile_rows, COMPACT=norm and compact, ROWS=rows,
         PRE_K=max(16, min(triton.next_power_of_2(k), pre_k_max)),
         SLICE_K=max(16, triton.next_power_of_2(triton.cdiv(k, num_programs))),
         LATE_RSTD=norm and late_rstd_ok(x),
@@ -169,7 +180,7 @@ def check_prologue(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Ten
 
     need(x.dim() == 2 and weight.dim() == 2, f"x [M, K] and weight [N, K] expected, got {tuple(x.shape)} and "
          f"{tuple(weight.shape)}")
-    need(x.shape[0] <= BLOCK_M, f"a small-M projection takes at most {BLOCK_M} rows, got {x.shape[0]}")
+    need(x.shape[0] <= MAX_ROWS, f"a small-M projection takes at most {MAX_ROWS} rows, got {x.shape[0]}")
     need(x.shape[1] == weight.shape[1], f"x has K={x.shape[1]} but weight has K={weight.shape[1]}")
     need(x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16, torch.float16),
          f"x and weight must share a float32/bfloat16/float16 dtype, got {x.dtype} and {weight.dtype}")

@@ -33,11 +33,13 @@ class FusableModule(nn.Module):
         return self
 
 
-# Up to this many tokens (decode at batch <= 16, verification of a small batch) a fused module runs its
+# Up to this many tokens (decode at batch <= 32, verification of a small batch) a fused module runs its
 # output projections (o_proj, down_proj) as the small-M Triton kernel (kernels/fused_linear.py): a
 # matrix-vector product bound by reading the weight, measured on an H100 at 1.04-1.26x cuBLAS's speed
-# (BENCHMARKS.md). 16 is also the kernel's row limit (one tl.dot tile of rows).
-SMALL_M_MAX_TOKENS = 16
+# at <= 16 tokens (BENCHMARKS.md). A tree of drafts verifies up to 32 rows a request, which at 17 would
+# otherwise fall back to cuBLAS and the separate norm, rotary and SiLU kernels; past 16 rows the tile
+# doubles to 32, still bound by the weight read. 32 is the kernel's row limit (small_m_prologue.MAX_ROWS).
+SMALL_M_MAX_TOKENS = 32
 # Up to this many weight bytes the norm in front of the qkv and gate/up projections (with the residual
 # add) folds into their small-M kernels, rotary + KV-cache write and SiLU-and-mul in the epilogues: on
 # SmolLM2-135M measured 1.16-1.42x cuBLAS plus the separate kernels at one token, 1.03-1.21x at four

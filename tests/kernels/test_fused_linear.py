@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specserve.kernels.fused_linear import fused_linear, fused_linear_argmax
+from specserve.kernels.fused_linear import fused_linear, fused_linear_argmax, fused_linear_topk
 from specserve.kernels.small_m_configs import INTERPRETER
 
 from .util import DEVICE, assert_close, poison_intact, poisoned_view
@@ -71,7 +71,8 @@ def check_fused_linear(m, k, n, dtype, prologue, silu_mul, config=None, norm_tol
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m", [1, 3, 16])
+# 17 and 32: the 32-row tile a tree's verification takes past 16 rows.
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 32])
 @pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
 @pytest.mark.parametrize("prologue", PROLOGUES)
 def test_fused_linear(prologue, silu_mul, m, dtype):
@@ -84,10 +85,11 @@ def test_float16():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
-def test_full_tile_prologue(silu_mul, dtype):
+@pytest.mark.parametrize("m", [3, 24])
+def test_full_tile_prologue(m, silu_mul, dtype):
     # The interpreter's default config is compact, as the GPU's on small weights; large weights over
     # several tokens (NORM_LARGE) normalise every row of the tile.
-    check_fused_linear(3, K, N, dtype, "add_norm", silu_mul, config=replace(INTERPRETER, compact=False))
+    check_fused_linear(m, K, N, dtype, "add_norm", silu_mul, config=replace(INTERPRETER, compact=False))
 
 
 def test_no_rows():
@@ -98,7 +100,7 @@ def test_no_rows():
 
 
 @pytest.mark.parametrize("bad,message", [
-    (dict(x=torch.randn(17, 8)), "at most 16 rows"),
+    (dict(x=torch.randn(33, 8)), "at most 32 rows"),
     (dict(weight=torch.randn(4, 9)), "K=8 but weight has K=9"),
     (dict(weight=torch.randn(4, 8, dtype=torch.float64)), "dtype"),
     (dict(x=torch.randn(8, 2).T), "unit stride"),
@@ -117,7 +119,7 @@ TOLERANCE_OF = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 32])
 @pytest.mark.parametrize("prologue", PROLOGUES)
 def test_argmax(prologue, m, dtype):
     check_argmax(m, K, N, dtype, prologue)
@@ -174,6 +176,36 @@ def test_argmax_of_nan_rows_stays_in_range():
     logits = x[1:] @ weight.T
     logits[:, 5] = float("-inf")
     assert tokens[1:] == (logits.argmax(dim=-1) + 1000).tolist()
+
+
+@pytest.mark.parametrize("m", [1, 17])
+@pytest.mark.parametrize("k", [1, 3])
+def test_topk_returns_the_best_columns_best_first(m, k):
+    """A tree's guesses: fused_linear_topk's columns are torch.topk's of fused_linear's logits (continuous
+    random logits: no ties), across programs (N = 70 spans several), mapped through the token map."""
+    x = poisoned_view(m, K, torch.float32, seed=0)
+    weight = poisoned_view(N, K, torch.float32, seed=2).mul_(K**-0.5)
+    token_map = torch.randperm(N, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    tokens, total = fused_linear_topk(x, weight, k, token_map=token_map)
+    logits = fused_linear(x, weight)[0]
+    assert total is None and tokens.shape == (m, k) and tokens.dtype == torch.int64
+    assert torch.equal(tokens, token_map[logits.topk(k, dim=-1).indices])
+    assert torch.equal(reference(x, weight, None, None, False)[0].topk(k, dim=-1).indices,
+                       logits.topk(k, dim=-1).indices)
+
+
+def test_topk_ties_go_to_the_lower_column_and_nan_stays_in_range():
+    # Columns 3 and 65 (two programs) tie for the best logit, 10 is third; a NaN row picks distinct columns.
+    x = torch.ones(2, 16, device=DEVICE)
+    x[1] = float("nan")
+    weight = torch.randn(N, 16, generator=torch.Generator().manual_seed(0)).mul_(0.01).to(DEVICE)
+    weight[3] = weight[65] = 1.0
+    weight[10] = 0.5
+    tokens = fused_linear_topk(x, weight, 3)[0]
+    assert tokens[0].tolist() == [3, 65, 10]
+    assert len(set(tokens[1].tolist())) == 3 and all(0 <= t < N for t in tokens[1].tolist())
+    with pytest.raises(ValueError, match="k must be between 1 and"):
+        fused_linear_topk(x, weight, 0)
 
 
 def test_argmax_token_map_is_checked():

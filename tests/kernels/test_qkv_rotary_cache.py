@@ -82,7 +82,8 @@ def check_qkv(m, num_heads, num_kv_heads, head_dim, dtype, prologue="add_norm", 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m", [1, 3, 16])
+# 17 and 32: the 32-row tile a tree's verification takes past 16 rows.
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 32])
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("prologue", PROLOGUES)
 def test_qkv_rotary_cache(prologue, bias, m, dtype):
@@ -90,9 +91,10 @@ def test_qkv_rotary_cache(prologue, bias, m, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_full_tile_prologue(dtype):
+@pytest.mark.parametrize("m", [3, 24])
+def test_full_tile_prologue(m, dtype):
     # The interpreter's default config is compact, as the GPU's on small weights (see test_fused_linear's).
-    check_qkv(3, 4, 2, 8, dtype, config=replace(INTERPRETER_QKV, compact=False))
+    check_qkv(m, 4, 2, 8, dtype, config=replace(INTERPRETER_QKV, compact=False))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -127,3 +129,5 @@ def test_bad_operands_are_named():
         qkv_rotary_cache(x, weight, *args[:3], cache.half(), args[4], 4)
     with pytest.raises(ValueError, match="positions"):
         qkv_rotary_cache(x, weight, torch.zeros(1, dtype=torch.long), *args[1:], 4)
+    with pytest.raises(ValueError, match="at most 32 rows"):
+        qkv_rotary_cache(torch.randn(33, 8), weight, torch.zeros(33, dtype=torch.long), *args[1:], 4)

@@ -30,7 +30,7 @@ BLOCK_SIZE, CONTEXT = 16, 100
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("m", [1, 4, 16, 17, 32])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_projections_at_model_shapes(shape, m, dtype):
     hidden, inter, num_heads, num_kv_heads, head_dim = SHAPES[shape]
@@ -43,7 +43,7 @@ def test_projections_at_model_shapes(shape, m, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 32])
 def test_eagle3_draft_step_kernels_at_the_shipped_head_shape(m, dtype):
     """The shipped SmolLM2 head's draft step: attention input, qkv over 2H without a norm, the final add + norm
     with the lm_head over its 12,288 draft tokens and the argmax."""
@@ -83,12 +83,12 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("num_reqs", [1, 4, 14])
+@pytest.mark.parametrize("num_reqs", [1, 4, 14, 30])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_decoder_layer_small_m_equals_torch(shape, num_reqs, dtype):
     """float32: the paths agree to float32 rounding. 16-bit: against the float32 torch path on the same
     (rounded) weights and inputs, the small-M path is about as accurate as the torch path."""
-    # 14 requests and 2 padding tokens: the 16-token graph of a batch of 14.
+    # 14 (30) requests and 2 padding tokens: the 16-token (32-token) graph of a batch of 14 (30).
     arch = arch_of(shape)
     layer = DecoderLayer(arch, get_attention_backend("triton"))
     randomize(layer)
