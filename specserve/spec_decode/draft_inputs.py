@@ -151,14 +151,10 @@ def gather_draft_inputs(staged: torch.Tensor, accepted: torch.Tensor, tokens: to
     )
 
 
-def follow_tree_paths(path_tokens: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor,
-                      positions: torch.Tensor, next_ids: torch.Tensor, last: torch.Tensor,
-                      base_positions: torch.Tensor) -> None:
-    """After gather_draft_inputs, the drafter's inputs of requests that verified trees of drafts: their
-    accepted tokens are not consecutive in the step, but at the token indices path_tokens [n, D + 1] (root,
-    then each accepted draft). The token after path node d is emitted token d (tokens [n, D + 1]: the
-    accepted drafts, then the bonus token), and the last accepted token is path node accepted. slots [n]:
-    each request's drafting index."""
+def follow_tree_paths_torch(path_tokens: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
+                            slots: torch.Tensor, positions: torch.Tensor, next_ids: torch.Tensor, last: torch.Tensor,
+                            base_positions: torch.Tensor) -> None:
+    """follow_tree_paths in torch ops (the CPU path and the kernel's reference)."""
     depth = torch.arange(path_tokens.shape[1], device=path_tokens.device)
     on_path = depth[None, :] <= accepted[:, None]
     end = accepted[:, None]
@@ -168,3 +164,41 @@ def follow_tree_paths(path_tokens: torch.Tensor, accepted: torch.Tensor, tokens:
         on_path, tokens, tokens.gather(1, end)).flatten()
     last[slots] = last_index.squeeze(1)
     base_positions[slots] = positions[last_index.squeeze(1)]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _follow_tree_paths_kernel(path_ptr, accepted_ptr, tokens_ptr, slots_ptr, positions_ptr, next_ids_ptr,
+                                  last_ptr, base_positions_ptr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, BLOCK)
+        acc = tl.load(accepted_ptr + i)
+        on_path = d <= acc
+        path = tl.load(path_ptr + i * WIDTH + d, mask=on_path, other=0)
+        tl.store(next_ids_ptr + path, tl.load(tokens_ptr + i * WIDTH + d, mask=on_path, other=0), mask=on_path)
+        last_index = tl.load(path_ptr + i * WIDTH + acc)
+        slot = tl.load(slots_ptr + i)
+        tl.store(last_ptr + slot, last_index)
+        tl.store(base_positions_ptr + slot, tl.load(positions_ptr + last_index))
+
+
+def follow_tree_paths(path_tokens: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor,
+                      positions: torch.Tensor, next_ids: torch.Tensor, last: torch.Tensor,
+                      base_positions: torch.Tensor, *, use_triton: bool | None = None) -> None:
+    """After gather_draft_inputs, the drafter's inputs of requests that verified trees of drafts: their
+    accepted tokens are not consecutive in the step, but at the token indices path_tokens [n, D + 1] (root,
+    then each accepted draft). The token after path node d is emitted token d (tokens [n, D + 1]: the
+    accepted drafts, then the bonus token), and the last accepted token is path node accepted. slots [n]:
+    each request's drafting index. One Triton launch on CUDA, torch ops elsewhere (use_triton forces
+    either; tests run the kernel under TRITON_INTERPRET=1)."""
+    if use_triton is None:
+        use_triton = triton is not None and path_tokens.is_cuda
+    if not use_triton:
+        follow_tree_paths_torch(path_tokens, accepted, tokens, slots, positions, next_ids, last, base_positions)
+        return
+    n, width = path_tokens.shape
+    assert path_tokens.is_contiguous() and tokens.is_contiguous() and tokens.shape[1] == width
+    if n:
+        _follow_tree_paths_kernel[(n,)](path_tokens, accepted, tokens, slots, positions, next_ids, last,
+                                        base_positions, WIDTH=width, BLOCK=triton.next_power_of_2(width))

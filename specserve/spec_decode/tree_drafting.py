@@ -16,17 +16,24 @@ index of depth d) - 1 keys before the queries.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specserve.attention.metadata import PAD_SLOT_ID, AttentionMetadata
 from specserve.spec_decode.tree_verify import TreeTables
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton is optional on CPU installs; the torch path serves there.
+    triton = None
 
-def tree_pass_metadata(tables: TreeTables, d: int, n: int, base_positions: torch.Tensor, block_table: torch.Tensor,
-                       block_size: int, max_position: int,
-                       num_reqs: torch.Tensor | None) -> tuple[AttentionMetadata, torch.Tensor]:
-    """(metadata, positions [n * m]) of the pass over the m drafts of depth d for n requests; rows at or past
-    num_reqs ([1] on the device; None: none) are a graph's padding: no keys, no cache writes."""
+
+def tree_pass_metadata_torch(tables: TreeTables, d: int, n: int, base_positions: torch.Tensor,
+                             block_table: torch.Tensor, block_size: int, max_position: int,
+                             num_reqs: torch.Tensor | None) -> PassInputs:
+    """tree_pass_metadata in torch ops (the CPU path and the kernel's reference)."""
     level = tables.tree.level(d)
     m, dev = len(level), base_positions.device
     base = base_positions[:n, None]
@@ -37,19 +44,93 @@ def tree_pass_metadata(tables: TreeTables, d: int, n: int, base_positions: torch
     slot_pos = (base + index[None, :]).clamp(max=block_table.shape[1] * block_size - 1)
     blocks = block_table[:n].gather(1, slot_pos // block_size).to(torch.int64)
     slots = blocks * block_size + slot_pos % block_size
-    query_start_loc = torch.arange(0, n * m + 1, m, device=dev, dtype=torch.int32)
     seq_lens = (base_positions[:n] + level.stop).to(torch.int32)
     if num_reqs is not None:
         real = torch.arange(n, device=dev) < num_reqs
         slots = torch.where(real[:, None], slots, PAD_SLOT_ID)
         seq_lens = torch.where(real, seq_lens, 0)
-    metadata = AttentionMetadata(
-        num_reqs=n, num_tokens=n * m, max_query_len=m, max_seq_len=max_position + level.stop,
-        query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table[:n],
-        slot_mapping=slots.flatten(),
-        query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens,
-        tree_bits=(tables.ancestor_bits[level.start:level.stop] >> 1).repeat(n), tree_offset=level.start - 1)
-    return metadata, positions
+    return PassInputs(positions, slots.flatten(), seq_lens,
+                      torch.arange(0, n * m + 1, m, device=dev, dtype=torch.int32),
+                      (tables.ancestor_bits[level.start:level.stop] >> 1).repeat(n))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tree_pass_kernel(
+        base_positions_ptr, block_table_ptr, block_table_stride, num_reqs_ptr, ancestor_bits_ptr,
+        positions_ptr, slots_ptr, seq_lens_ptr, query_start_loc_ptr, tree_bits_ptr,
+        n, block_size, max_position, max_slot_position,
+        DEPTH: tl.constexpr, START: tl.constexpr, STOP: tl.constexpr, PADDED: tl.constexpr, PAD_SLOT: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        r = tl.program_id(0)
+        m: tl.constexpr = STOP - START
+        j = tl.arange(0, BLOCK)
+        live = j < m
+        base = tl.load(base_positions_ptr + r)
+        real = r >= 0
+        if PADDED:
+            real = r < tl.load(num_reqs_ptr)
+        slot_pos = tl.minimum(base + START + j, max_slot_position)
+        block = tl.load(block_table_ptr + r * block_table_stride + slot_pos // block_size, mask=live, other=0)
+        slot = tl.where(real, block.to(tl.int64) * block_size + slot_pos % block_size, PAD_SLOT)
+        out = r * m + j
+        tl.store(positions_ptr + out, tl.zeros_like(slot_pos) + tl.minimum(base + DEPTH, max_position - 1), mask=live)
+        tl.store(slots_ptr + out, slot, mask=live)
+        tl.store(tree_bits_ptr + out, tl.load(ancestor_bits_ptr + START + j, mask=live, other=0) >> 1, mask=live)
+        tl.store(seq_lens_ptr + r, tl.where(real, base + STOP, 0).to(tl.int32))
+        tl.store(query_start_loc_ptr + r, (r * m).to(tl.int32))
+        if r == n - 1:
+            tl.store(query_start_loc_ptr + n, (n * m).to(tl.int32))
+
+
+@dataclass
+class PassInputs:
+    """What the pass over one depth's drafts reads besides their tokens and fed-back states."""
+
+    positions: torch.Tensor  # [n * m] int64
+    slot_mapping: torch.Tensor  # [n * m] int64
+    seq_lens: torch.Tensor  # [n] int32
+    query_start_loc: torch.Tensor  # [n + 1] int32
+    tree_bits: torch.Tensor  # [n * m] int64
+
+    def metadata(self, tables: TreeTables, d: int, block_table: torch.Tensor, max_position: int) -> AttentionMetadata:
+        level = tables.tree.level(d)
+        n, m = self.seq_lens.shape[0], len(level)
+        return AttentionMetadata(
+            num_reqs=n, num_tokens=n * m, max_query_len=m, max_seq_len=max_position + level.stop,
+            query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, block_table=block_table[:n],
+            slot_mapping=self.slot_mapping, query_start_loc_cpu=self.query_start_loc, seq_lens_cpu=self.seq_lens,
+            tree_bits=self.tree_bits, tree_offset=level.start - 1)
+
+
+def tree_pass_metadata(tables: TreeTables, d: int, n: int, base_positions: torch.Tensor, block_table: torch.Tensor,
+                       block_size: int, max_position: int, num_reqs: torch.Tensor | None,
+                       *, use_triton: bool | None = None) -> tuple[AttentionMetadata, torch.Tensor]:
+    """(metadata, positions [n * m]) of the pass over the m drafts of depth d for n requests; rows at or past
+    num_reqs ([1] on the device; None: none) are a graph's padding: no keys, no cache writes. One Triton launch
+    on CUDA, torch ops elsewhere (use_triton forces either; tests run the kernel under TRITON_INTERPRET=1)."""
+    if use_triton is None:
+        use_triton = triton is not None and base_positions.is_cuda
+    if not use_triton:
+        inputs = tree_pass_metadata_torch(tables, d, n, base_positions, block_table, block_size, max_position,
+                                          num_reqs)
+        return inputs.metadata(tables, d, block_table, max_position), inputs.positions
+    level = tables.tree.level(d)
+    m, dev = len(level), base_positions.device
+    assert block_table.stride(1) == 1
+    inputs = PassInputs(torch.empty(n * m, dtype=torch.int64, device=dev), torch.empty(n * m, dtype=torch.int64,
+                        device=dev), torch.empty(n, dtype=torch.int32, device=dev),
+                        torch.empty(n + 1, dtype=torch.int32, device=dev), torch.empty(n * m, dtype=torch.int64,
+                                                                                        device=dev))
+    _tree_pass_kernel[(n,)](
+        base_positions, block_table, block_table.stride(0), base_positions if num_reqs is None else num_reqs,
+        tables.ancestor_bits, inputs.positions, inputs.slot_mapping, inputs.seq_lens, inputs.query_start_loc,
+        inputs.tree_bits, n, block_size, max_position, block_table.shape[1] * block_size - 1,
+        DEPTH=d, START=level.start, STOP=level.stop, PADDED=num_reqs is not None, PAD_SLOT=PAD_SLOT_ID,
+        BLOCK=triton.next_power_of_2(m))
+    return inputs.metadata(tables, d, block_table, max_position), inputs.positions
 
 
 def draft_tree(drafter, tables: TreeTables, first_hidden: torch.Tensor, first_feedback: torch.Tensor,
@@ -60,24 +141,22 @@ def draft_tree(drafter, tables: TreeTables, first_hidden: torch.Tensor, first_fe
     decode_hidden (the head over several tokens a request) and top_tokens. num_reqs: see tree_pass_metadata."""
     tree = tables.tree
     n = first_hidden.shape[0]
-    tokens = torch.zeros(n, tree.num_nodes + 1, dtype=torch.int64, device=first_hidden.device)
-    fed_back = first_feedback.new_zeros(n, tree.num_nodes + 1, first_feedback.shape[-1])
+    # Column 0 (the root) of both is never read.
+    tokens = torch.empty(n, tree.num_nodes + 1, dtype=torch.int64, device=first_hidden.device)
+    fed_back = first_feedback.new_empty(n, tree.num_nodes + 1, first_feedback.shape[-1])
     fed_back[:, 0] = first_feedback
-    for_logits = first_hidden[:, None]
-    parent_level = range(0, 1)
+    for_logits = first_hidden
     for d in range(1, tree.depth + 1):
         level = tree.level(d)
-        guesses = drafter.top_tokens(for_logits.flatten(0, 1), tree.top_k(d)).view(n, len(parent_level), -1)
-        parent = tables.parents[level.start:level.stop] - parent_level.start
-        tokens[:, level.start:level.stop] = guesses[:, parent, tables.ranks[level.start:level.stop]]
+        guesses = drafter.top_tokens(for_logits, tree.top_k(d)).view(n, -1)
+        level_tokens = guesses.index_select(1, tables.guess_columns[d])
+        tokens[:, level.start:level.stop] = level_tokens
         if d == tree.depth:
             break
         metadata, positions = tree_pass_metadata(tables, d, n, base_positions, block_table, drafter.block_size,
                                                  drafter.max_position, num_reqs)
-        hidden, back = drafter.decode_hidden(tokens[:, level.start:level.stop].flatten(),
-                                             fed_back[:, tables.parents[level.start:level.stop]].flatten(0, 1),
-                                             positions, metadata)
+        for_logits, back = drafter.decode_hidden(level_tokens.flatten(),
+                                                 fed_back.index_select(1, tables.parent_columns[d]).flatten(0, 1),
+                                                 positions, metadata)
         fed_back[:, level.start:level.stop] = back.view(n, len(level), -1)
-        for_logits = hidden.view(n, len(level), -1)
-        parent_level = level
     return tokens[:, 1:]

@@ -20,7 +20,7 @@ from specserve.spec_decode.draft_inputs import follow_tree_paths, gather_draft_i
 from specserve.spec_decode.greedy_verify import UniformVerifyInputs, greedy_verify
 from specserve.spec_decode.rejection_sampler import draw_randomness, rejection_sample
 from specserve.spec_decode.speculator import DraftInput, Speculator
-from specserve.spec_decode.tree_verify import TreeTables, move_kv, tree_outcome
+from specserve.spec_decode.tree_verify import TreeOutcome, TreeTables, move_kv, verify_tree
 from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager, default_capture_sizes
 from specserve.worker.cudagraph_mode import CUDAGraphMode
 from specserve.worker.graph_recorder import AttentionSplitter
@@ -72,7 +72,7 @@ class ModelRunner:
         self.tree = spec.tree if spec else None
         self.tree_tables = TreeTables.build(self.tree, self.device) if self.tree else None
         # This step's accepted paths (token indices), accepted counts, emitted tokens and cache moves.
-        self._tree_step: tuple | None = None
+        self._tree_step: TreeOutcome | None = None
         # Each tree index's position shift (index - depth) and tree bits, as _tree_layout stages them.
         self._tree_shift = np.arange(self.tree.num_nodes + 1) - np.array(self.tree.depths) if self.tree else None
         self._tree_bits = np.array(self.tree.ancestor_bits) if self.tree else None
@@ -162,6 +162,9 @@ class ModelRunner:
         if self.tree is not None and not cfg.debug_cudagraph:
             # A tree's whole step, for batches where every request verifies the whole tree.
             self.tree_index = torch.arange(cfg.max_num_seqs * (1 + k), device=self.device).view(-1, 1 + k)
+            # Request i's output row and drafting index.
+            self.tree_rows = torch.arange(cfg.max_num_seqs, device=self.device)
+            self.tree_num_drafts = torch.full((cfg.max_num_seqs,), k, device=self.device)
             self.whole_step_graphs = CUDAGraphManager(
                 "whole tree step", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs,
                 cfg.max_num_batched_tokens, uniform_query_lens=(1 + k,), recorder=recorder)
@@ -239,18 +242,15 @@ class ModelRunner:
                              b.slot_mapping, b.block_table, self.block_size, max_rows=n)
         padded_hidden, padded_aux = self._target_forward(desc, metadata)
         target = self.model.greedy_tokens(padded_hidden[:n * q], captured=True).view(n, q)
-        index = self.tree_index[:n]
-        all_drafts = index[:, -1] - index[:, 0]  # N, as a tensor
-        accepted, tokens, path_tokens, moves = tree_outcome(target, b.input_ids[:n * q].view(n, q), all_drafts, index,
-                                                            self.tree_tables, b.slot_mapping, self.spare_slot)
-        out.accepted[:n].copy_(accepted)
-        out.tokens[:n].copy_(tokens)
-        move_kv(self.kv_stack, *moves)
+        index, rows = self.tree_index[:n], self.tree_rows[:n]
+        outcome = verify_tree(target, b.input_ids, index, self.tree_num_drafts[:n], self.tree_tables, b.slot_mapping,
+                              self.spare_slot, rows, out.accepted, out.tokens)
+        move_kv(self.kv_stack, *outcome.moves)
         self._gather_draft_inputs(desc, max_rows=n)
         spec = self.speculator
-        follow_tree_paths(path_tokens, accepted, tokens, index[:, 0] // q, b.positions, spec.next_ids,
+        follow_tree_paths(outcome.path_tokens, outcome.accepted, outcome.tokens, rows, b.positions, spec.next_ids,
                           self.draft_last_indices, self.draft_base_positions)
-        drafts = spec.propose_tree_in_graph(desc, (padded_hidden, padded_aux), metadata, moves,
+        drafts = spec.propose_tree_in_graph(desc, (padded_hidden, padded_aux), metadata, outcome.moves,
                                             b.staged[NUM_REQS:NUM_REQS + 1], self.draft_last_indices,
                                             self.draft_base_positions, self.draft_block_table)
         out.drafts[:n].copy_(drafts)
@@ -526,20 +526,14 @@ class ModelRunner:
                                             self.sampler.default_generator)
                 target = torch.where(expanded.greedy, target, sampled)
             target = target.view(n, width)
-        full = torch.zeros(n, tables.tree.num_nodes + 1, dtype=torch.int64, device=self.device)
-        full[:, :width] = target
-        nodes = torch.zeros_like(full)
-        nodes[:, :width] = b.input_ids[index]
-        padded_index = torch.cat([index, index[:, -1:].expand(n, full.shape[1] - width)], dim=1)
-        accepted, tokens, path_tokens, moves = tree_outcome(full, nodes, num, padded_index, tables, b.slot_mapping,
-                                                            self.spare_slot)
-        self.outputs.accepted.index_copy_(0, where, accepted)
-        self.outputs.tokens.index_copy_(0, where, tokens)
-        move_kv(self.kv_stack, *moves)
-        self._tree_step = (path_tokens, accepted, tokens, moves)
+        outcome = verify_tree(target, b.input_ids, index, num, tables, b.slot_mapping, self.spare_slot, where,
+                              self.outputs.accepted, self.outputs.tokens)
+        move_kv(self.kv_stack, *outcome.moves)
+        self._tree_step = outcome
         if batch.max_logprobs is not None:
+            path_tokens = outcome.path_tokens
             raw = self.model.compute_logits(hidden.index_select(0, path_tokens.view(-1))).log_softmax(dim=-1)
-            result = token_logprobs(raw, tokens.flatten().clamp(min=0), batch.max_logprobs)
+            result = token_logprobs(raw, outcome.tokens.flatten().clamp(min=0), batch.max_logprobs)
             handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=path_tokens.shape[1]))
 
     def _gather_draft_inputs(self, desc: BatchDescriptor, max_rows: int) -> None:
@@ -559,9 +553,10 @@ class ModelRunner:
         self._gather_draft_inputs(desc, max_rows=len(sched.scheduled))
         moves = None
         if self.tree is not None and self._tree_step is not None:
-            path_tokens, accepted, tokens, moves = self._tree_step
-            follow_tree_paths(path_tokens, accepted, tokens, b.staged_extra("verify_slots"), b.positions,
-                              spec.next_ids, self.draft_last_indices, self.draft_base_positions)
+            outcome = self._tree_step
+            moves = outcome.moves
+            follow_tree_paths(outcome.path_tokens, outcome.accepted, outcome.tokens, b.staged_extra("verify_slots"),
+                              b.positions, spec.next_ids, self.draft_last_indices, self.draft_base_positions)
         drafting = [s.request for s in scheduled]
         inp = DraftInput(
             target_out=target_out,

@@ -41,6 +41,23 @@ def kernels():
             target_ptr=p64, input_ids_ptr=p64, index_ptr=p64, num_drafts_ptr=p64, out_rows_ptr=p64,
             uniform_ptr="*fp32", accepted_ptr=p64, accepted_stride=i32, tokens_ptr=p64, tokens_stride=i32,
             forced_accept_prob="fp32", K1=4, FORCED=forced, BLOCK=4)
+    # Trees of drafts (the sixteen-node tree of depth 5): the walk, the drafter's inputs, a depth's pass.
+    from specserve.spec_decode import tree_drafting, tree_verify
+
+    yield tree_verify._verify_tree_kernel, dict(
+        target_ptr=p64, target_stride=i32, input_ids_ptr=p64, index_ptr=p64, index_stride=i32, num_drafts_ptr=p64,
+        children_ptr=p64, slot_mapping_ptr=p64, spare_slot=i32, out_rows_ptr=p64, accepted_out_ptr=p64,
+        accepted_out_stride=i32, tokens_out_ptr=p64, tokens_out_stride=i32, accepted_ptr=p64, tokens_ptr=p64,
+        path_ptr=p64, source_ptr=p64, dest_ptr=p64, DEPTH=5, CHILDREN=3, BLOCK_C=4)
+    yield draft_inputs._follow_tree_paths_kernel, dict(
+        path_ptr=p64, accepted_ptr=p64, tokens_ptr=p64, slots_ptr=p64, positions_ptr=p64, next_ids_ptr=p64,
+        last_ptr=p64, base_positions_ptr=p64, WIDTH=6, BLOCK=8)
+    for padded in (False, True):
+        yield tree_drafting._tree_pass_kernel, dict(
+            base_positions_ptr=p64, block_table_ptr=p32, block_table_stride=i32, num_reqs_ptr=p64,
+            ancestor_bits_ptr=p64, positions_ptr=p64, slots_ptr=p64, seq_lens_ptr=p32, query_start_loc_ptr=p32,
+            tree_bits_ptr=p64, n=i32, block_size=i32, max_position=i32, max_slot_position=i32, DEPTH=2, START=4,
+            STOP=7, PADDED=padded, PAD_SLOT=PAD_SLOT_ID, BLOCK=4)
     for tree in (False, True):
         yield staged_inputs._scatter_staged_inputs_kernel, dict(
             staged_ptr=p64, input_ids_ptr=p64, positions_ptr=p64, slot_mapping_ptr=p64, seq_lens_ptr=p32,
@@ -59,15 +76,20 @@ def kernels():
                       stride_om=i32, eps="fp32", DOT_FP32=False, BLOCK_M=16)
     for rows in (1, 8):
         yield fused_linear._fused_linear_kernel, dict(
-            projection, ADD=True, NORM=True, SILU_MUL=True, ARGMAX=False, COMPACT=True, ROWS=rows,
+            projection, ADD=True, NORM=True, SILU_MUL=True, TOP=0, COMPACT=True, ROWS=rows,
             PRE_K=4096 // rows, SLICE_K=16, LATE_RSTD=True, BLOCK_N=NORM_SMALL.block_n, BLOCK_K=NORM_SMALL.block_k)
     yield fused_linear._fused_linear_kernel, dict(
-        projection, ADD=False, NORM=False, SILU_MUL=False, ARGMAX=False, COMPACT=False, ROWS=16, PRE_K=256,
+        projection, ADD=False, NORM=False, SILU_MUL=False, TOP=0, COMPACT=False, ROWS=16, PRE_K=256,
         SLICE_K=16, LATE_RSTD=False, BLOCK_N=SMALL_SHORT_K.block_n, BLOCK_K=SMALL_SHORT_K.block_k)
     # An EAGLE-3 head's draft step: final add + norm, lm_head and the per-program argmax.
     yield fused_linear._fused_linear_kernel, dict(
-        projection, out_ptr=f32, idx_ptr=p32, ADD=True, NORM=True, SILU_MUL=False, ARGMAX=True, COMPACT=True,
+        projection, out_ptr=f32, idx_ptr=p32, ADD=True, NORM=True, SILU_MUL=False, TOP=1, COMPACT=True,
         ROWS=1, PRE_K=1024, SLICE_K=16, LATE_RSTD=True, BLOCK_N=NORM_SMALL.block_n, BLOCK_K=NORM_SMALL.block_k)
+    # ... a tree's guesses: the lm_head over a depth's normed hidden states, each program's 3 best columns.
+    yield fused_linear._fused_linear_kernel, dict(
+        projection, out_ptr=f32, idx_ptr=p32, ADD=False, NORM=False, SILU_MUL=False, TOP=3, COMPACT=False,
+        ROWS=16, PRE_K=256, SLICE_K=16, LATE_RSTD=False, BLOCK_N=SMALL_SHORT_K.block_n,
+        BLOCK_K=SMALL_SHORT_K.block_k)
     qkv = dict(
         x_ptr=bf16, res_ptr=bf16, res_out_ptr=bf16, norm_w_ptr=bf16, w_ptr=bf16, bias_ptr=bf16, q_ptr=bf16,
         k_cache_ptr=bf16, v_cache_ptr=bf16, cos_ptr=f32, sin_ptr=f32, positions_ptr=p64, slot_mapping_ptr=p64,
@@ -114,7 +136,9 @@ def kernels():
                                             CHUNK=argmax._CHUNK, BLOCK=argmax._BLOCK)
     for mapped in (False, True):
         yield argmax._pick_chunk_kernel, dict(val_ptr=f32, idx_ptr=p32, map_ptr=p64, out_ptr=p64, num_chunks=i32,
-                                              MAP=mapped, CHUNKS=256)
+                                              MAP=mapped, CHUNKS=256, TOP=1)
+    yield argmax._pick_chunk_kernel, dict(val_ptr=f32, idx_ptr=p32, map_ptr=p64, out_ptr=p64, num_chunks=i32,
+                                          MAP=True, CHUNKS=8192, TOP=3)
     from specserve.kernels import eagle3_input
 
     yield eagle3_input._eagle3_input_kernel, dict(
