@@ -195,9 +195,9 @@ MIN_CHUNK = 512
 
 def num_kv_splits(num_reqs: int, num_kv_heads: int, query_tiles: int, on_cpu: bool) -> int:
     """Parts each request's keys split into: a power of two filling SPLIT_TARGET_PROGRAMS programs, for
-    batches of one query tile per request (decode, verification); 1 otherwise and on the CPU."""
-    programs = num_reqs * num_kv_heads
-    if on_cpu or query_tiles > 1 or 2 * programs > SPLIT_TARGET_PROGRAMS:
+    batches of few query tiles (decode, verification, a short chunk at batch 1); 1 otherwise and on the CPU."""
+    programs = num_reqs * num_kv_heads * query_tiles
+    if on_cpu or 2 * programs > SPLIT_TARGET_PROGRAMS:
         return 1
     return min(MAX_SPLITS, 1 << (SPLIT_TARGET_PROGRAMS // programs).bit_length() - 1)
 
@@ -209,12 +209,23 @@ def num_kv_splits(num_reqs: int, num_kv_heads: int, query_tiles: int, on_cpu: bo
 NARROW_HEAD_DECODE_BLOCK_N = 128
 
 
-def _tile_sizes(group: int, max_query_len: int, head_dim: int, on_cpu: bool) -> tuple[int, int]:
+# Queries of at most this many tokens a request (verifying a tree of drafts) take 16-row tiles when the batch
+# is small: SmolLM2 verifying 17 tokens at batch 1 ran 3 programs of 64 rows, 8.25 us a layer against 5.16
+# for 5 tokens in one 16-row tile (benchmarks/results/h100_2026-11-24_s17_profile.txt); 16-row tiles give
+# it 12 programs, each with the wide key steps of a decode.
+MAX_NARROW_TILE_QUERY_LEN = 32
+
+
+def _tile_sizes(group: int, max_query_len: int, head_dim: int, on_cpu: bool, num_programs_16: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N): small tiles under the CPU interpreter, where every
     tile costs Python time; on the GPU, rows just cover a decode/verify batch
-    and are capped at 64 for prefill so the fp32 accumulator stays in registers."""
+    and are capped at 64 for prefill so the fp32 accumulator stays in registers.
+    num_programs_16: the programs 16-row tiles would take."""
     min_rows = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows; a tile holds a whole group
     block_m = max(min_rows, min(triton.next_power_of_2(group * max_query_len), 16 if on_cpu else 64))
+    if (min_rows == 16 and max_query_len <= MAX_NARROW_TILE_QUERY_LEN
+            and num_programs_16 <= SPLIT_TARGET_PROGRAMS):
+        block_m = 16
     if on_cpu:
         return block_m, 16
     if block_m == 16 and head_dim <= 64:
@@ -245,7 +256,8 @@ class TritonAttentionBackend:
 
         group = num_heads // num_kv_heads
         on_cpu = q.device.type == "cpu"  # only the interpreter runs Triton on CPU tensors
-        block_m, block_n = _tile_sizes(group, metadata.max_query_len, head_dim, on_cpu)
+        programs_16 = metadata.num_reqs * num_kv_heads * triton.cdiv(metadata.max_query_len, max(1, 16 // group))
+        block_m, block_n = _tile_sizes(group, metadata.max_query_len, head_dim, on_cpu, programs_16)
         block_q = block_m // group
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         query_tiles = triton.cdiv(metadata.max_query_len, block_q)

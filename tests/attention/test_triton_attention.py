@@ -192,7 +192,7 @@ def test_padding_tokens_get_exact_zeros_in_uninitialised_output(monkeypatch, pad
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_keys_split_over_programs_merge_to_the_same_attention(monkeypatch, min_chunk, splits, dtype):
     # Decode and verification with parts of every kind: several key tiles (BLOCK_N is 16 under the
-    # interpreter), one, none (a 1-token context has one part; min_chunk 512 keeps every context whole);
+    # interpreter) and query tiles (7 tokens of 3 heads a KV head: two 16-row tiles), one, none (a 1-token context has one part; min_chunk 512 keeps every context whole);
     # padded requests and tokens, and an output allocated as NaN, so a row nobody wrote shows. Twice: the
     # last part to finish resets the counts for the next launch.
     import specserve.attention.triton_backend as triton_backend
@@ -202,7 +202,7 @@ def test_keys_split_over_programs_merge_to_the_same_attention(monkeypatch, min_c
     monkeypatch.setattr(torch, "empty_like", lambda t: torch.full_like(t, math.nan))
     backend = TritonAttentionBackend()
     for seed in (0, 1):
-        batch = make_batch([1, 3, 1, 2], [70, 33, 1, 17], 9, 3, 64, dtype, pad_reqs=2, pad_tokens=3, seed=seed)
+        batch = make_batch([1, 3, 1, 7], [70, 33, 1, 17], 9, 3, 64, dtype, pad_reqs=2, pad_tokens=3, seed=seed)
         out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.metadata, 0.125)
         n = batch.num_real_tokens
         torch.testing.assert_close(out[:n].double(), dense_attention(batch, 0.125), **TOLERANCE[dtype])
@@ -215,7 +215,9 @@ def test_keys_split_over_programs_merge_to_the_same_attention(monkeypatch, min_c
     (1, 3, 1, False, 32),  # SmolLM2: 96 (at most MAX_SPLITS parts)
     (8, 8, 1, False, 2),
     (16, 8, 1, False, 1),  # 128 programs already
-    (1, 8, 2, False, 1),  # several query tiles: a prefill
+    (1, 3, 4, False, 8),  # verifying a tree of 16 drafts in 16-row tiles: 12 programs
+    (1, 8, 2, False, 8),  # a short prefill
+    (1, 8, 40, False, 1),  # a long one fills the GPU with its query tiles
     (1, 8, 1, True, 1),  # the interpreter
 ])
 def test_split_count_fills_the_gpu_for_small_decode_batches(num_reqs, num_kv_heads, query_tiles, on_cpu, expected):
