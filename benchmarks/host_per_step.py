@@ -3,7 +3,7 @@ engine generates for real prompts (eval-acceptance's setting), with and without 
 
     python benchmarks/host_per_step.py --prompts mt_bench.jsonl [--model smollm2-135m] [--k 0 4]
                                        [--head smollm2-135m-eagle3] [--num-prompts 32] [--repeats 3]
-                                       [--kernels N]
+                                       [--kernels N] [--tree FILE]
 
 Per k, each repeat prints tok/s and, per engine step (launches), the host's time in runner.launch (and
 its parts), in resolve, and in the completion event's wait alone: with asynchronous scheduling the host
@@ -11,6 +11,7 @@ enqueues step N+1 while the GPU runs step N, so a step that waits long is GPU-bo
 waits is host-bound (the GPU then idles between steps). The timing wrappers add about 1 us a call.
 --parts times every repeat a second time with the runner's whole-step graphs off (each part of a step
 replayed from its own graph, with eager launches between), in the same process.
+--tree FILE adds a run drafting that tree (speculative_token_tree, e.g. benchmarks/trees/*.txt) after the ks.
 --kernels N then runs the first N prompts once more under the torch profiler and prints the GPU kernels
 per engine step (their sum against the step's wall time is the GPU's idle share).
 """
@@ -40,14 +41,19 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kernels", type=int, default=0, metavar="N", help="profile N prompts' kernels per step")
+    ap.add_argument("--tree", help="a speculative_token_tree file: also time drafting that tree")
     ap.add_argument("--parts", action="store_true",
                     help="time each repeat twice: with the whole-step graphs, then with each part in its own graph")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("host_per_step needs a CUDA device")
     conversations = load_prompt_file(a.prompts, limit=a.num_prompts)
-    for k in a.k:
-        spec = None if k == 0 else {"method": "eagle3", "model": a.head, "num_speculative_tokens": k}
+    settings = [(str(k), None if k == 0 else {"method": "eagle3", "model": a.head, "num_speculative_tokens": k})
+                for k in a.k]
+    if a.tree:
+        with open(a.tree) as f:
+            settings.append(("tree", {"method": "eagle3", "model": a.head, "speculative_token_tree": f.read().strip()}))
+    for k, spec in settings:
         llm = LLM(a.model, speculative_config=spec, max_num_seqs=1)
         prompts = [prompt_token_ids(llm, c) for c in conversations]
         for _ in range(2):  # compile and prefix-cache as eval-acceptance's warm-up does
@@ -92,7 +98,7 @@ def main() -> None:
                 torch.cuda.synchronize()
             steps = calls["ModelRunner.launch"] - steps_before
             print(f"k={k}: kernels per engine step over {steps} steps of {a.kernels} prompts:")
-            print(kernel_table(prof, steps, 25))
+            print(kernel_table(prof, steps, 40))
         del llm
         gc.collect()
 
