@@ -56,7 +56,8 @@ def tree_pass_metadata_torch(tables: TreeTables, d: int, n: int, base_positions:
 
 if triton is not None:
 
-    @triton.jit
+    # n is a graph's padded batch size: at 1 Triton would make it a constant, and n * m a Python int.
+    @triton.jit(do_not_specialize=["n"])
     def _tree_pass_kernel(
         base_positions_ptr, block_table_ptr, block_table_stride, num_reqs_ptr, ancestor_bits_ptr,
         positions_ptr, slots_ptr, seq_lens_ptr, query_start_loc_ptr, tree_bits_ptr,
