@@ -73,6 +73,22 @@ NORM_LARGE = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
 # kernels 26.8, NORM_ONE_TOKEN's 16 pairs 27.7 (results/h100_2026-11-23_s5_fused_linear_8b.txt).
 QKV_NORM_ONE_TOKEN_LARGE = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
 
+# Past TALL_ABOVE tokens the kernels run 32-row tiles (small_m_prologue.block_m), in which the configurations
+# above lose to cuBLAS plus the separate kernels on small weights. Measured best on an H100 at 17 and 32 rows
+# (2026-11-24, seventeenth session, a helper's timing script whose raw output was not kept; bfloat16, medians
+# of three, us at 17 / 32; the 16-row configuration, then cuBLAS plus the separate kernels,
+# in brackets): SmolLM2's add+norm+gate_up+SiLU 6.99 / 7.00 (10.01 / 9.99; 7.64 / 7.54) and its qkv in 16
+# rotary pairs 7.22 / 7.06 (9.60 / 9.15; 7.82 / 7.93). Projections without a prologue keep their tiles: o_proj
+# and down_proj in SMALL_SHORT_K and SMALL 3.57 / 3.59 and 4.83 / 4.48 (cuBLAS 3.50 / 3.53 and 4.87 / 4.91),
+# Llama-3-8B's in LARGE 14.48 / 14.41 and 43.45 / 43.66 (14.18 / 14.42 and 45.22 / 45.71).
+TALL_ABOVE = 16
+TALL_NORM_SMALL = SmallMConfig(block_n=16, block_k=64, num_warps=4, num_stages=4)
+# One accumulator over a wide output, the shipped head's lm_head with the argmax (12,288 columns): wide tiles,
+# fewer programs to reread the prologue, 11.90 / 12.74 (18.24 / 18.40; 12.74 / 12.95).
+TALL_NORM_SMALL_ONE_ACC = SmallMConfig(block_n=128, block_k=64, num_warps=4, num_stages=4)
+# The head's qkv without a norm (K = 2 x hidden): 6.58 / 6.21 (QKV_SMALL 8.39 / 8.01; 7.03 / 7.05).
+TALL_QKV_SMALL = SmallMConfig(block_n=16, block_k=128, num_warps=4, num_stages=4)
+
 # Triton's interpreter on CPU, where every program and every loop iteration costs Python time: blocks
 # large enough for tiny test models, small enough that test shapes of ~100 still span several blocks
 # and exercise the masks. num_warps and num_stages mean nothing there.
@@ -100,12 +116,14 @@ def _for_dtype(cfg: SmallMConfig, weight: torch.Tensor) -> SmallMConfig:
     return cfg
 
 
-def _norm_config(weight: torch.Tensor, m: int) -> SmallMConfig:
+def _norm_config(weight: torch.Tensor, m: int, wide: bool = True) -> SmallMConfig:
     if weight.device.type == "cpu":
         # The interpreter runs the compact prologue where the GPU does on small weights (every test's), so
         # the tests cover it; test_fused_linear runs the other prologue with a config of its own.
         return replace(INTERPRETER, compact=True)
     if weight_bytes(weight) <= SMALL_WEIGHT_BYTES:
+        if m > TALL_ABOVE:
+            return _for_dtype(TALL_NORM_SMALL if wide else TALL_NORM_SMALL_ONE_ACC, weight)
         return _for_dtype(NORM_SMALL, weight)
     return _for_dtype(NORM_ONE_TOKEN if m == 1 else NORM_LARGE, weight)
 
@@ -114,7 +132,7 @@ def linear_config(weight: torch.Tensor, wide: bool, norm: bool = False, m: int =
     """The configuration for a projection with this weight over m tokens; wide: the gate/up kernel, two
     accumulators; norm: with the RMSNorm prologue."""
     if norm:
-        return _norm_config(weight, m)
+        return _norm_config(weight, m, wide)
     if weight.device.type == "cpu":
         return INTERPRETER
     if weight_bytes(weight) <= SMALL_WEIGHT_BYTES:
@@ -127,8 +145,8 @@ def qkv_config(weight: torch.Tensor, norm: bool = False, m: int = 16) -> SmallMC
     if norm:
         gpu, small = weight.device.type != "cpu", weight_bytes(weight) <= SMALL_WEIGHT_BYTES
         if gpu and small:
-            # Measured as pairs (see NORM_SMALL).
-            return _for_dtype(NORM_SMALL, weight)
+            # Measured as pairs (see NORM_SMALL, TALL_NORM_SMALL).
+            return _for_dtype(TALL_NORM_SMALL if m > TALL_ABOVE else NORM_SMALL, weight)
         if gpu and m == 1:
             return _for_dtype(QKV_NORM_ONE_TOKEN_LARGE, weight)
         # The measured column tiles as pairs; 16 pairs at least (tl.dot's minimum width).
@@ -136,4 +154,6 @@ def qkv_config(weight: torch.Tensor, norm: bool = False, m: int = 16) -> SmallMC
         return replace(cfg, block_n=max(16, cfg.block_n // 2))
     if weight.device.type == "cpu":
         return INTERPRETER_QKV
-    return _for_dtype(QKV_SMALL if weight_bytes(weight) <= SMALL_WEIGHT_BYTES else QKV_LARGE, weight)
+    if weight_bytes(weight) <= SMALL_WEIGHT_BYTES:
+        return _for_dtype(TALL_QKV_SMALL if m > TALL_ABOVE else QKV_SMALL, weight)
+    return _for_dtype(QKV_LARGE, weight)

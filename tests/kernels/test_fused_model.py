@@ -342,11 +342,13 @@ def test_small_batches_run_small_m_kernels(monkeypatch, small_m_max_tokens, fold
     assert calls == {"linear": linear_calls, "qkv": qkv_calls}
 
 
-# Steps of 1, 16 and 17 tokens (17: above SMALL_M_MAX_TOKENS, back to cuBLAS and the separate kernels).
+# Steps of 1, 16, 17 and 33 tokens (17: the 32-row tile; 33: above SMALL_M_MAX_TOKENS, back to cuBLAS and the
+# separate kernels).
 FOLD_STEPS = {
     1: [dict(q_lens=[5], seq_lens=[5]), dict(q_lens=[1], seq_lens=[6])],
     16: [dict(q_lens=[9, 7], seq_lens=[9, 7]), dict(q_lens=[6, 8], seq_lens=[15, 15], pad_tokens=2, pad_reqs=1)],
     17: [dict(q_lens=[10, 7], seq_lens=[10, 7]), dict(q_lens=[9, 8], seq_lens=[19, 15])],
+    33: [dict(q_lens=[20, 13], seq_lens=[20, 13]), dict(q_lens=[17, 16], seq_lens=[27, 20])],
 }
 
 

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from specserve.kernels.small_m_configs import (NORM_LARGE, NORM_ONE_TOKEN, NORM_SMALL, QKV_NORM_ONE_TOKEN_LARGE,
-                                               QKV_SMALL, SMALL, SMALL_SHORT_K, linear_config, qkv_config)
+                                               QKV_SMALL, SMALL, SMALL_SHORT_K, TALL_NORM_SMALL,
+                                               TALL_NORM_SMALL_ONE_ACC, TALL_QKV_SMALL, linear_config, qkv_config)
 
 
 def weight(n: int, k: int) -> torch.Tensor:
@@ -35,3 +36,15 @@ def test_plain_small_projections_split_on_k():
     assert linear_config(weight(576, 576), wide=False) == SMALL_SHORT_K  # o_proj, K = 576
     assert linear_config(weight(576, 1536), wide=False) == SMALL  # down_proj, K = 1536
     assert qkv_config(weight(960, 1152)) == QKV_SMALL  # an EAGLE-3 head's qkv, no norm
+
+
+@pytest.mark.parametrize("m", [17, 32])
+def test_tall_tiles_past_16_tokens_take_their_own_small_weight_tiles(m):
+    # A tree's verification (17-32 rows a request) runs 32-row tiles; the prologue-free projections keep theirs.
+    assert qkv_config(weight(960, 576), norm=True, m=m) == TALL_NORM_SMALL
+    assert linear_config(weight(3072, 576), wide=True, norm=True, m=m) == TALL_NORM_SMALL
+    assert linear_config(weight(12288, 576), wide=False, norm=True, m=m) == TALL_NORM_SMALL_ONE_ACC  # head lm_head
+    assert qkv_config(weight(960, 1152), m=m) == TALL_QKV_SMALL
+    assert linear_config(weight(576, 576), wide=False, m=m) == SMALL_SHORT_K
+    assert linear_config(weight(28672, 4096), wide=True, norm=True, m=m) == NORM_LARGE
+    assert qkv_config(weight(960, 576), norm=True, m=16) == NORM_SMALL
