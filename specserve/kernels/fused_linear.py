@@ -130,21 +130,11 @@ def fused_linear(
     return out, residual_out
 
 
-def fused_linear_argmax(
-    x: torch.Tensor,  # [M, K], M <= 32
-    weight: torch.Tensor,  # [N, K]
-    *,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-    residual: torch.Tensor | None = None,
-    token_map: torch.Tensor | None = None,  # [N] int64: the id to return for each column
-    config: SmallMConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fused_linear_argmax(x: torch.Tensor, weight: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(tokens, x + residual): tokens = (norm(x [+ residual]) @ weight^T).argmax(-1) as int64 [M], the first
     maximum of each row of the logits rounded to the weight's dtype, mapped through token_map if given.
-    The prologue and its arguments are fused_linear's."""
-    tokens, residual_out = fused_linear_topk(x, weight, 1, norm_weight=norm_weight, eps=eps, residual=residual,
-                                             token_map=token_map, config=config)
+    The keyword arguments are fused_linear_topk's."""
+    tokens, residual_out = fused_linear_topk(x, weight, 1, **kwargs)
     return tokens.view(-1), residual_out
 
 
