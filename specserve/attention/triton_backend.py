@@ -216,15 +216,15 @@ NARROW_HEAD_DECODE_BLOCK_N = 128
 MAX_NARROW_TILE_QUERY_LEN = 32
 
 
-def _tile_sizes(group: int, max_query_len: int, head_dim: int, on_cpu: bool, num_programs_16: int) -> tuple[int, int]:
+def _tile_sizes(group: int, max_query_len: int, head_dim: int, on_cpu: bool, programs_a_tile: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N): small tiles under the CPU interpreter, where every
     tile costs Python time; on the GPU, rows just cover a decode/verify batch
     and are capped at 64 for prefill so the fp32 accumulator stays in registers.
-    num_programs_16: the programs 16-row tiles would take."""
+    programs_a_tile: the programs of one query tile per request (requests x KV heads)."""
     min_rows = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows; a tile holds a whole group
     block_m = max(min_rows, min(triton.next_power_of_2(group * max_query_len), 16 if on_cpu else 64))
     if (min_rows == 16 and max_query_len <= MAX_NARROW_TILE_QUERY_LEN
-            and num_programs_16 <= SPLIT_TARGET_PROGRAMS):
+            and programs_a_tile * triton.cdiv(max_query_len, 16 // group) <= SPLIT_TARGET_PROGRAMS):
         block_m = 16
     if on_cpu:
         return block_m, 16
@@ -256,8 +256,8 @@ class TritonAttentionBackend:
 
         group = num_heads // num_kv_heads
         on_cpu = q.device.type == "cpu"  # only the interpreter runs Triton on CPU tensors
-        programs_16 = metadata.num_reqs * num_kv_heads * triton.cdiv(metadata.max_query_len, max(1, 16 // group))
-        block_m, block_n = _tile_sizes(group, metadata.max_query_len, head_dim, on_cpu, programs_16)
+        block_m, block_n = _tile_sizes(group, metadata.max_query_len, head_dim, on_cpu,
+                                       metadata.num_reqs * num_kv_heads)
         block_q = block_m // group
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         query_tiles = triton.cdiv(metadata.max_query_len, block_q)

@@ -121,10 +121,9 @@ def tree_pass_metadata(tables: TreeTables, d: int, n: int, base_positions: torch
     level = tables.tree.level(d)
     m, dev = len(level), base_positions.device
     assert block_table.stride(1) == 1
-    inputs = PassInputs(torch.empty(n * m, dtype=torch.int64, device=dev), torch.empty(n * m, dtype=torch.int64,
-                        device=dev), torch.empty(n, dtype=torch.int32, device=dev),
-                        torch.empty(n + 1, dtype=torch.int32, device=dev), torch.empty(n * m, dtype=torch.int64,
-                                                                                        device=dev))
+    long, int32 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.int32, device=dev)
+    inputs = PassInputs(torch.empty(n * m, **long), torch.empty(n * m, **long), torch.empty(n, **int32),
+                        torch.empty(n + 1, **int32), torch.empty(n * m, **long))
     _tree_pass_kernel[(n,)](
         base_positions, block_table, block_table.stride(0), base_positions if num_reqs is None else num_reqs,
         tables.ancestor_bits, inputs.positions, inputs.slot_mapping, inputs.seq_lens, inputs.query_start_loc,
