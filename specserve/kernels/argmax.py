@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.pick_scatter import PickScatter
+
 # Below this vocabulary torch's argmax is kept: SmolLM2's 49,152 logits take it 13 us, and its batch-1
 # step waits on the host, to which a second launch adds more than the kernel time it saves.
 MIN_VOCAB = 65536
@@ -44,8 +46,8 @@ def _chunk_argmax_kernel(x_ptr, stride_x, n_cols, val_ptr, idx_ptr, CHUNK: tl.co
 
 
 @triton.jit
-def _pick_chunk_kernel(val_ptr, idx_ptr, map_ptr, out_ptr, num_chunks, MAP: tl.constexpr, CHUNKS: tl.constexpr,
-                       TOP: tl.constexpr):
+def _pick_chunk_kernel(val_ptr, idx_ptr, map_ptr, out_ptr, num_chunks, dest_ptr, group, width, also_ptr, also_stride,
+                       also_offset, MAP: tl.constexpr, CHUNKS: tl.constexpr, TOP: tl.constexpr, SCATTER: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNKS)
     valid = offs < num_chunks
@@ -61,20 +63,32 @@ def _pick_chunk_kernel(val_ptr, idx_ptr, map_ptr, out_ptr, num_chunks, MAP: tl.c
         best = best.to(tl.int64)
         if MAP:
             best = tl.load(map_ptr + best)
-        tl.store(out_ptr + row * TOP + rank, best)
+        if SCATTER:
+            owner = row // group
+            node = tl.load(dest_ptr + (row % group) * TOP + rank)
+            tl.store(out_ptr + owner * width + node, best, mask=node >= 0)
+            tl.store(also_ptr + owner * also_stride + also_offset + node, best, mask=node >= 0)
+        else:
+            tl.store(out_ptr + row * TOP + rank, best)
 
 
 def pick_chunks(maxima: torch.Tensor, firsts: torch.Tensor, token_map: torch.Tensor | None = None,
-                top: int = 1) -> torch.Tensor:
+                top: int = 1, scatter: PickScatter | None = None) -> torch.Tensor:
     """Each row's argmax from per-chunk (first maximum, its column) pairs [rows, chunks] (float32, int32), chunks
     in column order: the first chunk holding the row's maximum wins. token_map [columns] int64 maps the
     column to the id returned. int64 [rows]. With top > 1, the candidates are each chunk's top best columns
-    (distinct columns) and the result [rows, top] is the row's best, best first, ties to the lower column."""
+    (distinct columns) and the result [rows, top] is the row's best, best first, ties to the lower column.
+    With scatter the picks go where it says, and its out is returned."""
     rows, chunks = maxima.shape
-    out = torch.empty(rows, top, dtype=torch.int64, device=maxima.device)
+    s = scatter
+    out = s.out if s is not None else torch.empty(rows, top, dtype=torch.int64, device=maxima.device)
     if rows:
-        _pick_chunk_kernel[(rows,)](maxima, firsts, token_map if token_map is not None else out, out, chunks,
-                                    MAP=token_map is not None, CHUNKS=triton.next_power_of_2(chunks), TOP=top)
+        _pick_chunk_kernel[(rows,)](
+            maxima, firsts, token_map if token_map is not None else out, out, chunks,
+            *((s.dest, s.group, s.out.shape[1], s.also, s.also.stride(0), s.offset) if s else (out, 1, 0, out, 0, 0)),
+            MAP=token_map is not None, CHUNKS=triton.next_power_of_2(chunks), TOP=top, SCATTER=s is not None)
+    if s is not None:
+        return out
     return out.view(rows) if top == 1 else out
 
 

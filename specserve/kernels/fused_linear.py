@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.argmax import pick_chunks
+from specserve.kernels.argmax import PickScatter, pick_chunks
 from specserve.kernels.small_m_configs import SmallMConfig, linear_config
 from specserve.kernels.small_m_prologue import (check_prologue, dot_in_float32, input_chunk, prologue_meta,
                                                  prologue_rows, row_rstd, store_residual_slice)
@@ -147,11 +147,12 @@ def fused_linear_topk(
     eps: float = 0.0,
     residual: torch.Tensor | None = None,
     token_map: torch.Tensor | None = None,  # [N] int64: the id to return for each column
+    scatter: PickScatter | None = None,
     config: SmallMConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(tokens, x + residual): the columns of the k largest logits of each row as int64 [M, k], best first, ties
-    to the lower column (the logits rounded to the weight's dtype), mapped through token_map if given. The
-    prologue and its arguments are fused_linear's."""
+    to the lower column (the logits rounded to the weight's dtype), mapped through token_map if given; with
+    scatter, they go where it says and tokens is its out. The prologue and its arguments are fused_linear's."""
     check_prologue(x, weight, norm_weight, residual)
     if token_map is not None and (token_map.shape != (weight.shape[0],) or token_map.dtype != torch.int64):
         raise ValueError(f"token_map must be int64 [{weight.shape[0]}], got {token_map.dtype} {tuple(token_map.shape)}")
@@ -163,6 +164,8 @@ def fused_linear_topk(
     maxima = torch.empty((x.shape[0], programs * k), dtype=torch.float32, device=x.device)
     firsts = torch.empty((x.shape[0], programs * k), dtype=torch.int32, device=x.device)
     residual_out = _launch(x, weight, norm_weight, eps, residual, False, cfg, weight.shape[0], maxima, firsts, k)
+    if scatter is not None:
+        return pick_chunks(maxima, firsts, token_map, top=k, scatter=scatter), residual_out
     return pick_chunks(maxima, firsts, token_map, top=k).view(x.shape[0], k), residual_out
 
 

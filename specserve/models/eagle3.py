@@ -34,18 +34,23 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def attention_input(self, embed: nn.Embedding, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """concat(norm(embedding of input_ids), norm(hidden)) [M, 2H]; one kernel on the fused path."""
+    def attention_input(self, embed: nn.Embedding, input_ids: torch.Tensor, hidden: torch.Tensor,
+                        hidden_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(concat(norm(embedding of input_ids), norm(h)) [M, 2H], h): h is hidden, or its rows hidden_rows (a
+        tree's drafts read their parents' states); one kernel on the fused path."""
         if self.input_layernorm.fused:
             from specserve.kernels.eagle3_input import eagle3_layer_input
 
             return eagle3_layer_input(input_ids, embed.weight, hidden, self.input_layernorm.weight,
-                                      self.hidden_norm.weight, self.input_layernorm.eps)
-        return torch.cat((self.input_layernorm(embed(input_ids)), self.hidden_norm(hidden)), dim=-1)
+                                      self.hidden_norm.weight, self.input_layernorm.eps, hidden_rows)
+        if hidden_rows is not None:
+            hidden = hidden.index_select(0, hidden_rows)
+        return torch.cat((self.input_layernorm(embed(input_ids)), self.hidden_norm(hidden)), dim=-1), hidden
 
-    def forward(self, embed, input_ids, hidden, positions, rotary, kv_cache, metadata):
-        """(MLP output, residual stream before it), as DecoderLayer."""
-        x = self.self_attn(self.attention_input(embed, input_ids, hidden), positions, rotary, kv_cache, metadata)
+    def forward(self, embed, input_ids, hidden, positions, rotary, kv_cache, metadata, hidden_rows=None):
+        """(MLP output, residual stream before it), as DecoderLayer; hidden_rows: see attention_input."""
+        x, hidden = self.attention_input(embed, input_ids, hidden, hidden_rows)
+        x = self.self_attn(x, positions, rotary, kv_cache, metadata)
         return self.mlp.forward_prenorm(self.post_attention_layernorm, x, hidden)
 
 
@@ -86,10 +91,28 @@ class Eagle3Head(nn.Module):
         normed, h = self.norm(out, residual)
         return h, self.greedy_tokens(normed, captured)
 
-    def _layer(self, input_ids, positions, hidden, kv_cache, metadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def tree_step(self, input_ids, positions, hidden, hidden_rows, kv_cache, metadata, k: int,
+                  scatter) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pre-norm hidden fed back, scatter's out): the pass over one depth of a tree of drafts
+        (tree_drafting.py), each draft reading its parent's state hidden[hidden_rows], then top_tokens of
+        its normed hidden sent where scatter says; on the small-M path the final norm runs in the lm_head's
+        prologue, as in greedy_step."""
+        out, residual = self._layer(input_ids, positions, hidden, kv_cache, metadata, hidden_rows)
+        if self.target_ids_ascend and folds_norm(self.norm, self.norm, self.lm_head, out):
+            from specserve.kernels.fused_linear import fused_linear_topk
+
+            tokens, h = fused_linear_topk(out, self.lm_head.weight, k, token_map=self.target_ids, scatter=scatter,
+                                          **prologue_args(self.norm, residual))
+            return h, tokens
+        normed, h = self.norm(out, residual)
+        return h, self.top_tokens(normed, k, scatter)
+
+    def _layer(self, input_ids, positions, hidden, kv_cache, metadata,
+               hidden_rows=None) -> tuple[torch.Tensor, torch.Tensor]:
         if hidden.shape[-1] != self.cfg.hidden_size:
             hidden = self.fc(hidden)  # draft position 0: the target's auxiliary hidden states
-        return self.layer(self.embed_tokens, input_ids, hidden, positions, self.rotary, kv_cache, metadata)
+        return self.layer(self.embed_tokens, input_ids, hidden, positions, self.rotary, kv_cache, metadata,
+                          hidden_rows)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the target vocabulary; tokens outside the draft vocabulary get -inf."""
@@ -111,15 +134,17 @@ class Eagle3Head(nn.Module):
             return fused_linear_argmax(h, self.lm_head.weight, token_map=self.target_ids)[0]
         return self.target_ids.index_select(0, greedy_argmax(self.lm_head(h), captured))
 
-    def top_tokens(self, h: torch.Tensor, k: int) -> torch.Tensor:
+    def top_tokens(self, h: torch.Tensor, k: int, scatter=None) -> torch.Tensor:
         """[n, k] target ids of the k best draft-vocabulary logits, best first: at small M one projection keeping
         each program's best columns, and a pick (torch.topk of the vocabulary took 37 us a call on an H100).
-        Ties go to the lowest target id there, as greedy_tokens's do."""
+        Ties go to the lowest target id there, as greedy_tokens's do. scatter (kernels/pick_scatter.py): send
+        them where it says instead, and return its out."""
         if self.target_ids_ascend and small_m(self.norm, h):
             from specserve.kernels.fused_linear import fused_linear_topk
 
-            return fused_linear_topk(h, self.lm_head.weight, k, token_map=self.target_ids)[0]
-        return self.target_ids[self.lm_head(h).topk(k, dim=-1).indices]
+            return fused_linear_topk(h, self.lm_head.weight, k, token_map=self.target_ids, scatter=scatter)[0]
+        top = self.target_ids[self.lm_head(h).topk(k, dim=-1).indices]
+        return top if scatter is None else scatter.apply(top)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rename(name: str) -> str | None:

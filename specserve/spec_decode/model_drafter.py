@@ -24,6 +24,7 @@ import torch
 
 from specserve.attention.metadata import AttentionMetadata
 from specserve.kernels.argmax import greedy_argmax
+from specserve.kernels.pick_scatter import PickScatter
 from specserve.sample.sampler import filtered_probs, sample_from_probs
 from specserve.spec_decode.eagle_inputs import DraftStepBuffers, prepare_draft_step
 from specserve.spec_decode.speculator import DraftInput, Speculator
@@ -90,9 +91,19 @@ class ModelDrafter(Speculator):
         captured: the call is being recorded into a CUDA graph (see greedy_argmax)."""
         return greedy_argmax(self.compute_logits(hidden), captured)
 
-    def top_tokens(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
-        """[n, k]: the k likeliest next tokens of each row, best first (trees of drafts)."""
-        return self.compute_logits(hidden).topk(k, dim=-1).indices
+    def top_tokens(self, hidden: torch.Tensor, k: int, scatter: PickScatter | None = None) -> torch.Tensor:
+        """[n, k]: the k likeliest next tokens of each row, best first (trees of drafts); with scatter, sent where
+        it says, returning its out."""
+        top = self.compute_logits(hidden).topk(k, dim=-1).indices
+        return top if scatter is None else scatter.apply(top)
+
+    def tree_pass(self, tokens, feedback, parent_rows, positions, metadata, k: int,
+                  scatter: PickScatter) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scatter's out, fed-back states): the pass over one depth's drafts of a tree (tokens), each reading
+        its parent's state feedback[parent_rows], then the k likeliest guesses after each, sent where scatter
+        says (tree_drafting.py). Drafters override it to fuse the gather and the guesses into the pass."""
+        for_logits, fed_back = self.decode_hidden(tokens, feedback.index_select(0, parent_rows), positions, metadata)
+        return self.top_tokens(for_logits, k, scatter), fed_back
 
     def move_kv(self, source: torch.Tensor, dest: torch.Tensor) -> None:
         """Copy the drafter's cache slots source to dest (tree_verify.move_kv), for trees of drafts."""
@@ -272,23 +283,24 @@ class ModelDrafter(Speculator):
     def propose_tree_in_graph(self, desc: BatchDescriptor, target_out: tuple, metadata: AttentionMetadata,
                               kv_moves: tuple[torch.Tensor, torch.Tensor], num_reqs: torch.Tensor,
                               last_token_indices: torch.Tensor, base_positions: torch.Tensor,
-                              block_table: torch.Tensor) -> torch.Tensor:
+                              block_table: torch.Tensor, out: torch.Tensor) -> None:
         """propose() of a tree for a batch the target ran as the full graph for desc, inside the runner's whole
-        tree step: [desc.num_reqs, N] drafts. num_reqs ([1] on the device) holds how many rows are real; the
-        padded ones draft nothing and write no cache slot."""
+        tree step: the [desc.num_reqs, N] drafts into out. num_reqs ([1] on the device) holds how many rows are
+        real; the padded ones draft nothing and write no cache slot."""
         for_logits, fed_back = self._prefill(desc, metadata, target_out)
-        return self._draft_tree(for_logits, fed_back, last_token_indices[:desc.num_reqs], kv_moves, base_positions,
-                                block_table, num_reqs)
+        self._draft_tree(for_logits, fed_back, last_token_indices[:desc.num_reqs], kv_moves, base_positions,
+                         block_table, num_reqs, out)
 
     def _draft_tree(self, for_logits: torch.Tensor, fed_back: torch.Tensor, last: torch.Tensor,
                     kv_moves: tuple[torch.Tensor, torch.Tensor] | None, base_positions: torch.Tensor,
-                    block_table: torch.Tensor, num_reqs: torch.Tensor | None = None) -> torch.Tensor:
+                    block_table: torch.Tensor, num_reqs: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
         """After the prefill: the verified trees' cache moves in the drafter's cache (its prefill wrote the tree
         slots), then the next tree from the prefill's states at each last accepted token."""
         if kv_moves is not None:
             self.move_kv(*kv_moves)
         return draft_tree(self, self.tree_tables, for_logits.index_select(0, last), fed_back.index_select(0, last),
-                          base_positions, block_table, num_reqs)
+                          base_positions, block_table, num_reqs, out)
 
     def _keep_feedback(self, n: int, fed_back: torch.Tensor | None, last: torch.Tensor) -> None:
         """The prefill's state to feed back at each request's last accepted token, into the decode steps' rows."""

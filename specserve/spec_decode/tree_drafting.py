@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.attention.metadata import PAD_SLOT_ID, AttentionMetadata
+from specserve.kernels.pick_scatter import PickScatter
 from specserve.spec_decode.tree_verify import TreeTables
 
 try:
@@ -49,9 +50,11 @@ def tree_pass_metadata_torch(tables: TreeTables, d: int, n: int, base_positions:
         real = torch.arange(n, device=dev) < num_reqs
         slots = torch.where(real[:, None], slots, PAD_SLOT_ID)
         seq_lens = torch.where(real, seq_lens, 0)
+    parents = len(tables.tree.level(d - 1)) if d > 1 else 1
+    parent_rows = torch.arange(n, device=dev)[:, None] * parents + tables.level_parents[level.start:level.stop]
     return PassInputs(positions, slots.flatten(), seq_lens,
                       torch.arange(0, n * m + 1, m, device=dev, dtype=torch.int32),
-                      (tables.ancestor_bits[level.start:level.stop] >> 1).repeat(n))
+                      (tables.ancestor_bits[level.start:level.stop] >> 1).repeat(n), parent_rows.flatten())
 
 
 if triton is not None:
@@ -59,11 +62,11 @@ if triton is not None:
     # n is a graph's padded batch size: at 1 Triton would make it a constant, and n * m a Python int.
     @triton.jit(do_not_specialize=["n"])
     def _tree_pass_kernel(
-        base_positions_ptr, block_table_ptr, block_table_stride, num_reqs_ptr, ancestor_bits_ptr,
-        positions_ptr, slots_ptr, seq_lens_ptr, query_start_loc_ptr, tree_bits_ptr,
+        base_positions_ptr, block_table_ptr, block_table_stride, num_reqs_ptr, ancestor_bits_ptr, level_parents_ptr,
+        positions_ptr, slots_ptr, seq_lens_ptr, query_start_loc_ptr, tree_bits_ptr, parent_rows_ptr,
         n, block_size, max_position, max_slot_position,
-        DEPTH: tl.constexpr, START: tl.constexpr, STOP: tl.constexpr, PADDED: tl.constexpr, PAD_SLOT: tl.constexpr,
-        BLOCK: tl.constexpr,
+        DEPTH: tl.constexpr, START: tl.constexpr, STOP: tl.constexpr, PARENTS: tl.constexpr, PADDED: tl.constexpr,
+        PAD_SLOT: tl.constexpr, BLOCK: tl.constexpr,
     ):
         r = tl.program_id(0)
         m: tl.constexpr = STOP - START
@@ -80,6 +83,8 @@ if triton is not None:
         tl.store(positions_ptr + out, tl.zeros_like(slot_pos) + tl.minimum(base + DEPTH, max_position - 1), mask=live)
         tl.store(slots_ptr + out, slot, mask=live)
         tl.store(tree_bits_ptr + out, tl.load(ancestor_bits_ptr + START + j, mask=live, other=0) >> 1, mask=live)
+        parent = tl.load(level_parents_ptr + START + j, mask=live, other=0)
+        tl.store(parent_rows_ptr + out, r.to(tl.int64) * PARENTS + parent, mask=live)
         tl.store(seq_lens_ptr + r, tl.where(real, base + STOP, 0).to(tl.int32))
         tl.store(query_start_loc_ptr + r, (r * m).to(tl.int32))
         if r == n - 1:
@@ -95,6 +100,8 @@ class PassInputs:
     seq_lens: torch.Tensor  # [n] int32
     query_start_loc: torch.Tensor  # [n + 1] int32
     tree_bits: torch.Tensor  # [n * m] int64
+    # [n * m] int64: each draft's parent's row in the pass before (the prefill's last token for depth 1).
+    parent_rows: torch.Tensor
 
     def metadata(self, tables: TreeTables, d: int, block_table: torch.Tensor, max_position: int) -> AttentionMetadata:
         level = tables.tree.level(d)
@@ -108,8 +115,8 @@ class PassInputs:
 
 def tree_pass_metadata(tables: TreeTables, d: int, n: int, base_positions: torch.Tensor, block_table: torch.Tensor,
                        block_size: int, max_position: int, num_reqs: torch.Tensor | None,
-                       *, use_triton: bool | None = None) -> tuple[AttentionMetadata, torch.Tensor]:
-    """(metadata, positions [n * m]) of the pass over the m drafts of depth d for n requests; rows at or past
+                       *, use_triton: bool | None = None) -> tuple[AttentionMetadata, PassInputs]:
+    """(metadata, inputs) of the pass over the m drafts of depth d for n requests; rows at or past
     num_reqs ([1] on the device; None: none) are a graph's padding: no keys, no cache writes. One Triton launch
     on CUDA, torch ops elsewhere (use_triton forces either; tests run the kernel under TRITON_INTERPRET=1)."""
     if use_triton is None:
@@ -117,46 +124,49 @@ def tree_pass_metadata(tables: TreeTables, d: int, n: int, base_positions: torch
     if not use_triton:
         inputs = tree_pass_metadata_torch(tables, d, n, base_positions, block_table, block_size, max_position,
                                           num_reqs)
-        return inputs.metadata(tables, d, block_table, max_position), inputs.positions
+        return inputs.metadata(tables, d, block_table, max_position), inputs
     level = tables.tree.level(d)
     m, dev = len(level), base_positions.device
     assert block_table.stride(1) == 1
     long, int32 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.int32, device=dev)
     inputs = PassInputs(torch.empty(n * m, **long), torch.empty(n * m, **long), torch.empty(n, **int32),
-                        torch.empty(n + 1, **int32), torch.empty(n * m, **long))
+                        torch.empty(n + 1, **int32), torch.empty(n * m, **long), torch.empty(n * m, **long))
     _tree_pass_kernel[(n,)](
         base_positions, block_table, block_table.stride(0), base_positions if num_reqs is None else num_reqs,
-        tables.ancestor_bits, inputs.positions, inputs.slot_mapping, inputs.seq_lens, inputs.query_start_loc,
-        inputs.tree_bits, n, block_size, max_position, block_table.shape[1] * block_size - 1,
-        DEPTH=d, START=level.start, STOP=level.stop, PADDED=num_reqs is not None, PAD_SLOT=PAD_SLOT_ID,
+        tables.ancestor_bits, tables.level_parents, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
+        inputs.query_start_loc, inputs.tree_bits, inputs.parent_rows, n, block_size, max_position,
+        block_table.shape[1] * block_size - 1, DEPTH=d, START=level.start, STOP=level.stop,
+        PARENTS=len(tables.tree.level(d - 1)) if d > 1 else 1, PADDED=num_reqs is not None, PAD_SLOT=PAD_SLOT_ID,
         BLOCK=triton.next_power_of_2(m))
-    return inputs.metadata(tables, d, block_table, max_position), inputs.positions
+    return inputs.metadata(tables, d, block_table, max_position), inputs
+
+
+def level_scatter(tables: TreeTables, d: int, n: int, drafts: torch.Tensor) -> PickScatter:
+    """Where the guesses ranked for depth d go: the drafts of depth d, request-major, as the pass over them
+    reads them, and their columns of drafts [n, N]."""
+    level = tables.tree.level(d)
+    parents = len(tables.tree.level(d - 1)) if d > 1 else 1
+    return PickScatter(tables.guess_nodes[d], tables.guess_columns[d], parents,
+                       torch.empty(n, len(level), dtype=torch.int64, device=drafts.device), drafts, level.start - 1)
 
 
 def draft_tree(drafter, tables: TreeTables, first_hidden: torch.Tensor, first_feedback: torch.Tensor,
-               base_positions: torch.Tensor, block_table: torch.Tensor,
-               num_reqs: torch.Tensor | None = None) -> torch.Tensor:
-    """[n, N] drafts in tree order. first_hidden, first_feedback [n, H]: the prefill's hidden state for the
-    logits and its fed-back state, at each request's last accepted token. drafter: a ModelDrafter with
-    decode_hidden (the head over several tokens a request) and top_tokens. num_reqs: see tree_pass_metadata."""
+               base_positions: torch.Tensor, block_table: torch.Tensor, num_reqs: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """The drafts in tree order, [n, N] (into out where given). first_hidden, first_feedback [n, H]: the
+    prefill's hidden state for the logits and its fed-back state, at each request's last accepted token.
+    drafter: a ModelDrafter (top_tokens, tree_pass). num_reqs: see tree_pass_metadata.
+
+    Each depth's drafts are one request-major tensor, and their fed-back states another; the next pass reads
+    its parents' rows of them, so no tree-wide buffer is copied into."""
     tree = tables.tree
     n = first_hidden.shape[0]
-    # Column 0 (the root) of both is never read.
-    tokens = torch.empty(n, tree.num_nodes + 1, dtype=torch.int64, device=first_hidden.device)
-    fed_back = first_feedback.new_empty(n, tree.num_nodes + 1, first_feedback.shape[-1])
-    fed_back[:, 0] = first_feedback
-    for_logits = first_hidden
-    for d in range(1, tree.depth + 1):
-        level = tree.level(d)
-        guesses = drafter.top_tokens(for_logits, tree.top_k(d)).view(n, -1)
-        level_tokens = guesses.index_select(1, tables.guess_columns[d])
-        tokens[:, level.start:level.stop] = level_tokens
-        if d == tree.depth:
-            break
-        metadata, positions = tree_pass_metadata(tables, d, n, base_positions, block_table, drafter.block_size,
-                                                 drafter.max_position, num_reqs)
-        for_logits, back = drafter.decode_hidden(level_tokens.flatten(),
-                                                 fed_back.index_select(1, tables.parent_columns[d]).flatten(0, 1),
-                                                 positions, metadata)
-        fed_back[:, level.start:level.stop] = back.view(n, len(level), -1)
-    return tokens[:, 1:]
+    drafts = out if out is not None else torch.empty(n, tree.num_nodes, dtype=torch.int64, device=first_hidden.device)
+    tokens = drafter.top_tokens(first_hidden, tree.top_k(1), level_scatter(tables, 1, n, drafts))
+    fed_back = first_feedback
+    for d in range(1, tree.depth):
+        metadata, inputs = tree_pass_metadata(tables, d, n, base_positions, block_table, drafter.block_size,
+                                              drafter.max_position, num_reqs)
+        tokens, fed_back = drafter.tree_pass(tokens.view(-1), fed_back, inputs.parent_rows, inputs.positions,
+                                             metadata, tree.top_k(d + 1), level_scatter(tables, d + 1, n, drafts))
+    return drafts

@@ -33,10 +33,13 @@ class TreeTables:
     tree: DraftTree
     children: torch.Tensor  # [N + 1, C] int64: tree indices of each index's children, -1 past them
     ancestor_bits: torch.Tensor  # [N + 1] int64
-    # Per depth d >= 1 (entry 0 unused), over the nodes of depth d: each one's column among the guesses drafted
-    # at depth d - 1 ([parents of depth d - 1, top_k(d)], flattened), and its parent's tree index.
+    # Per depth d >= 1 (entry 0 unused): over the nodes of depth d, each one's column among the guesses drafted
+    # at depth d - 1 ([nodes of depth d - 1, top_k(d)], flattened); over those guesses, the node of depth d
+    # each one is (its index in the depth), -1 for a guess the tree leaves out.
     guess_columns: tuple[torch.Tensor | None, ...]
-    parent_columns: tuple[torch.Tensor | None, ...]
+    guess_nodes: tuple[torch.Tensor | None, ...]
+    # [N + 1] int64: each node's parent's index among the nodes of the parent's depth (0 for the root).
+    level_parents: torch.Tensor
 
     @classmethod
     def build(cls, tree: DraftTree, device: torch.device) -> TreeTables:
@@ -51,8 +54,15 @@ class TreeTables:
         guess_columns = [None] + [
             table([(tree.parents[i] - levels[d - 1].start) * tree.top_k(d) + tree.ranks[i] for i in levels[d]])
             for d in range(1, tree.depth + 1)]
-        parent_columns = [None] + [table([tree.parents[i] for i in levels[d]]) for d in range(1, tree.depth + 1)]
-        return cls(tree, children, table(tree.ancestor_bits), tuple(guess_columns), tuple(parent_columns))
+        guess_nodes = [None]
+        for d in range(1, tree.depth + 1):
+            nodes = [-1] * (len(levels[d - 1]) * tree.top_k(d))
+            for j, column in enumerate(guess_columns[d].tolist()):
+                nodes[column] = j
+            guess_nodes.append(table(nodes))
+        level_parents = [0] + [tree.parents[i] - levels[tree.depths[i] - 1].start for i in range(1, tree.num_nodes + 1)]
+        return cls(tree, children, table(tree.ancestor_bits), tuple(guess_columns), tuple(guess_nodes),
+                   table(level_parents))
 
 
 def walk_tree(target: torch.Tensor, node_tokens: torch.Tensor, num_drafts: torch.Tensor,

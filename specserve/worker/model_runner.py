@@ -250,10 +250,9 @@ class ModelRunner:
         spec = self.speculator
         follow_tree_paths(outcome.path_tokens, outcome.accepted, outcome.tokens, rows, b.positions, spec.next_ids,
                           self.draft_last_indices, self.draft_base_positions)
-        drafts = spec.propose_tree_in_graph(desc, (padded_hidden, padded_aux), metadata, outcome.moves,
-                                            b.staged[NUM_REQS:NUM_REQS + 1], self.draft_last_indices,
-                                            self.draft_base_positions, self.draft_block_table)
-        out.drafts[:n].copy_(drafts)
+        spec.propose_tree_in_graph(desc, (padded_hidden, padded_aux), metadata, outcome.moves,
+                                   b.staged[NUM_REQS:NUM_REQS + 1], self.draft_last_indices, self.draft_base_positions,
+                                   self.draft_block_table, out.drafts[:n])
 
     def _runs_whole(self, desc: BatchDescriptor, sched: SchedulerOutput, sampling: list[int]) -> bool:
         """Whether the step replays its whole-step graph: a uniform batch with one, where every request samples

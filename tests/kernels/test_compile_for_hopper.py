@@ -134,16 +134,20 @@ def kernels():
 
     yield argmax._chunk_argmax_kernel, dict(x_ptr=bf16, stride_x=i32, n_cols=i32, val_ptr=f32, idx_ptr=p32,
                                             CHUNK=argmax._CHUNK, BLOCK=argmax._BLOCK)
+    pick = dict(val_ptr=f32, idx_ptr=p32, map_ptr=p64, out_ptr=p64, num_chunks=i32, dest_ptr=p64, group=i32,
+                width=i32, also_ptr=p64, also_stride=i32, also_offset=i32)
     for mapped in (False, True):
-        yield argmax._pick_chunk_kernel, dict(val_ptr=f32, idx_ptr=p32, map_ptr=p64, out_ptr=p64, num_chunks=i32,
-                                              MAP=mapped, CHUNKS=256, TOP=1)
-    yield argmax._pick_chunk_kernel, dict(val_ptr=f32, idx_ptr=p32, map_ptr=p64, out_ptr=p64, num_chunks=i32,
-                                          MAP=True, CHUNKS=8192, TOP=3)
+        yield argmax._pick_chunk_kernel, dict(pick, MAP=mapped, CHUNKS=256, TOP=1, SCATTER=False)
+    # A tree level's guesses (the head's lm_head in 384 programs), scattered to its drafts.
+    for scatter in (False, True):
+        yield argmax._pick_chunk_kernel, dict(pick, MAP=True, CHUNKS=8192, TOP=3, SCATTER=scatter)
     from specserve.kernels import eagle3_input
 
-    yield eagle3_input._eagle3_input_kernel, dict(
-        ids_ptr=p64, embed_ptr=bf16, hidden_ptr=bf16, embed_norm_ptr=bf16, hidden_norm_ptr=bf16, out_ptr=bf16,
-        n=i32, stride_e=i32, stride_h=i32, stride_o=i32, eps="fp32", BLOCK=1024)
+    for gather in (False, True):
+        yield eagle3_input._eagle3_input_kernel, dict(
+            ids_ptr=p64, embed_ptr=bf16, hidden_ptr=bf16, rows_ptr=p64, embed_norm_ptr=bf16, hidden_norm_ptr=bf16,
+            out_ptr=bf16, gathered_ptr=bf16, n=i32, stride_e=i32, stride_h=i32, stride_o=i32, eps="fp32",
+            GATHER=gather, BLOCK=1024)
     yield inflight_inputs._take_inflight_inputs_kernel, dict(
         staged_ptr=p64, accepted_ptr=p64, accepted_stride=i32, tokens_ptr=p64, tokens_stride=i32, drafts_ptr=p64,
         drafts_stride=i32, input_ids_ptr=p64, positions_ptr=p64, seq_lens_ptr=p32, slot_mapping_ptr=p64,

@@ -194,6 +194,38 @@ def test_topk_returns_the_best_columns_best_first(m, k):
                        logits.topk(k, dim=-1).indices)
 
 
+@pytest.mark.parametrize("requests", [1, 3])
+def test_topk_scattered_into_a_tree_level(requests):
+    """A tree level's guesses sent by the pick kernel to the drafts they become: 2 parents a request, 3 guesses
+    each, 4 of the 6 kept (in another order), into the level's tensor and into 4 columns of a wider drafts
+    tensor (a strided view) from column 5; what the kernel scatters is what PickScatter.apply makes of
+    fused_linear_topk's own [M, k] picks, and nothing else of drafts is written."""
+    from specserve.kernels.pick_scatter import PickScatter
+
+    m, k = 2 * requests, 3
+    x = poisoned_view(m, K, torch.float32, seed=5)
+    weight = poisoned_view(N, K, torch.float32, seed=6).mul_(K**-0.5)
+    token_map = torch.randperm(N, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    columns = torch.tensor([4, 0, 1, 3], device=DEVICE)  # node j takes pick column columns[j] of its request
+    dest = torch.full((2 * k,), -1, dtype=torch.int64, device=DEVICE)
+    dest[columns] = torch.arange(4, device=DEVICE)
+
+    def scatter():
+        packed = torch.full((requests, 12), -7, dtype=torch.int64, device=DEVICE)
+        return PickScatter(dest, columns, 2, torch.empty(requests, 4, dtype=torch.int64, device=DEVICE),
+                           packed[:, 1:11], 5), packed
+
+    got, got_packed = scatter()
+    level = fused_linear_topk(x, weight, k, token_map=token_map, scatter=got)[0]
+    want, want_packed = scatter()
+    want.apply(fused_linear_topk(x, weight, k, token_map=token_map)[0])
+    assert level is got.out and torch.equal(level, want.out)
+    assert torch.equal(got_packed, want_packed)
+    picks = fused_linear_topk(x, weight, k, token_map=token_map)[0].view(requests, 2 * k)
+    assert torch.equal(level, picks[:, columns])
+    assert (got_packed[:, :6] == -7).all() and (got_packed[:, 10:] == -7).all()
+
+
 def test_topk_ties_go_to_the_lower_column_and_nan_stays_in_range():
     # Columns 3 and 65 (two programs) tie for the best logit, 10 is third; a NaN row picks distinct columns.
     x = torch.ones(2, 16, device=DEVICE)

@@ -248,6 +248,54 @@ def check_eagle3_greedy_step(monkeypatch, step_kw, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_eagle3_tree_step(monkeypatch, dtype):
+    """A pass over a tree level's drafts on the fused path (each draft's parent state gathered in the attention
+    input kernel, the final norm in the lm_head + top-k kernel, the guesses scattered by the pick): the
+    plain path's forward over the gathered states, and the top 2 of its compute_logits, feed back and
+    draft the same. Four drafts (and two padded rows) read the states of two parents out of three rows."""
+    import specserve.kernels.eagle3_input as input_module
+    import specserve.kernels.fused_linear as fused_linear_module
+    from specserve.kernels.pick_scatter import PickScatter
+
+    calls = count_calls(monkeypatch, {"input": (input_module, "eagle3_layer_input"),
+                                      "topk": (fused_linear_module, "fused_linear_topk")})
+    plain, fused = eagle3_head_with_gaps(dtype)
+    arch, k = plain.cfg, 2
+    step = make_step(**STEPS[1])
+    m = step.input_ids.shape[0]
+    rows = torch.tensor([2, 0, 0, 2, 0, 0], device=DEVICE)
+    # Every row's guesses kept, in order, as one group: out [1, m * k].
+    everything = torch.arange(m * k, device=DEVICE)
+    results = []
+    for model in (plain, fused):
+        caches = new_caches(arch, 1, dtype)
+        gen = torch.Generator().manual_seed(2)
+        prefill = make_step(**STEPS[0])
+        hidden = torch.randn(prefill.input_ids.shape[0], arch.hidden_size, generator=gen).to(DEVICE, dtype)
+        parents = torch.randn(3, arch.hidden_size, generator=gen).to(DEVICE, dtype)
+        with torch.no_grad():
+            model(prefill.input_ids, prefill.positions, hidden, caches[0], prefill.metadata)
+            if model is plain:
+                h, normed = model(step.input_ids, step.positions, parents[rows], caches[0], step.metadata)
+                results.append((h, plain.compute_logits(normed)))
+            else:
+                out = torch.empty(1, m * k, dtype=torch.int64, device=DEVICE)
+                scatter = PickScatter(everything, everything, m, out, out, 0)
+                h, tokens = model.tree_step(step.input_ids, step.positions, parents, rows, caches[0],
+                                            step.metadata, k, scatter)
+                assert tokens is out
+                results.append((h, tokens.view(m, k)))
+    assert calls == {"input": 2, "topk": 1}
+    n = step.num_real_tokens
+    (h_ref, logits), (h, tokens) = results
+    top3 = logits[:n].topk(3, dim=-1).values
+    clear = ((top3[:, :-1] - top3[:, 1:]) > ARGMAX_MARGIN[dtype]).all(dim=1)
+    assert clear.sum() >= n // 2
+    assert torch.equal(tokens[:n][clear], logits[:n].topk(k, dim=-1).indices[clear])
+    assert_near(h[:n], h_ref[:n])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_eagle3_greedy_tokens(dtype):
     check_eagle3_greedy_tokens(dtype)
 

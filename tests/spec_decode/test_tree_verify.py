@@ -167,11 +167,18 @@ def test_the_pass_metadata_kernel_builds_what_the_torch_ops_build(padded):
     block_table = torch.randperm(48).to(torch.int32).view(4, 12)
     num_reqs = torch.tensor([2]) if padded else None
     for d in range(1, TREE.depth):
-        want, want_pos = tree_pass_metadata(tables, d, n, base_positions, block_table, block_size, 40, num_reqs,
-                                            use_triton=False)
-        got, got_pos = tree_pass_metadata(tables, d, n, base_positions, block_table, block_size, 40, num_reqs,
-                                          use_triton=True)
-        assert torch.equal(got_pos, want_pos)
+        want, want_in = tree_pass_metadata(tables, d, n, base_positions, block_table, block_size, 40, num_reqs,
+                                           use_triton=False)
+        got, got_in = tree_pass_metadata(tables, d, n, base_positions, block_table, block_size, 40, num_reqs,
+                                         use_triton=True)
+        assert torch.equal(got_in.positions, want_in.positions)
+        assert torch.equal(got_in.parent_rows, want_in.parent_rows)
+        # Each draft reads the row its parent had in the pass before: the same request's, the parent's place.
+        parents = TREE.level(d - 1) if d > 1 else range(0, 1)
+        for row, parent_row in enumerate(want_in.parent_rows.tolist()):
+            node = TREE.level(d)[row % len(TREE.level(d))]
+            assert parent_row == row // len(TREE.level(d)) * len(parents) + parents.index(TREE.parents[node])
+        want_pos = want_in.positions
         for field in ("query_start_loc", "seq_lens", "slot_mapping", "tree_bits"):
             assert torch.equal(getattr(got, field), getattr(want, field)), field
         assert (got.num_tokens, got.max_query_len, got.tree_offset) == (want.num_tokens, want.max_query_len,

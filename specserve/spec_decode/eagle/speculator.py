@@ -40,9 +40,16 @@ class EagleSpeculator(ModelDrafter):
     def compute_logits(self, hidden):
         return self.head.compute_logits(hidden)
 
-    def top_tokens(self, hidden, k):
+    def top_tokens(self, hidden, k, scatter=None):
         top = getattr(self.head, "top_tokens", None)
-        return top(hidden, k) if top is not None else super().top_tokens(hidden, k)
+        return top(hidden, k, scatter) if top is not None else super().top_tokens(hidden, k, scatter)
+
+    def tree_pass(self, tokens, feedback, parent_rows, positions, metadata, k, scatter):
+        step = getattr(self.head, "tree_step", None)
+        if step is None:
+            return super().tree_pass(tokens, feedback, parent_rows, positions, metadata, k, scatter)
+        fed_back, guesses = step(tokens, positions, feedback, parent_rows, self.kv_cache, metadata, k, scatter)
+        return guesses, fed_back
 
     def move_kv(self, source, dest):
         move_kv(self.kv_cache.unsqueeze(0), source, dest)
