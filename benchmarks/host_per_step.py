@@ -13,7 +13,8 @@ waits is host-bound (the GPU then idles between steps). The timing wrappers add 
 replayed from its own graph, with eager launches between), in the same process.
 --tree FILE adds a run drafting that tree (speculative_token_tree, e.g. benchmarks/trees/*.txt) after the ks.
 --kernels N then runs the first N prompts once more under the torch profiler and prints the GPU kernels
-per engine step (their sum against the step's wall time is the GPU's idle share).
+per engine step (their sum against the step's wall time is the GPU's idle share), and the GPU's idle time
+between kernels by the kernels around it.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import time
 from collections import defaultdict
 
 import torch
-from profile_kernels import kernel_table, launch_parts, wrap_timed
+from profile_kernels import idle_table, kernel_table, launch_parts, wrap_timed
 from torch.profiler import ProfilerActivity, profile
 
 from specserve.llm import LLM
@@ -99,6 +100,7 @@ def main() -> None:
             steps = calls["ModelRunner.launch"] - steps_before
             print(f"k={k}: kernels per engine step over {steps} steps of {a.kernels} prompts:")
             print(kernel_table(prof, steps, 40))
+            print(idle_table(prof, steps, 25))
         del llm
         gc.collect()
 

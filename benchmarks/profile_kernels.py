@@ -48,6 +48,25 @@ def kernel_table(prof, per: int, top: int) -> str:
     return "\n".join(lines)
 
 
+def idle_table(prof, per: int, top: int, longest_us: float = 100.0) -> str:
+    """The GPU's idle time between consecutive kernels, per `per`, summed by the pair of kernels around each gap.
+    Gaps longer than longest_us are left out: there the GPU waits for the host, not for the next launch."""
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    totals, counts = defaultdict(float), defaultdict(int)
+    for before, after in zip(kernels, kernels[1:]):
+        gap = after.time_range.start - before.time_range.end
+        if 0 < gap <= longest_us:
+            pair = f"{before.name[:45]} -> {after.name[:45]}"
+            totals[pair] += gap
+            counts[pair] += 1
+    lines = [f"  idle between kernels per unit: {sum(totals.values()) / per:.1f} us over "
+             f"{sum(counts.values()) / per:.0f} gaps of <= {longest_us:.0f} us"]
+    for pair, t in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {t / per:9.1f} us  {counts[pair] / per:6.1f}x  {t / counts[pair]:7.2f} us/gap  {pair}")
+    return "\n".join(lines)
+
+
 def profile_model(name: str, batch: int, top: int, host_profile: int, spec: SpecSetting | None = None,
                   head: str | None = None) -> None:
     root = Path(tempfile.mkdtemp())
