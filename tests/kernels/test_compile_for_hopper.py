@@ -55,9 +55,10 @@ def kernels():
     for padded in (False, True):
         yield tree_drafting._tree_pass_kernel, dict(
             base_positions_ptr=p64, block_table_ptr=p32, block_table_stride=i32, num_reqs_ptr=p64,
-            ancestor_bits_ptr=p64, positions_ptr=p64, slots_ptr=p64, seq_lens_ptr=p32, query_start_loc_ptr=p32,
-            tree_bits_ptr=p64, n=i32, block_size=i32, max_position=i32, max_slot_position=i32, DEPTH=2, START=4,
-            STOP=7, PADDED=padded, PAD_SLOT=PAD_SLOT_ID, BLOCK=4)
+            ancestor_bits_ptr=p64, level_parents_ptr=p64, positions_ptr=p64, slots_ptr=p64, seq_lens_ptr=p32,
+            query_start_loc_ptr=p32, tree_bits_ptr=p64, parent_rows_ptr=p64, n=i32, block_size=i32,
+            max_position=i32, max_slot_position=i32, DEPTH=2, START=4, STOP=7, PARENTS=3, PADDED=padded,
+            PAD_SLOT=PAD_SLOT_ID, BLOCK=4)
     for tree in (False, True):
         yield staged_inputs._scatter_staged_inputs_kernel, dict(
             staged_ptr=p64, input_ids_ptr=p64, positions_ptr=p64, slot_mapping_ptr=p64, seq_lens_ptr=p32,
