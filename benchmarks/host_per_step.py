@@ -6,7 +6,7 @@ engine generates for real prompts (eval-acceptance's setting), with and without 
                                        [--kernels N] [--tree FILE]
 
 Per k, each repeat prints tok/s and, per engine step (launches), the host's time in runner.launch (and
-its parts), in resolve, and in the completion event's wait alone: with asynchronous scheduling the host
+its parts, and how often each runs a step), in resolve, and in the completion event's wait alone: with asynchronous scheduling the host
 enqueues step N+1 while the GPU runs step N, so a step that waits long is GPU-bound, one that hardly
 waits is host-bound (the GPU then idles between steps). The timing wrappers add about 1 us a call.
 --parts times every repeat a second time with the runner's whole-step graphs off (each part of a step
@@ -63,6 +63,8 @@ def main() -> None:
         runner, engine = llm.engine.runner, llm.engine
         parts = [(runner, "launch"), (runner, "resolve"), *launch_parts(runner), (engine.scheduler, "schedule"),
                  (engine.scheduler, "update"), (engine, "_output")]
+        if getattr(runner.speculator, "tree_tables", None) is not None:
+            parts.append((runner.speculator, "_draft_tree"))
         for owner, attr in parts:
             wrap_timed(owner, attr, f"{type(owner).__name__}.{attr}", spent, calls)
         whole = runner.whole_step_graphs
@@ -88,6 +90,8 @@ def main() -> None:
                     print(f"k={k} repeat {rep}{' ' + label if label else ''}: {tokens / wall:.0f} tok/s, {steps} "
                           f"steps, {1e3 * wall / steps:.3f} ms a step; host ms a step: "
                           + ", ".join(f"{n} {1e3 * t / steps:.3f}" for n, t in spent.items()), flush=True)
+                    print(f"k={k} repeat {rep}: calls a step: "
+                          + ", ".join(f"{n} {c / steps:.3f}" for n, c in calls.items() if n != "ModelRunner.launch"))
         finally:
             torch.cuda.Event.synchronize = wait
             runner.whole_step_graphs = whole

@@ -69,6 +69,8 @@ class ModelDrafter(Speculator):
         self.decode_graphs: CUDAGraphManager | None = None
         # Greedy batches draft every token, argmax included, in one graph per padded batch size.
         self.greedy_loop_graphs: CUDAGraphManager | None = None
+        # A tree's passes in one graph per padded batch size (steps that do not run the runner's whole step).
+        self.tree_graphs: CUDAGraphManager | None = None
         self._loop_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # (base positions, block table)
         # Requests of the last propose(): rows at or past it of _request_rows hold zeros.
         self._rows_in_use = -1
@@ -137,10 +139,8 @@ class ModelDrafter(Speculator):
             return self._prefill(desc, metadata, target_graphs.graphs[desc.key].outputs)
 
         self.prefill_graphs.capture(prefill, prefill_prepare, target_graphs.capture_descriptors())
-        if self.tree_tables is not None:  # a tree drafts in passes of its own (tree_drafting.py)
-            return
-        self.decode_graphs = CUDAGraphManager(
-            "draft decode", target_graphs.mode.for_draft_decode(), sizes, max_reqs, max_reqs, (1,), recorder, debug)
+        self._loop_inputs = (base_positions, block_table)
+        decode_mode = target_graphs.mode.for_draft_decode()
 
         def decode_prepare(desc: BatchDescriptor) -> AttentionMetadata:
             for rows in self._request_rows:
@@ -149,16 +149,25 @@ class ModelDrafter(Speculator):
                                self.step_buffers)
             return self._decode_metadata(desc, block_table, self.max_position)
 
+        def loop_prepare(desc: BatchDescriptor) -> AttentionMetadata:
+            # No request is real while recording: nothing is written to the cache.
+            self.step_buffers.num_reqs.zero_()
+            return decode_prepare(desc)
+
+        if self.tree_tables is not None:
+            # A tree drafts in passes of its own (tree_drafting.py), all of them one graph a batch size: eager,
+            # the passes' forty-odd launches took the host about 4 ms of a prefill step (H100, tree of 15).
+            self.tree_graphs = CUDAGraphManager("draft tree", decode_mode, sizes, max_reqs, max_reqs, (1,),
+                                                recorder, debug)
+            self.tree_graphs.capture(self._tree_in_graph, loop_prepare)
+            self._rows_in_use = -1
+            return
+        self.decode_graphs = CUDAGraphManager("draft decode", decode_mode, sizes, max_reqs, max_reqs, (1,), recorder,
+                                              debug)
         self.decode_graphs.capture(self._decode, decode_prepare)
         if self.num_loop_steps > 0 or self.first_hidden is not None:
-            self._loop_inputs = (base_positions, block_table)
             self.greedy_loop_graphs = CUDAGraphManager(
                 "draft greedy loop", self.decode_graphs.mode, sizes, max_reqs, max_reqs, (1,), recorder, debug)
-
-            def loop_prepare(desc: BatchDescriptor) -> AttentionMetadata:
-                self.step_buffers.num_reqs.zero_()
-                return decode_prepare(desc)
-
             self.greedy_loop_graphs.capture(self._greedy_loop, loop_prepare)
         self._rows_in_use = -1  # the captures wrote the buffers' every row
 
@@ -188,6 +197,15 @@ class ModelDrafter(Speculator):
             tokens, feedback = self.greedy_decode_step(tokens, feedback, self.step_buffers.positions[:n], metadata)
             drafts.append(tokens)
         return torch.stack(drafts, dim=1)
+
+    def _tree_in_graph(self, desc: BatchDescriptor, metadata: AttentionMetadata) -> torch.Tensor:
+        """A tree of drafts for each request, [n, N], from first_hidden and feedback (the prefill's states at
+        each last accepted token); each depth builds its own metadata on the device, so the recorded one is
+        not read. num_reqs is read from its device buffer: one recording serves every batch padded to n."""
+        n = desc.num_reqs
+        base_positions, block_table = self._loop_inputs
+        return draft_tree(self, self.tree_tables, self.first_hidden[:n], self.feedback[:n], base_positions,
+                          block_table, self.step_buffers.num_reqs)
 
     def models(self) -> list[torch.nn.Module]:
         raise NotImplementedError
@@ -227,11 +245,6 @@ class ModelDrafter(Speculator):
 
         graphs = self.prefill_graphs
         for_logits, fed_back = graphs.run(desc, prefill, inp.metadata) if graphs else prefill(desc, inp.metadata)
-        if self.tree_tables is not None:
-            return self._draft_tree(for_logits, fed_back, inp.last_token_indices, inp.kv_moves, inp.base_positions,
-                                    inp.block_table)
-        drafts: list[torch.Tensor] = []
-        current = inp.last_tokens
         last = inp.last_token_indices
         if n != self._rows_in_use:
             # Rows past n are padding for a full decode graph: in-range token ids, finite hidden states.
@@ -239,6 +252,10 @@ class ModelDrafter(Speculator):
             for rows in self._request_rows:
                 rows[n:].zero_()
             self._rows_in_use = n
+        if self.tree_tables is not None:
+            return self._propose_tree(n, for_logits, fed_back, inp)
+        drafts: list[torch.Tensor] = []
+        current = inp.last_tokens
         self._keep_feedback(n, fed_back, last)
         loop = self.greedy_loop_graphs
         loop_desc = loop.dispatch(n, n, 1) if loop is not None and greedy else None
@@ -262,6 +279,21 @@ class ModelDrafter(Speculator):
             drafts.append(current)
             step += 1
         return torch.stack(drafts, dim=1)
+
+    def _propose_tree(self, n: int, for_logits: torch.Tensor, fed_back: torch.Tensor, inp: DraftInput) -> torch.Tensor:
+        """propose() for a tree after the prefill: the tree graph for n where there is one, else the passes
+        eagerly."""
+        trees = self.tree_graphs
+        tree_desc = trees.dispatch(n, n, 1) if trees is not None else None
+        if tree_desc is None or not trees.has_graph(tree_desc):
+            return self._draft_tree(for_logits, fed_back, inp.last_token_indices, inp.kv_moves, inp.base_positions,
+                                    inp.block_table)
+        if inp.kv_moves is not None:
+            self.move_kv(*inp.kv_moves)
+        self._keep_feedback(n, fed_back, inp.last_token_indices)
+        self._seed_greedy_loop(n, for_logits, inp.last_token_indices, inp.last_tokens)
+        self.step_buffers.num_reqs.fill_(n)
+        return trees.run(tree_desc, self._tree_in_graph, trees.metadata[tree_desc.key])[:n]
 
     def propose_greedy_in_graph(self, desc: BatchDescriptor, target_out: tuple, metadata: AttentionMetadata,
                                 num_reqs: torch.Tensor, last_token_indices: torch.Tensor,

@@ -34,8 +34,9 @@ def test_tree_greedy_equals_no_speculation(target, heads, method):
 
 @pytest.mark.parametrize("mode", [M.FULL_AND_PIECEWISE, M.FULL_DECODE_ONLY, M.PIECEWISE], ids=lambda m: m.name)
 def test_tree_under_graphs_with_the_cpu_stand_in(target, heads, mode):
-    """Graphs recorded for trees (the CPU stand-in re-runs each recording): output unchanged, and greedy batches
-    that verify whole trees run as the whole tree step, padded rows included (3 requests in graphs of 4)."""
+    """Graphs recorded for trees (the CPU stand-in re-runs each recording): output unchanged, greedy batches
+    that verify whole trees run as the whole tree step, padded rows included (3 requests in graphs of 4), and
+    the other steps (the prefills) draft their trees in the tree graph where full graphs are recorded."""
     path, _, ps, ref = target
     llm = LLM(str(path), max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
               cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64],
@@ -46,9 +47,14 @@ def test_tree_under_graphs_with_the_cpu_stand_in(target, heads, mode):
     replays = []
     original = whole.run
     whole.run = lambda desc, fn, md: replays.append(desc.num_reqs) or original(desc, fn, md)
+    trees = runner.speculator.tree_graphs
+    tree_replays = []
+    original_tree = trees.run
+    trees.run = lambda desc, fn, md: tree_replays.append(desc.num_reqs) or original_tree(desc, fn, md)
     outs = llm.generate(ps[:3], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref[:3]
     assert (4 in replays) == (mode is not M.PIECEWISE) and (mode is M.PIECEWISE) == (not replays)
+    assert bool(tree_replays) == (mode is not M.PIECEWISE)
 
 
 def test_a_tree_that_is_a_chain_drafts_what_the_chain_drafts(target, heads):
