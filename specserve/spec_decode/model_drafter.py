@@ -127,7 +127,7 @@ class ModelDrafter(Speculator):
         max_reqs = self.step_buffers.max_num_reqs
         self.prefill_graphs = CUDAGraphManager(
             "draft prefill", target_graphs.mode, sizes, max_reqs, self.next_ids.shape[0],
-            target_graphs.uniform_query_lens, recorder, debug, splitter)
+            target_graphs.uniform_query_lens, recorder, debug, splitter, target_graphs.single_request_query_lens)
 
         def prefill_prepare(desc: BatchDescriptor) -> AttentionMetadata:
             self.next_ids.zero_()

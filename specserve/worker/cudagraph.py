@@ -74,6 +74,7 @@ class CUDAGraphManager:
         recorder,
         debug: bool = False,
         splitter: AttentionSplitter | None = None,
+        single_request_query_lens: Sequence[int] = (),
     ):
         self.name = name
         self.mode = mode
@@ -89,6 +90,14 @@ class CUDAGraphManager:
         self.token_sizes = sorted(s for s in capture_sizes if s <= max_num_tokens)
         self.req_sizes = {q: sorted(s for s in capture_sizes if s <= max_num_reqs and s * q <= max_num_tokens)
                           for q in self.uniform_query_lens}
+        # One request's query of these lengths runs as a full graph too, in one graph each: the uncached tail of
+        # a prompt the prefix cache holds is at most a block, and run piecewise its eager attention calls took
+        # the host about 4.5 ms of a SmolLM2 prefill step (H100), the cost of 3-6 decode steps.
+        self.single_request_query_lens = tuple(
+            q for q in sorted(set(single_request_query_lens))
+            if q not in self.req_sizes and q <= max_num_tokens and 1 in capture_sizes)
+        for q in self.single_request_query_lens:
+            self.req_sizes[q] = [1]
         self.graphs: dict[tuple, RecordedGraph] = {}
         # The padded attention metadata each full graph was recorded with; a drafter's graphs for the
         # same descriptor reuse it (design.md 4.6).
@@ -98,7 +107,8 @@ class CUDAGraphManager:
 
     def dispatch(self, num_tokens: int, num_reqs: int, query_len: int | None) -> BatchDescriptor:
         """The descriptor a batch runs under. query_len: every request's query length if they are equal."""
-        uniform = query_len is not None and query_len in self.uniform_query_lens
+        uniform = query_len is not None and (query_len in self.uniform_query_lens or
+                                             (num_reqs == 1 and query_len in self.single_request_query_lens))
         runtime = self.mode.runtime_mode(uniform_decode=uniform)
         eager = BatchDescriptor(CUDAGraphMode.NONE, num_tokens, num_reqs, query_len)
         if runtime is CUDAGraphMode.FULL:

@@ -137,7 +137,7 @@ class ModelRunner:
         self.graphs = CUDAGraphManager(
             "target", mode, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
             uniform_query_lens=(1, 1 + k) if k else (1,), recorder=recorder, debug=cfg.debug_cudagraph,
-            splitter=splitter)
+            splitter=splitter, single_request_query_lens=range(2, self.block_size + 1))
         start, used_before = time.perf_counter(), recorder.memory_in_use()
         self.graphs.capture(self._target_forward, self._prepare_capture)
         query_lens = (1, 1 + k) if k else (1,)

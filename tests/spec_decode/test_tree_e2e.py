@@ -68,3 +68,25 @@ def test_a_tree_that_is_a_chain_drafts_what_the_chain_drafts(target, heads):
     chain = recorded_drafts(llm({"num_speculative_tokens": 3}), ps[:4], GREEDY)
     tree = recorded_drafts(llm({"speculative_token_tree": "[(0,), (0, 0), (0, 0, 0)]"}), ps[:4], GREEDY)
     assert tree == chain and any(chain)
+
+
+def test_a_cached_prompts_tail_runs_as_a_full_graph(target, heads):
+    """A prompt the prefix cache holds prefills its uncached tail (at most a block) as a single-request full graph,
+    the drafter's prefill with it, and the output is unchanged (the CPU stand-in re-runs each recording)."""
+    path, _, ps, ref = target
+    llm = LLM(str(path), max_model_len=256, max_num_seqs=1, max_num_batched_tokens=64,
+              cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64],
+              speculative_config={"method": "eagle3", "model": str(heads["eagle3"]), "speculative_token_tree": TREE})
+    runner = llm.engine.runner
+    runner.capture_graphs(M.FULL_AND_PIECEWISE, EagerRecorder(), llm.engine.attention_backend)
+    assert [o.outputs[0].token_ids for o in llm.generate(ps[:2], GREEDY, use_tqdm=False)] == ref[:2]
+    ran = []
+    for graphs in (runner.graphs, runner.speculator.prefill_graphs):
+        original = graphs.run
+        graphs.run = lambda desc, fn, md, _run=original: ran.append(desc) or _run(desc, fn, md)
+    outs = llm.generate(ps[:2], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref[:2]
+    tails = [d for d in ran if d.mode is M.FULL and d.num_reqs == 1
+             and d.query_len in runner.graphs.single_request_query_lens]
+    assert len(tails) == 4  # each prompt's tail: the target's graph and the drafter's prefill graph
+    assert all(o.metrics.num_cached_tokens > 0 for o in outs)

@@ -97,3 +97,17 @@ def test_draft_decode_is_never_piecewise(mode):
 def test_piecewise_mode_needs_a_splitter():
     with pytest.raises(ValueError, match="AttentionSplitter"):
         CUDAGraphManager("t", M.PIECEWISE, SIZES, 4, 4, (1,), EagerRecorder())
+
+
+def test_one_request_with_a_short_query_runs_a_full_graph():
+    """A prompt's uncached tail (a prefill of one request, at most a block): one full graph per length, for one
+    request; more requests with such queries still run piecewise, and the uniform lengths keep their sizes."""
+    m = CUDAGraphManager("t", M.FULL_AND_PIECEWISE, SIZES, 16, 64, (1, 4), EagerRecorder(),
+                         splitter=AttentionSplitter(_Backend()), single_request_query_lens=range(2, 9))
+    assert m.single_request_query_lens == (2, 3, 5, 6, 7, 8) and m.req_sizes[5] == [1]
+    assert m.dispatch(5, 1, 5) == BatchDescriptor(M.FULL, 5, 1, 5)
+    assert m.dispatch(10, 2, 5) == BatchDescriptor(M.PIECEWISE, 16, 2)
+    assert m.dispatch(9, 1, 9) == BatchDescriptor(M.PIECEWISE, 16, 1)
+    assert m.dispatch(12, 3, 4) == BatchDescriptor(M.FULL, 16, 4, 4)
+    assert BatchDescriptor(M.FULL, 5, 1, 5) in m.capture_descriptors()
+    assert BatchDescriptor(M.FULL, 10, 2, 5) not in m.capture_descriptors()
