@@ -103,7 +103,7 @@ class DraftTree:
         return tuple(bits)
 
     def level(self, d: int) -> range:
-        """The indices of depth d."""
+        """The indices of depth d (depth 0: the root, index 0)."""
         return range(self.depths.index(d), len(self.depths) - self.depths[::-1].index(d))
 
     def top_k(self, d: int) -> int:

@@ -50,7 +50,7 @@ def tree_pass_metadata_torch(tables: TreeTables, d: int, n: int, base_positions:
         real = torch.arange(n, device=dev) < num_reqs
         slots = torch.where(real[:, None], slots, PAD_SLOT_ID)
         seq_lens = torch.where(real, seq_lens, 0)
-    parents = len(tables.tree.level(d - 1)) if d > 1 else 1
+    parents = len(tables.tree.level(d - 1))
     parent_rows = torch.arange(n, device=dev)[:, None] * parents + tables.level_parents[level.start:level.stop]
     return PassInputs(positions, slots.flatten(), seq_lens,
                       torch.arange(0, n * m + 1, m, device=dev, dtype=torch.int32),
@@ -136,7 +136,7 @@ def tree_pass_metadata(tables: TreeTables, d: int, n: int, base_positions: torch
         tables.ancestor_bits, tables.level_parents, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
         inputs.query_start_loc, inputs.tree_bits, inputs.parent_rows, n, block_size, max_position,
         block_table.shape[1] * block_size - 1, DEPTH=d, START=level.start, STOP=level.stop,
-        PARENTS=len(tables.tree.level(d - 1)) if d > 1 else 1, PADDED=num_reqs is not None, PAD_SLOT=PAD_SLOT_ID,
+        PARENTS=len(tables.tree.level(d - 1)), PADDED=num_reqs is not None, PAD_SLOT=PAD_SLOT_ID,
         BLOCK=triton.next_power_of_2(m))
     return inputs.metadata(tables, d, block_table, max_position), inputs
 
@@ -145,7 +145,7 @@ def level_scatter(tables: TreeTables, d: int, n: int, drafts: torch.Tensor) -> P
     """Where the guesses ranked for depth d go: the drafts of depth d, request-major, as the pass over them
     reads them, and their columns of drafts [n, N]."""
     level = tables.tree.level(d)
-    parents = len(tables.tree.level(d - 1)) if d > 1 else 1
+    parents = len(tables.tree.level(d - 1))
     return PickScatter(tables.guess_nodes[d], tables.guess_columns[d], parents,
                        torch.empty(n, len(level), dtype=torch.int64, device=drafts.device), drafts, level.start - 1)
 

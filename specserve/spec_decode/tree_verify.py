@@ -50,7 +50,7 @@ class TreeTables:
         def table(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
-        levels = [tree.level(d) if d else range(0, 1) for d in range(tree.depth + 1)]
+        levels = [tree.level(d) for d in range(tree.depth + 1)]
         guess_columns = [None] + [
             table([(tree.parents[i] - levels[d - 1].start) * tree.top_k(d) + tree.ranks[i] for i in levels[d]])
             for d in range(1, tree.depth + 1)]
