@@ -2,13 +2,14 @@
 small_m_configs' choice against each candidate configuration (and its compact-prologue form where there is
 a norm), in rounds that alternate the variants; medians of GPU us per call, weights rotated past the L2.
 
-    python benchmarks/bench_step_projections.py [--tokens 1 5] [--rounds 5] [--top 3]
+    python benchmarks/bench_step_projections.py [--tokens 1 5] [--rounds 5] [--top 3] [--shapes head target]
 
 Tokens: 1 is a decode step (and a draft step at batch 1), k + 1 a verify step of k drafts (and the draft
 prefill at batch 1), or the draft step's rows at batch k + 1. Shapes: the target's qkv (add + norm +
 rotary + cache write), o_proj, gate_up (add + norm + SiLU-and-mul) and down_proj; the head's qkv (its
 input normed already, K = 2 x hidden), gate_up over its 6144-wide MLP, down_proj and lm_head with the
-argmax over its 12,288-token draft vocabulary. Needs a CUDA device.
+argmax over its 12,288-token draft vocabulary; --shapes keeps those whose name contains one of its words.
+Needs a CUDA device.
 """
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ import statistics
 from dataclasses import replace
 
 import torch
+import triton
 from bench_kernels import graph_time_us
 
 from specserve.kernels.fused_linear import fused_linear, fused_linear_argmax
 from specserve.kernels.qkv_rotary_cache import qkv_rotary_cache
 from specserve.kernels.small_m_configs import CANDIDATES
+from specserve.kernels.small_m_prologue import block_m
 from specserve.models.layers import RotaryEmbedding
 
 HIDDEN, HEAD_DIM, HEADS, KV_HEADS, EPS = 576, 64, 9, 3, 1e-5
@@ -87,6 +90,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 5])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--top", type=int, default=3)
+    ap.add_argument("--shapes", nargs="+", default=[""])
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_step_projections needs a CUDA device")
@@ -94,14 +98,23 @@ def main() -> None:
           "configs as block_n/block_k/warps/stages (block_n in rotary pairs for qkv)")
     with torch.no_grad():
         for m in a.tokens:
+            # A compact prologue over as many token rows as the tile has is the plain one.
+            compacts = (False, True) if triton.next_power_of_2(m) < block_m(m) else (False,)
             for name, (copies, norm, is_qkv, make) in projections(m).items():
+                if not any(word in name for word in a.shapes):
+                    continue
                 configs = [None] + [replace(c, compact=compact) for c in CANDIDATES
-                                    for compact in ((False, True) if norm else (False,))
+                                    for compact in (compacts if norm else (False,))
                                     if not (is_qkv and c.block_n > HEAD_DIM // 2)]
                 times = {label(c): [] for c in configs}
                 for _ in range(a.rounds):
                     for c in configs:
-                        times[label(c)].append(time_us(make(c), copies))
+                        if label(c) not in times:
+                            continue
+                        try:
+                            times[label(c)].append(time_us(make(c), copies))
+                        except triton.runtime.errors.OutOfResources:
+                            del times[label(c)]  # more shared memory than the GPU has
                 med = {k: statistics.median(v) for k, v in times.items()}
                 best = sorted((k for k in med if k != "default"), key=med.get)[: a.top]
                 row = ", ".join(f"{k} {med[k]:.2f} [{min(times[k]):.2f}-{max(times[k]):.2f}]" for k in ["default", *best])

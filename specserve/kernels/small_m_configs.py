@@ -59,12 +59,24 @@ QKV_LARGE = SmallMConfig(block_n=16, block_k=256, num_warps=4, num_stages=4)
 # compact prologue, 32 columns by 256 of K (Llama-3-8B 1.06-1.09x cuBLAS plus separate kernels; on SmolLM2
 # too until NORM_SMALL below measured faster).
 NORM_ONE_TOKEN = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=4, compact=True)
-# Weights up to SMALL_WEIGHT_BYTES, 1 to 16 tokens: the compact prologue in 32 x 256 tiles, three stages
+# Weights up to MEDIUM_WEIGHT_BYTES at one token: the compact prologue in 32 x 256 tiles, three stages
 # (results/h100_2026-11-24_s14_configs_confirm.txt, medians of five rounds, us at one token / five):
 # SmolLM2's add+norm+gate_up 5.13 / 5.87 (NORM_ONE_TOKEN 5.26, the 16 x 64 tiles used at five 6.13), its
 # qkv 4.93 / 5.79 (5.09 / 5.89) in 32 rotary pairs, the shipped head's MLP (6144 wide) 9.25 / 10.01
 # (9.54 / 10.35), its lm_head with the argmax 11.44 / 12.58 (11.65 / 18.03).
 NORM_SMALL = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=3, compact=True)
+# The same weights over 2 to 16 tokens (a verify step, a draft pass): 64-element chunks six stages deep, without
+# the compact prologue (results/h100_2026-11-24_s19_projections_m16.txt, medians of three, us at 16 tokens):
+# SmolLM2's add+norm+gate_up 5.87 (NORM_SMALL 6.63), its qkv in 32 rotary pairs 5.58 (6.02). At four tokens
+# the eighteenth session's sweep (without this candidate) had 16 x 64 tiles ahead of NORM_SMALL likewise.
+NORM_FEW_TOKENS = SmallMConfig(block_n=32, block_k=64, num_warps=4, num_stages=6)
+# Past MEDIUM_WEIGHT_BYTES (the shipped head's MLP and lm_head, 14 MB each) the output is wide enough for
+# wider tiles in short chunks, at 1 to 16 tokens (s19_projections_m1/_m4_head/_m16.txt, us at 1 / 4 / 16
+# tokens, NORM_SMALL in brackets): the head's add+norm+gate_up 8.47 / 8.50 / 8.92 (9.24 / 11.98 / 11.39);
+# its lm_head with the argmax in 128 columns, NORM_MEDIUM_ONE_ACC, 10.45 / 10.76 / - (11.54 / 14.56 / 14.91).
+MEDIUM_WEIGHT_BYTES = 8 << 20
+NORM_MEDIUM = SmallMConfig(block_n=64, block_k=64, num_warps=4, num_stages=4)
+NORM_MEDIUM_ONE_ACC = SmallMConfig(block_n=128, block_k=64, num_warps=4, num_stages=4)
 # Llama-3-8B's best kernel of this kind at 4 tokens was 32/256 (0.88x and 0.96x the separate kernels: the
 # model keeps its norms apart there, see models/layers.py).
 NORM_LARGE = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
@@ -101,6 +113,10 @@ CANDIDATES = [SmallMConfig(*c) for c in [
     (16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 4, 4), (16, 256, 4, 3), (16, 256, 4, 4), (16, 512, 4, 3),
     (16, 256, 8, 4), (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 4, 4), (32, 256, 8, 4), (64, 128, 4, 4),
     (64, 256, 8, 3),
+    # Short chunks in deep pipelines (normed weights with K = 576), and wide tiles for wide outputs.
+    (16, 64, 4, 6), (32, 64, 4, 4), (32, 64, 4, 6), (64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4),
+    # More bytes in flight per program, for long K over few output columns (the head's down_proj, K = 6144).
+    (16, 512, 4, 4), (16, 512, 8, 4), (16, 1024, 8, 3), (16, 1024, 4, 2),
 ]]
 
 
@@ -124,7 +140,9 @@ def _norm_config(weight: torch.Tensor, m: int, wide: bool = True) -> SmallMConfi
     if weight_bytes(weight) <= SMALL_WEIGHT_BYTES:
         if m > TALL_ABOVE:
             return _for_dtype(TALL_NORM_SMALL if wide else TALL_NORM_SMALL_ONE_ACC, weight)
-        return _for_dtype(NORM_SMALL, weight)
+        if weight_bytes(weight) > MEDIUM_WEIGHT_BYTES:
+            return _for_dtype(NORM_MEDIUM if wide else NORM_MEDIUM_ONE_ACC, weight)
+        return _for_dtype(NORM_SMALL if m == 1 else NORM_FEW_TOKENS, weight)
     return _for_dtype(NORM_ONE_TOKEN if m == 1 else NORM_LARGE, weight)
 
 
@@ -145,8 +163,9 @@ def qkv_config(weight: torch.Tensor, norm: bool = False, m: int = 16) -> SmallMC
     if norm:
         gpu, small = weight.device.type != "cpu", weight_bytes(weight) <= SMALL_WEIGHT_BYTES
         if gpu and small:
-            # Measured as pairs (see NORM_SMALL, TALL_NORM_SMALL).
-            return _for_dtype(TALL_NORM_SMALL if m > TALL_ABOVE else NORM_SMALL, weight)
+            # Measured as pairs (see NORM_SMALL, NORM_FEW_TOKENS, TALL_NORM_SMALL).
+            few = NORM_SMALL if m == 1 else NORM_FEW_TOKENS
+            return _for_dtype(TALL_NORM_SMALL if m > TALL_ABOVE else few, weight)
         if gpu and m == 1:
             return _for_dtype(QKV_NORM_ONE_TOKEN_LARGE, weight)
         # The measured column tiles as pairs; 16 pairs at least (tl.dot's minimum width).

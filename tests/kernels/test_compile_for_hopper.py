@@ -66,32 +66,31 @@ def kernels():
             query_start_loc_ptr=p32, block_table_ptr=p32, block_table_stride=i32, max_tokens=i32, max_reqs=i32,
             max_blocks=i32, tree_bits_ptr=p64, PAD_SLOT=PAD_SLOT_ID, TOKENS=1024, REQS=64, COLUMNS=64, HEADER=8,
             TREE=tree)
-    # The small-M projections as SmolLM2 decodes one token (K = 576) and verifies four drafts (five rows,
-    # ROWS = 8): the folded add + norm with the compact prologue (its rstd after the weight loop, as
-    # bfloat16 runs it), and the plain output projection.
+    # The small-M projections as SmolLM2 decodes one token (K = 576) and verifies a tree (16 rows): the folded
+    # add + norm (its rstd after the weight loop, as bfloat16 runs it), with the compact prologue at one
+    # token, and the plain output projection.
     from specserve.kernels import fused_linear, qkv_rotary_cache
-    from specserve.kernels.small_m_configs import NORM_SMALL, QKV_NORM_ONE_TOKEN_LARGE, QKV_SMALL, SMALL_SHORT_K
+    from specserve.kernels.small_m_configs import (NORM_FEW_TOKENS, NORM_MEDIUM, NORM_MEDIUM_ONE_ACC, NORM_SMALL,
+                                                   QKV_NORM_ONE_TOKEN_LARGE, QKV_SMALL, SMALL_SHORT_K)
 
     bf16, f32 = "*bf16", "*fp32"
     projection = dict(x_ptr=bf16, res_ptr=bf16, res_out_ptr=bf16, norm_w_ptr=bf16, w_ptr=bf16, out_ptr=bf16,
                       idx_ptr=bf16, M=i32, N=i32, K=i32, stride_xm=i32, stride_rm=i32, stride_rom=i32, stride_wn=i32,
                       stride_om=i32, eps="fp32", DOT_FP32=False, BLOCK_M=16)
-    for rows in (1, 8):
+    for rows, cfg in ((1, NORM_SMALL), (16, NORM_FEW_TOKENS), (4, NORM_MEDIUM)):
         yield fused_linear._fused_linear_kernel, dict(
-            projection, ADD=True, NORM=True, SILU_MUL=True, TOP=0, COMPACT=True, ROWS=rows,
-            PRE_K=4096 // rows, SLICE_K=16, LATE_RSTD=True, BLOCK_N=NORM_SMALL.block_n, BLOCK_K=NORM_SMALL.block_k)
+            projection, ADD=True, NORM=True, SILU_MUL=True, TOP=0, COMPACT=cfg.compact, ROWS=rows,
+            PRE_K=4096 // rows, SLICE_K=16, LATE_RSTD=True, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
     yield fused_linear._fused_linear_kernel, dict(
         projection, ADD=False, NORM=False, SILU_MUL=False, TOP=0, COMPACT=False, ROWS=16, PRE_K=256,
         SLICE_K=16, LATE_RSTD=False, BLOCK_N=SMALL_SHORT_K.block_n, BLOCK_K=SMALL_SHORT_K.block_k)
-    # An EAGLE-3 head's draft step: final add + norm, lm_head and the per-program argmax.
-    yield fused_linear._fused_linear_kernel, dict(
-        projection, out_ptr=f32, idx_ptr=p32, ADD=True, NORM=True, SILU_MUL=False, TOP=1, COMPACT=True,
-        ROWS=1, PRE_K=1024, SLICE_K=16, LATE_RSTD=True, BLOCK_N=NORM_SMALL.block_n, BLOCK_K=NORM_SMALL.block_k)
-    # ... a tree's guesses: the lm_head over a depth's normed hidden states, each program's 3 best columns.
-    yield fused_linear._fused_linear_kernel, dict(
-        projection, out_ptr=f32, idx_ptr=p32, ADD=False, NORM=False, SILU_MUL=False, TOP=3, COMPACT=False,
-        ROWS=16, PRE_K=256, SLICE_K=16, LATE_RSTD=False, BLOCK_N=SMALL_SHORT_K.block_n,
-        BLOCK_K=SMALL_SHORT_K.block_k)
+    # An EAGLE-3 head's draft step: final add + norm, lm_head and the per-program argmax; a tree's depth pass
+    # keeps each program's 3 best columns.
+    for rows, top in ((1, 1), (4, 3)):
+        yield fused_linear._fused_linear_kernel, dict(
+            projection, out_ptr=f32, idx_ptr=p32, ADD=True, NORM=True, SILU_MUL=False, TOP=top, COMPACT=False,
+            ROWS=rows, PRE_K=4096 // rows, SLICE_K=16, LATE_RSTD=True, BLOCK_N=NORM_MEDIUM_ONE_ACC.block_n,
+            BLOCK_K=NORM_MEDIUM_ONE_ACC.block_k)
     qkv = dict(
         x_ptr=bf16, res_ptr=bf16, res_out_ptr=bf16, norm_w_ptr=bf16, w_ptr=bf16, bias_ptr=bf16, q_ptr=bf16,
         k_cache_ptr=bf16, v_cache_ptr=bf16, cos_ptr=f32, sin_ptr=f32, positions_ptr=p64, slot_mapping_ptr=p64,
@@ -99,9 +98,10 @@ def kernels():
         stride_qh=i32, stride_pos=i32, stride_cb=i32, stride_cs=i32, stride_ch=i32, block_size=i32,
         num_heads=i32, num_kv_heads=i32, half=i32, eps="fp32", ADD=True, NORM=True, BIAS=False, DOT_FP32=False,
         PAD_SLOT=PAD_SLOT_ID, ROWS=1, BLOCK_M=16)
-    yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
-        qkv, COMPACT=True, PRE_K=1024, SLICE_K=64, LATE_RSTD=True, BLOCK_P=NORM_SMALL.block_n,
-        BLOCK_K=NORM_SMALL.block_k)
+    for rows, cfg in ((1, NORM_SMALL), (16, NORM_FEW_TOKENS)):
+        yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
+            qkv, ROWS=rows, COMPACT=cfg.compact, PRE_K=4096 // rows, SLICE_K=64, LATE_RSTD=True, BLOCK_P=cfg.block_n,
+            BLOCK_K=cfg.block_k)
     # The head's qkv: its input normed already (K = 1152), no prologue.
     yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
         qkv, ADD=False, NORM=False, COMPACT=False, ROWS=16, PRE_K=256, SLICE_K=128, LATE_RSTD=False,

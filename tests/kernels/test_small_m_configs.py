@@ -2,9 +2,10 @@
 import pytest
 import torch
 
-from specserve.kernels.small_m_configs import (NORM_LARGE, NORM_ONE_TOKEN, NORM_SMALL, QKV_NORM_ONE_TOKEN_LARGE,
-                                               QKV_SMALL, SMALL, SMALL_SHORT_K, TALL_NORM_SMALL,
-                                               TALL_NORM_SMALL_ONE_ACC, TALL_QKV_SMALL, linear_config, qkv_config)
+from specserve.kernels.small_m_configs import (NORM_FEW_TOKENS, NORM_LARGE, NORM_MEDIUM, NORM_MEDIUM_ONE_ACC,
+                                               NORM_ONE_TOKEN, NORM_SMALL, QKV_NORM_ONE_TOKEN_LARGE, QKV_SMALL, SMALL,
+                                               SMALL_SHORT_K, TALL_NORM_SMALL, TALL_NORM_SMALL_ONE_ACC, TALL_QKV_SMALL,
+                                               linear_config, qkv_config)
 
 
 def weight(n: int, k: int) -> torch.Tensor:
@@ -19,11 +20,18 @@ def test_qkv_of_a_large_weight_at_one_token_gets_its_measured_tiles():
 
 
 @pytest.mark.parametrize("m", [1, 5, 16])
-def test_small_weights_with_a_norm_take_the_compact_tiles_at_every_token_count(m):
+def test_small_weights_with_a_norm_take_the_compact_tiles_at_one_token_only(m):
     smollm2_qkv, smollm2_gate_up = weight(960, 576), weight(3072, 576)
-    assert qkv_config(smollm2_qkv, norm=True, m=m) == NORM_SMALL  # block_n counted in rotary pairs
-    assert linear_config(smollm2_gate_up, wide=True, norm=True, m=m) == NORM_SMALL
-    assert NORM_SMALL.compact
+    expected = NORM_SMALL if m == 1 else NORM_FEW_TOKENS
+    assert qkv_config(smollm2_qkv, norm=True, m=m) == expected  # block_n counted in rotary pairs
+    assert linear_config(smollm2_gate_up, wide=True, norm=True, m=m) == expected
+    assert NORM_SMALL.compact and not NORM_FEW_TOKENS.compact
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_a_draft_heads_wide_mlp_and_lm_head_take_wider_tiles(m):
+    assert linear_config(weight(12288, 576), wide=True, norm=True, m=m) == NORM_MEDIUM  # gate/up, 6144 wide
+    assert linear_config(weight(12288, 576), wide=False, norm=True, m=m) == NORM_MEDIUM_ONE_ACC  # lm_head
 
 
 def test_large_weights_with_a_norm_keep_their_tiles():
@@ -47,4 +55,4 @@ def test_tall_tiles_past_16_tokens_take_their_own_small_weight_tiles(m):
     assert qkv_config(weight(960, 1152), m=m) == TALL_QKV_SMALL
     assert linear_config(weight(576, 576), wide=False, m=m) == SMALL_SHORT_K
     assert linear_config(weight(28672, 4096), wide=True, norm=True, m=m) == NORM_LARGE
-    assert qkv_config(weight(960, 576), norm=True, m=16) == NORM_SMALL
+    assert qkv_config(weight(960, 576), norm=True, m=16) == NORM_FEW_TOKENS
