@@ -27,6 +27,9 @@ class SmallMConfig:
     # With a norm prologue: compute it on the token rows only and repeat them over the tile's rows
     # (small_m_prologue.py). Ignored without one.
     compact: bool = False
+    # Programs each column tile's K is split over (fused_linear.py), for plain projections only: few output
+    # columns over a long K leave most SMs idle in one program a tile.
+    split_k: int = 1
 
 
 # Up to this many weight bytes a projection is latency-bound (SmolLM2-135M: 0.7 to 3.5 MB). Measured best

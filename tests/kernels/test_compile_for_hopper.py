@@ -74,8 +74,9 @@ def kernels():
 
     bf16, f32 = "*bf16", "*fp32"
     projection = dict(x_ptr=bf16, res_ptr=bf16, res_out_ptr=bf16, norm_w_ptr=bf16, w_ptr=bf16, out_ptr=bf16,
-                      idx_ptr=bf16, M=i32, N=i32, K=i32, stride_xm=i32, stride_rm=i32, stride_rom=i32, stride_wn=i32,
-                      stride_om=i32, eps="fp32", DOT_FP32=False, BLOCK_M=16)
+                      idx_ptr=bf16, part_ptr=bf16, counter_ptr=bf16, M=i32, N=i32, K=i32, k_per=i32, stride_xm=i32,
+                      stride_rm=i32, stride_rom=i32, stride_wn=i32, stride_om=i32, eps="fp32", DOT_FP32=False,
+                      BLOCK_M=16, SPLIT_K=1)
     for rows in (1, 8):
         yield fused_linear._fused_linear_kernel, dict(
             projection, ADD=True, NORM=True, SILU_MUL=True, TOP=0, COMPACT=True, ROWS=rows,
@@ -83,6 +84,10 @@ def kernels():
     yield fused_linear._fused_linear_kernel, dict(
         projection, ADD=False, NORM=False, SILU_MUL=False, TOP=0, COMPACT=False, ROWS=16, PRE_K=256,
         SLICE_K=16, LATE_RSTD=False, BLOCK_N=SMALL_SHORT_K.block_n, BLOCK_K=SMALL_SHORT_K.block_k)
+    # The head's down_proj (576 x 6144), K split over 4 programs a column tile (atomics, L2 loads, a barrier).
+    yield fused_linear._fused_linear_kernel, dict(
+        projection, part_ptr=f32, counter_ptr=p32, ADD=False, NORM=False, SILU_MUL=False, TOP=0, COMPACT=False,
+        ROWS=16, PRE_K=256, SLICE_K=16, LATE_RSTD=False, BLOCK_N=16, BLOCK_K=256, SPLIT_K=4)
     # An EAGLE-3 head's draft step: final add + norm, lm_head and the per-program argmax.
     yield fused_linear._fused_linear_kernel, dict(
         projection, out_ptr=f32, idx_ptr=p32, ADD=True, NORM=True, SILU_MUL=False, TOP=1, COMPACT=True,
