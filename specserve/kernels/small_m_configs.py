@@ -99,11 +99,15 @@ INTERPRETER = SmallMConfig(block_n=32, block_k=64, num_warps=1, num_stages=1)
 # The qkv kernel's block_n counts rotary pairs: 16, tl.dot's minimum, also splits heads wider than 32.
 INTERPRETER_QKV = SmallMConfig(block_n=16, block_k=64, num_warps=1, num_stages=1)
 
-# What the benchmark sweeps: (block_n, block_k, num_warps, num_stages).
+# What the benchmark sweeps: (block_n, block_k, num_warps, num_stages); then split-K forms of a few, which
+# apply to plain projections only: ((block_n, block_k, num_warps, num_stages), split_k).
 CANDIDATES = [SmallMConfig(*c) for c in [
     (16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 4, 4), (16, 256, 4, 3), (16, 256, 4, 4), (16, 512, 4, 3),
     (16, 256, 8, 4), (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 4, 4), (32, 256, 8, 4), (64, 128, 4, 4),
     (64, 256, 8, 3),
+]] + [SmallMConfig(*c, split_k=s) for c, s in [
+    ((16, 256, 4, 4), 2), ((16, 256, 4, 4), 4), ((16, 256, 4, 4), 8), ((16, 512, 4, 3), 2), ((16, 512, 4, 3), 4),
+    ((32, 256, 4, 4), 4),
 ]]
 
 
