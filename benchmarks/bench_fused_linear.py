@@ -113,11 +113,13 @@ def op_cases(shape: str, m: int, dtype: torch.dtype) -> list[tuple[str, int, dic
         if separate is not None:
             variants["cublas+kernels"] = separate
         variants["fused default"] = fused(None)
-        # The qkv kernel's block_n counts rotary pairs of one head: no more than half a head.
+        # The qkv kernel's block_n counts rotary pairs of one head: no more than half a head. Split-K is for
+        # the plain projections (no prologue, no epilogue) only.
         for cfg in CANDIDATES:
-            if op.endswith("cache") and cfg.block_n > head_dim // 2:
+            if (op.endswith("cache") and cfg.block_n > head_dim // 2) or (cfg.split_k > 1 and separate is not None):
                 continue
-            variants[f"fused {cfg.block_n}/{cfg.block_k}/{cfg.num_warps}/{cfg.num_stages}"] = fused(cfg)
+            split = f"/s{cfg.split_k}" if cfg.split_k > 1 else ""
+            variants[f"fused {cfg.block_n}/{cfg.block_k}/{cfg.num_warps}/{cfg.num_stages}{split}"] = fused(cfg)
         result.append((op, ws[0].numel() * ws[0].element_size(), variants, len(ws)))
     return result
 

@@ -82,7 +82,7 @@ def time_us(fn, copies: int) -> float:
 
 def label(c) -> str:
     return "default" if c is None else f"{c.block_n}/{c.block_k}/{c.num_warps}/{c.num_stages}" + \
-        ("/compact" if c.compact else "")
+        ("/compact" if c.compact else "") + (f"/s{c.split_k}" if c.split_k > 1 else "")
 
 
 def main() -> None:
@@ -95,7 +95,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_step_projections needs a CUDA device")
     print(f"{torch.cuda.get_device_name()}: GPU us per call, median of {a.rounds} rounds (min-max); "
-          "configs as block_n/block_k/warps/stages (block_n in rotary pairs for qkv)")
+          "configs as block_n/block_k/warps/stages[/compact][/s split_k] (block_n in rotary pairs for qkv)")
     with torch.no_grad():
         for m in a.tokens:
             # A compact prologue over as many token rows as the tile has is the plain one.
@@ -103,9 +103,12 @@ def main() -> None:
             for name, (copies, norm, is_qkv, make) in projections(m).items():
                 if not any(word in name for word in a.shapes):
                     continue
+                # Split-K is for plain projections only: the projections with a norm here are also those with
+                # an epilogue, and the qkv kernel has none.
                 configs = [None] + [replace(c, compact=compact) for c in CANDIDATES
                                     for compact in (compacts if norm else (False,))
-                                    if not (is_qkv and c.block_n > HEAD_DIM // 2)]
+                                    if not (is_qkv and c.block_n > HEAD_DIM // 2)
+                                    and (c.split_k == 1 or not (norm or is_qkv))]
                 times = {label(c): [] for c in configs}
                 for _ in range(a.rounds):
                     for c in configs:

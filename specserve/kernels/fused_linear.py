@@ -19,10 +19,17 @@ pick kernel chooses among the programs, so a draft head's lm_head, its
 argmax (or a tree's top guesses) and the norm in front of it are two
 launches (fused_linear_argmax, fused_linear_topk).
 
-There is no split-K: reducing partial sums across programs would need either
-float atomics (a summation order that varies from run to run) or a second
-pass; the narrow tiles of small_m_configs.py give the decode shapes enough
-programs without it. Launches depend on shapes only (CUDA-graph capturable).
+A plain projection (no prologue, no epilogue) may split K over SPLIT_K
+programs per column tile: one with few columns and a long K (an EAGLE-3
+head's down_proj, 576 x 6144: 36 tiles of 16 columns on 132 SMs) otherwise
+leaves most SMs idle while a few stream the weight. Each part stores its
+float32 partial sums to a workspace and counts itself in with an atomic;
+the last to finish adds the parts in part order (float atomics would sum in
+whatever order the parts finished, a result that varies from run to run),
+rounds once to the output dtype and resets the count: one launch, no second
+kernel. The prologues and epilogues stay unsplit: each would have to be
+redone or deferred to the last part. The counters assume one stream runs
+these projections. Launches depend on shapes only (CUDA-graph capturable).
 """
 from __future__ import annotations
 
@@ -38,12 +45,15 @@ from specserve.kernels.small_m_prologue import (check_prologue, dot_in_float32, 
 
 @triton.jit
 def _fused_linear_kernel(
-    x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr, idx_ptr,
-    M, N, K, stride_xm, stride_rm, stride_rom, stride_wn, stride_om, eps,
+    x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr, idx_ptr, part_ptr, counter_ptr,
+    M, N, K, k_per, stride_xm, stride_rm, stride_rom, stride_wn, stride_om, eps,
     ADD: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, TOP: tl.constexpr, DOT_FP32: tl.constexpr,
     COMPACT: tl.constexpr, ROWS: tl.constexpr, PRE_K: tl.constexpr, SLICE_K: tl.constexpr, LATE_RSTD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
+    """With SPLIT_K > 1 (plain projections only), program (pid, s) of the grid (column tiles, SPLIT_K) sums
+    K from s * k_per (a multiple of BLOCK_K) into part_ptr's float32 [SPLIT_K, M, N]; counter_ptr holds a
+    zero per column tile, back at zero when the launch ends."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     w_ty = w_ptr.dtype.element_ty
@@ -57,7 +67,13 @@ def _fused_linear_kernel(
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    k_end = K
+    if SPLIT_K > 1:
+        # A part past K (when K is short for the split) loops over nothing and still counts in below.
+        k_start = tl.program_id(1) * k_per
+        k_end = tl.minimum(k_start + k_per, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = input_chunk(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, M, K, stride_xm, stride_rm,
                         ADD, NORM, COMPACT, ROWS, BLOCK_M, LATE_RSTD).to(dot_ty)
@@ -75,6 +91,20 @@ def _fused_linear_kernel(
         acc_up = acc_up * rstd[:, None]
 
     offs_m = tl.arange(0, BLOCK_M)
+    if SPLIT_K > 1:
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        parts = part_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(parts + tl.program_id(1) * M * N, acc, mask=mask)
+        # Every thread's stores are done before the count (released at GPU scope) says so.
+        tl.debug_barrier()
+        if tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel") != SPLIT_K - 1:
+            return
+        tl.atomic_xchg(counter_ptr + pid, 0)
+        # In part order, whichever part came last: the same sum every run.
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for s in range(0, SPLIT_K):
+            # From L2: other SMs wrote these.
+            acc += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
     if TOP > 0:
         # Per row, the TOP best of this program's columns, best first, ties to the first; out holds [M, programs
         # x TOP] float32 values. A NaN never wins (as in argmax.py's chunk kernel), so a row of NaN still picks
@@ -173,20 +203,48 @@ def _launch(x, weight, norm_weight, eps, residual, silu_mul, config, n, out, fir
     """Run the kernel over x into out (with firsts: the buffers of each program's top best columns); returns
     x + residual."""
     m, k = x.shape
+    norm = norm_weight is not None
+    cfg = config or linear_config(weight, wide=silu_mul, norm=norm, m=m)
+    if cfg.split_k > 1:
+        extras = [name for name, used in [("norm_weight", norm), ("residual", residual is not None),
+                                          ("silu_mul", silu_mul), ("top-k", top > 0)] if used]
+        if extras:
+            raise ValueError(f"split_k={cfg.split_k} applies to plain projections only, got {', '.join(extras)}")
     residual_out = torch.empty_like(x) if residual is not None else None
     if m == 0 or n == 0:
         return residual_out
-    norm = norm_weight is not None
-    cfg = config or linear_config(weight, wide=silu_mul, norm=norm, m=m)
     grid = triton.cdiv(n, cfg.block_n)
-    _fused_linear_kernel[(grid,)](
+    parts, counters, k_per = out, out, k
+    if cfg.split_k > 1:
+        parts = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
+        counters = split_counters(x.device, grid)
+        k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    _fused_linear_kernel[(grid, cfg.split_k)](
         x, residual if residual is not None else x, residual_out if residual_out is not None else out,
         norm_weight if norm_weight is not None else x, weight, out, firsts if firsts is not None else out,
-        m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0,
+        parts, counters, m, n, k, k_per, x.stride(0), residual.stride(0) if residual is not None else 0,
         residual_out.stride(0) if residual_out is not None else 0, weight.stride(0), out.stride(0), eps,
         ADD=residual is not None, NORM=norm, SILU_MUL=silu_mul, TOP=top,
         DOT_FP32=dot_in_float32(x),
         **prologue_meta(x, norm, cfg.compact, grid), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT_K=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return residual_out
+
+
+# Split counts, one per column tile: 4096 tiles cover 65,536 columns in the narrowest (16-wide) tiles, more
+# than a split projection has (split-K pays where columns are few).
+MAX_SPLIT_TILES = 4096
+_split_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The split counts' persistent zeros on device, shared by every split projection there: their launches
+    run one after another on one stream. Allocated on first use, which the eager warm-up before any graph
+    recording makes."""
+    if tiles > MAX_SPLIT_TILES:
+        raise ValueError(f"a split-K projection takes at most {MAX_SPLIT_TILES} column tiles, got {tiles}: "
+                         "use a wider block_n or no split")
+    if device not in _split_counters:
+        _split_counters[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return _split_counters[device]

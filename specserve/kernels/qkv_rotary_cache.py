@@ -162,6 +162,8 @@ def qkv_rotary_cache(
         raise ValueError(f"positions must be [>= {m}] and slot_mapping one-dimensional")
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous [{weight.shape[0]}] vector")
+    if config is not None and config.split_k > 1:
+        raise ValueError(f"the qkv kernel does not split K, got split_k={config.split_k}")
 
     q = torch.empty((m, num_heads, head_dim), dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(x) if residual is not None else None

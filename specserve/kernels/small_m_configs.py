@@ -27,6 +27,9 @@ class SmallMConfig:
     # With a norm prologue: compute it on the token rows only and repeat them over the tile's rows
     # (small_m_prologue.py). Ignored without one.
     compact: bool = False
+    # Programs each column tile's K is split over (fused_linear.py), for plain projections only: few output
+    # columns over a long K leave most SMs idle in one program a tile.
+    split_k: int = 1
 
 
 # Up to this many weight bytes a projection is latency-bound (SmolLM2-135M: 0.7 to 3.5 MB). Measured best
@@ -108,7 +111,8 @@ INTERPRETER = SmallMConfig(block_n=32, block_k=64, num_warps=1, num_stages=1)
 # The qkv kernel's block_n counts rotary pairs: 16, tl.dot's minimum, also splits heads wider than 32.
 INTERPRETER_QKV = SmallMConfig(block_n=16, block_k=64, num_warps=1, num_stages=1)
 
-# What the benchmark sweeps: (block_n, block_k, num_warps, num_stages).
+# What the benchmark sweeps: (block_n, block_k, num_warps, num_stages); then split-K forms of a few, which
+# apply to plain projections only: ((block_n, block_k, num_warps, num_stages), split_k).
 CANDIDATES = [SmallMConfig(*c) for c in [
     (16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 4, 4), (16, 256, 4, 3), (16, 256, 4, 4), (16, 512, 4, 3),
     (16, 256, 8, 4), (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 4, 4), (32, 256, 8, 4), (64, 128, 4, 4),
@@ -117,6 +121,9 @@ CANDIDATES = [SmallMConfig(*c) for c in [
     (16, 64, 4, 6), (32, 64, 4, 4), (32, 64, 4, 6), (64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4),
     # More bytes in flight per program, for long K over few output columns (the head's down_proj, K = 6144).
     (16, 512, 4, 4), (16, 512, 8, 4), (16, 1024, 8, 3), (16, 1024, 4, 2),
+]] + [SmallMConfig(*c, split_k=s) for c, s in [
+    ((16, 256, 4, 4), 2), ((16, 256, 4, 4), 4), ((16, 256, 4, 4), 8), ((16, 512, 4, 3), 2), ((16, 512, 4, 3), 4),
+    ((32, 256, 4, 4), 4), ((16, 128, 4, 4), 4), ((16, 128, 4, 4), 8), ((32, 128, 4, 4), 8),
 ]]
 
 

@@ -75,8 +75,9 @@ def kernels():
 
     bf16, f32 = "*bf16", "*fp32"
     projection = dict(x_ptr=bf16, res_ptr=bf16, res_out_ptr=bf16, norm_w_ptr=bf16, w_ptr=bf16, out_ptr=bf16,
-                      idx_ptr=bf16, M=i32, N=i32, K=i32, stride_xm=i32, stride_rm=i32, stride_rom=i32, stride_wn=i32,
-                      stride_om=i32, eps="fp32", DOT_FP32=False, BLOCK_M=16)
+                      idx_ptr=bf16, part_ptr=bf16, counter_ptr=bf16, M=i32, N=i32, K=i32, k_per=i32, stride_xm=i32,
+                      stride_rm=i32, stride_rom=i32, stride_wn=i32, stride_om=i32, eps="fp32", DOT_FP32=False,
+                      BLOCK_M=16, SPLIT_K=1)
     for rows, cfg in ((1, NORM_SMALL), (16, NORM_FEW_TOKENS), (4, NORM_MEDIUM)):
         yield fused_linear._fused_linear_kernel, dict(
             projection, ADD=True, NORM=True, SILU_MUL=True, TOP=0, COMPACT=cfg.compact, ROWS=rows,
@@ -84,6 +85,10 @@ def kernels():
     yield fused_linear._fused_linear_kernel, dict(
         projection, ADD=False, NORM=False, SILU_MUL=False, TOP=0, COMPACT=False, ROWS=16, PRE_K=256,
         SLICE_K=16, LATE_RSTD=False, BLOCK_N=SMALL_SHORT_K.block_n, BLOCK_K=SMALL_SHORT_K.block_k)
+    # The head's down_proj (576 x 6144), K split over 4 programs a column tile (atomics, L2 loads, a barrier).
+    yield fused_linear._fused_linear_kernel, dict(
+        projection, part_ptr=f32, counter_ptr=p32, ADD=False, NORM=False, SILU_MUL=False, TOP=0, COMPACT=False,
+        ROWS=16, PRE_K=256, SLICE_K=16, LATE_RSTD=False, BLOCK_N=16, BLOCK_K=256, SPLIT_K=4)
     # An EAGLE-3 head's draft step: final add + norm, lm_head and the per-program argmax; a tree's depth pass
     # keeps each program's 3 best columns.
     for rows, top in ((1, 1), (4, 3)):

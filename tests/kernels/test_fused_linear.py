@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specserve.kernels.fused_linear import fused_linear, fused_linear_argmax, fused_linear_topk
+from specserve.kernels.fused_linear import (MAX_SPLIT_TILES, fused_linear, fused_linear_argmax, fused_linear_topk,
+                                            split_counters)
 from specserve.kernels.small_m_configs import INTERPRETER
 
 from .util import DEVICE, assert_close, poison_intact, poisoned_view
@@ -90,6 +91,44 @@ def test_full_tile_prologue(m, silu_mul, dtype):
     # The interpreter's default config is compact, as the GPU's on small weights; large weights over
     # several tokens (NORM_LARGE) normalise every row of the tile.
     check_fused_linear(m, K, N, dtype, "add_norm", silu_mul, config=replace(INTERPRETER, compact=False))
+
+
+def split_config(split: int):
+    # K = 100 in 32-wide chunks, parts of a whole number of chunks: 64 + 36 (split 2), 64 + 36 + an empty part
+    # (3), 32 + 32 + 32 + 4 (4).
+    return replace(INTERPRETER, block_k=32, split_k=split)
+
+
+def counters_are_zero() -> bool:
+    return not split_counters(torch.empty(0, device=DEVICE).device, 1).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 32])
+@pytest.mark.parametrize("split", [2, 3, 4])
+def test_split_k(split, m, dtype):
+    check_fused_linear(m, K, N, dtype, "none", False, config=split_config(split))
+    assert counters_are_zero(), "the last part of each column tile resets its count"
+
+
+def test_split_k_is_deterministic():
+    x = poisoned_view(17, K, torch.bfloat16, seed=0)
+    weight = poisoned_view(N, K, torch.bfloat16, seed=2).mul_(K**-0.5)
+    first, second = (fused_linear(x, weight, config=split_config(3))[0] for _ in range(2))
+    assert torch.equal(first, second)
+
+
+def test_split_k_is_for_plain_projections_only():
+    x, weight, norm_weight = torch.randn(2, 8), torch.randn(4, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="split_k=2 applies to plain projections only, got norm_weight"):
+        fused_linear(x, weight, norm_weight=norm_weight, config=split_config(2))
+    with pytest.raises(ValueError, match="got norm_weight, residual, silu_mul"):
+        fused_linear(x, weight, norm_weight=norm_weight, residual=x, silu_mul=True, config=split_config(2))
+    with pytest.raises(ValueError, match="got top-k"):
+        fused_linear_topk(x, weight, 1, config=split_config(2))
+    with pytest.raises(ValueError, match=f"at most {MAX_SPLIT_TILES} column tiles"):
+        split_counters(x.device, MAX_SPLIT_TILES + 1)
+    assert counters_are_zero()
 
 
 def test_no_rows():

@@ -131,3 +131,5 @@ def test_bad_operands_are_named():
         qkv_rotary_cache(x, weight, torch.zeros(1, dtype=torch.long), *args[1:], 4)
     with pytest.raises(ValueError, match="at most 32 rows"):
         qkv_rotary_cache(torch.randn(33, 8), weight, torch.zeros(33, dtype=torch.long), *args[1:], 4)
+    with pytest.raises(ValueError, match="does not split K"):
+        qkv_rotary_cache(x, weight, *args, 4, config=replace(INTERPRETER_QKV, split_k=2))
