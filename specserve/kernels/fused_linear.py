@@ -186,7 +186,7 @@ def fused_linear_topk(
     check_prologue(x, weight, norm_weight, residual)
     if token_map is not None and (token_map.shape != (weight.shape[0],) or token_map.dtype != torch.int64):
         raise ValueError(f"token_map must be int64 [{weight.shape[0]}], got {token_map.dtype} {tuple(token_map.shape)}")
-    cfg = config or linear_config(weight, wide=False, norm=norm_weight is not None, m=x.shape[0])
+    cfg = config or linear_config(weight, wide=False, norm=norm_weight is not None, m=x.shape[0], top=True)
     if not 1 <= k <= min(cfg.block_n, weight.shape[0]):
         raise ValueError(f"k must be between 1 and {min(cfg.block_n, weight.shape[0])} (the columns a program owns "
                          f"and the weight's rows), got {k}")

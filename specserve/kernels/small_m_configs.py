@@ -44,6 +44,12 @@ SMALL = SmallMConfig(block_n=16, block_k=512, num_warps=4, num_stages=3)
 # SMALL (4.08 us, against 5.18 in these tiles).
 SHORT_K = 1024
 SMALL_SHORT_K = SmallMConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
+# Past LONG_K input features a small weight has few output columns (the shipped head's down_proj, 576 x 6144:
+# 36 tiles of 16 columns for 132 SMs): K split over 8 programs a tile, 7.04 / 7.08 / 7.16 us at 1 / 4 / 16
+# tokens against SMALL's 9.64 / 10.26 / 9.72 (results/h100_2026-11-24_s19_projections_split.txt, medians of
+# three). SmolLM2's own down_proj (K = 1536) loses split (4.66 against 4.07 at one token) and stays on SMALL.
+LONG_K = 4096
+SMALL_LONG_K = SmallMConfig(block_n=32, block_k=128, num_warps=4, num_stages=4, split_k=8)
 # Larger weights (Llama-3-8B: 33 to 235 MB) are bandwidth-bound. Measured best on the same run: o_proj
 # 4096x4096 in 13.9 us (cuBLAS 16.4), down_proj 14336x4096 in 42.1 us (cuBLAS 44.5).
 LARGE = SmallMConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
@@ -153,14 +159,17 @@ def _norm_config(weight: torch.Tensor, m: int, wide: bool = True) -> SmallMConfi
     return _for_dtype(NORM_ONE_TOKEN if m == 1 else NORM_LARGE, weight)
 
 
-def linear_config(weight: torch.Tensor, wide: bool, norm: bool = False, m: int = 16) -> SmallMConfig:
+def linear_config(weight: torch.Tensor, wide: bool, norm: bool = False, m: int = 16, top: bool = False) -> SmallMConfig:
     """The configuration for a projection with this weight over m tokens; wide: the gate/up kernel, two
-    accumulators; norm: with the RMSNorm prologue."""
+    accumulators; norm: with the RMSNorm prologue; top: keeping each program's best columns (which, like
+    the other prologues and epilogues, does not split K)."""
     if norm:
         return _norm_config(weight, m, wide)
     if weight.device.type == "cpu":
         return INTERPRETER
     if weight_bytes(weight) <= SMALL_WEIGHT_BYTES:
+        if weight.shape[1] >= LONG_K and not (wide or top):
+            return _for_dtype(SMALL_LONG_K, weight)
         return _for_dtype(SMALL_SHORT_K if weight.shape[1] <= SHORT_K else SMALL, weight)
     return _for_dtype(LARGE_WIDE if wide else LARGE, weight)
 

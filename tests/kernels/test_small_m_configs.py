@@ -5,7 +5,7 @@ import torch
 from specserve.kernels.small_m_configs import (NORM_FEW_TOKENS, NORM_LARGE, NORM_MEDIUM, NORM_MEDIUM_ONE_ACC,
                                                NORM_ONE_TOKEN, NORM_SMALL, QKV_NORM_ONE_TOKEN_LARGE, QKV_SMALL, SMALL,
                                                SMALL_SHORT_K, TALL_NORM_SMALL, TALL_NORM_SMALL_ONE_ACC, TALL_QKV_SMALL,
-                                               linear_config, qkv_config)
+                                               SMALL_LONG_K, linear_config, qkv_config)
 
 
 def weight(n: int, k: int) -> torch.Tensor:
@@ -56,3 +56,12 @@ def test_tall_tiles_past_16_tokens_take_their_own_small_weight_tiles(m):
     assert linear_config(weight(576, 576), wide=False, m=m) == SMALL_SHORT_K
     assert linear_config(weight(28672, 4096), wide=True, norm=True, m=m) == NORM_LARGE
     assert qkv_config(weight(960, 576), norm=True, m=16) == NORM_FEW_TOKENS
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_few_columns_over_a_long_k_split_k_where_the_projection_is_plain(m):
+    head_down_proj = weight(576, 6144)
+    assert linear_config(head_down_proj, wide=False, m=m) == SMALL_LONG_K and SMALL_LONG_K.split_k > 1
+    assert linear_config(head_down_proj, wide=True, m=m).split_k == 1  # SiLU-and-mul does not split
+    assert linear_config(head_down_proj, wide=False, m=m, top=True).split_k == 1
+    assert linear_config(weight(576, 1536), wide=False, m=m) == SMALL  # SmolLM2's down_proj measured faster whole

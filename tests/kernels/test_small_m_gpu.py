@@ -12,6 +12,8 @@ import torch
 
 from specserve.attention.backend import get_attention_backend
 from specserve.attention.metadata import PAD_SLOT_ID, AttentionMetadata
+from specserve.kernels.fused_linear import fused_linear, split_counters
+from specserve.kernels.small_m_configs import CANDIDATES
 from specserve.models.arch_config import ArchConfig
 from specserve.models.layers import RotaryEmbedding, set_fused_kernels
 from specserve.models.llama import DecoderLayer
@@ -25,6 +27,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_float32")]
 
 # name: (hidden, intermediate, num_heads, num_kv_heads, head_dim)
 SHAPES = {"smollm2-135m": (576, 1536, 9, 3, 64), "llama3-8b": (4096, 14336, 32, 8, 128)}
+HEAD_MLP = 6144  # the shipped SmolLM2 EAGLE-3 head's intermediate size
+SPLIT_CANDIDATES = [c for c in CANDIDATES if c.split_k > 1]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 BLOCK_SIZE, CONTEXT = 16, 100
 
@@ -52,6 +56,24 @@ def test_eagle3_draft_step_kernels_at_the_shipped_head_shape(m, dtype):
     check_qkv(m, num_heads, num_kv_heads, head_dim, dtype, "none", k=2 * hidden)
     check_argmax(m, hidden, 12288, dtype, "add_norm")
     check_argmax(m, hidden, 12288, dtype, "none")
+    # Its MLP, 6144 wide: gate_up in the wide tiles of a weight past MEDIUM_WEIGHT_BYTES, down_proj's long K.
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    check_fused_linear(m, hidden, HEAD_MLP, dtype, "add_norm", True, norm_tolerance=tol)
+    check_fused_linear(m, HEAD_MLP, hidden, dtype, "none", False, norm_tolerance=tol)
+
+
+@pytest.mark.parametrize("config", SPLIT_CANDIDATES, ids=str)
+@pytest.mark.parametrize("m", [1, 16])
+def test_split_k_parts_race_to_one_deterministic_sum(m, config):
+    """Split-K at the head's down_proj shape, where 36 column tiles' parts run at once on different SMs: the
+    last part of each tile sums them all, in order, whichever part finished last."""
+    hidden = SHAPES["smollm2-135m"][0]
+    check_fused_linear(m, HEAD_MLP, hidden, torch.bfloat16, "none", False, config=config, norm_tolerance=3e-2)
+    x = torch.randn(m, HEAD_MLP, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(hidden, HEAD_MLP, device="cuda", dtype=torch.bfloat16) * HEAD_MLP**-0.5
+    runs = [fused_linear(x, weight, config=config)[0] for _ in range(20)]
+    assert all(torch.equal(runs[0], run) for run in runs[1:])
+    assert not split_counters(x.device, 1).any(), "every column tile's count is back at zero"
 
 
 def arch_of(shape: str) -> ArchConfig:
