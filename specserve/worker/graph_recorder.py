@@ -14,7 +14,9 @@ and mode rules are tested without a GPU.
 """
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,7 +105,7 @@ class CudaGraphRecorder:
 
     def full(self, fn: Callable[[], Any]) -> RecordedGraph:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+        with _no_collection(), torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             outputs = fn()
         return RecordedGraph(lambda _md: graph.replay(), outputs, 1)
 
@@ -121,7 +123,7 @@ class CudaGraphRecorder:
             begin_piece()
 
         torch.cuda.synchronize(self.device)
-        with torch.cuda.stream(self.stream):
+        with _no_collection(), torch.cuda.stream(self.stream):
             begin_piece()
             splitter.hooks = (lambda: pieces[-1].capture_end(), after_attention)
             try:
@@ -146,6 +148,21 @@ class CudaGraphRecorder:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         return torch.cuda.memory_reserved(self.device)
+
+
+@contextmanager
+def _no_collection():
+    """No cyclic garbage collection while a graph records: collecting an engine dropped earlier in the process
+    frees its CUDA graphs, which the driver refuses during a capture, and the capture is lost (seen on an
+    H100 as "operation not permitted when stream is capturing (function reset)"). The garbage waits for the
+    next collection, after the capture (a collection per capture would cost ~0.1 s each)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class EagerRecorder:
