@@ -30,3 +30,15 @@ class ModelLoadError(SpecserveError):
 
 class PromptFileError(SpecserveError, ValueError):
     """A prompt file is missing or holds a line that is not a prompt; the message names file and line."""
+
+
+class QueueFullError(SpecserveError):
+    """Too many requests are already waiting; the client should retry later."""
+
+
+class RequestTimeoutError(SpecserveError):
+    """The request ran past its deadline and was aborted."""
+
+
+class EngineUnavailableError(SpecserveError):
+    """The engine is starting, shutting down or has died; no request can be served."""

@@ -459,9 +459,9 @@ class DecodeBench:
         self._log(f"  engine built in {record.build_s:.1f} s"
                   + (f" (graph capture {record.capture_s:.1f} s)" if record.capture_s is not None else ""))
         if job.model not in self.results.models:
-            self.results.models[job.model] = ModelInfo(job.model, model.random_weights, *distinct_params(engine.model))
+            self.results.models[job.model] = ModelInfo(job.model, model.random_weights, *distinct_params(engine.core.model))
         self._save()
-        vocab = engine.arch.vocab_size
+        vocab = engine.core.arch.vocab_size
         for b in job.batch_sizes:
             if self._out_of_time():
                 self._fail(job, [b], "skipped: time budget spent")

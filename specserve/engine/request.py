@@ -31,11 +31,9 @@ class Request:
         params: SamplingParams,
         eos_token_ids: set[int],
         max_model_len: int,
-        prompt: str | None = None,
         device: str = "cpu",
     ):
         self.request_id = request_id
-        self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
@@ -66,10 +64,6 @@ class Request:
         if params.seed is not None:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(params.seed)
-        self.logprobs: list[dict] = []
-        self.first_token_time: float | None = None
-        # Text already handed to the caller of a cumulative request (stop-string look-ahead holds the rest back).
-        self.released_text = ""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -113,11 +107,3 @@ class Request:
             self.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
-
-    def truncate_output(self, num_tokens: int) -> None:
-        """Drop generated tokens past num_tokens (a stop string ended the text earlier)."""
-        drop = len(self.output_token_ids) - num_tokens
-        if drop > 0:
-            del self.output_token_ids[num_tokens:]
-            del self.all_token_ids[len(self.all_token_ids) - drop:]
-            del self.logprobs[num_tokens:]

@@ -132,8 +132,8 @@ def test_abort_while_in_flight_leaves_the_others_unchanged(models):
     for _ in range(6):
         for out in engine.step():
             final[out.request_id] = out
-    assert engine._inflight is not None
-    in_flight = [s.request.request_id for s in engine._inflight.sched.scheduled]
+    assert engine.core._inflight is not None
+    in_flight = [s.request.request_id for s in engine.core._inflight.sched.scheduled]
     victim = next(i for i in ids[1:] if i in in_flight)
     assert engine.abort_request(victim)
     while engine.has_unfinished_requests():

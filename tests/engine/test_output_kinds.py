@@ -106,7 +106,7 @@ def test_token_totals_count_what_an_aborted_final_only_request_generated(llm):
     # A FINAL_ONLY request that is aborted never gives an output: the engine's totals (what the server's
     # metrics report) still count its tokens.
     engine = llm.engine
-    prompt_tokens, generated = engine.num_prompt_tokens, engine.num_generated_tokens
+    prompt_tokens, generated = engine.core.num_prompt_tokens, engine.core.num_generated_tokens
     params = dict(output_kind="final_only", temperature=0, ignore_eos=True)
     engine.add_request([5, 6, 7], SamplingParams(max_tokens=6, **params))
     left = engine.add_request([9, 10, 11, 12], SamplingParams(max_tokens=60, **params))
@@ -118,5 +118,5 @@ def test_token_totals_count_what_an_aborted_final_only_request_generated(llm):
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert [len(o.outputs[0].token_ids) for o in outputs] == [6]
-    assert engine.num_prompt_tokens - prompt_tokens == 7
-    assert engine.num_generated_tokens - generated == 6 + left_tokens
+    assert engine.core.num_prompt_tokens - prompt_tokens == 7
+    assert engine.core.num_generated_tokens - generated == 6 + left_tokens

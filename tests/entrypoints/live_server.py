@@ -1,52 +1,60 @@
-"""A real uvicorn server on a free loopback port, in a thread of the test process, so tests can
-both talk HTTP to it and look at its engine."""
+"""A real uvicorn server on a free loopback port, in a thread of the test process, its engine core in
+a process of its own, as `specserve serve` runs them; tests talk HTTP to it and read its /metrics."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
 
 import httpx
 import torch
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from specserve.config import EngineConfig
-from specserve.engine.async_engine import AsyncLLMEngine
-from specserve.engine.engine import LLMEngine
-from specserve.entrypoints.openai.api_server import GracefulServer, build_app
+from specserve.entrypoints.openai.api_server import GracefulServer, ServerConfig, build_app, build_engine, uvicorn_config
 
 
 @contextlib.contextmanager
 def one_torch_thread():
-    """Server thread, engine thread and clients share two cores: a second intra-op thread per
-    forward only makes the tiny model's steps wait on each other (several times slower)."""
-    before = torch.get_num_threads()
+    """Server, engine core and clients share two cores: a second intra-op thread per forward only
+    makes the tiny model's steps wait on each other (several times slower). The core's process
+    takes its thread count from OMP_NUM_THREADS when it starts."""
+    before, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
     try:
         yield
     finally:
         torch.set_num_threads(before)
+        if env is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = env
 
 
 class LiveServer:
     def __init__(self, model: str, max_waiting: int = 512, request_timeout: float | None = None,
-                 shutdown_grace_s: float = 1.0, **engine):
+                 shutdown_grace_s: float = 1.0, stream_interval: int = 1, max_request_bytes: int = 8 * 2**20,
+                 core_factory=None, **engine):
         self.model = model
-        self.engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=model, **engine)), max_waiting, request_timeout)
-        self.app = build_app(self.engine, model, shutdown_grace_s)
+        server = ServerConfig(max_waiting=max_waiting, request_timeout=request_timeout,
+                              shutdown_grace_s=shutdown_grace_s, stream_interval=stream_interval,
+                              max_request_bytes=max_request_bytes)
+        self.engine = build_engine(EngineConfig(model=model, **engine), server, core_factory)
+        self.app = build_app(self.engine, server)
         # Bound here and handed to uvicorn, so no other process can take the port in between.
         self._socket = socket.socket()
         self._socket.bind(("127.0.0.1", 0))
         self.url = "http://127.0.0.1:%d" % self._socket.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning")
+        config = uvicorn_config(self.app, log_level="warning")
         self._server = GracefulServer(config, self.engine, shutdown_grace_s)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
 
     def __enter__(self) -> "LiveServer":
         self._thread.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # the core process imports torch and loads the model first
         while time.monotonic() < deadline:
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
@@ -54,6 +62,8 @@ class LiveServer:
             except httpx.TransportError:
                 pass
             time.sleep(0.05)
+            if not self._thread.is_alive():
+                break
         raise RuntimeError(f"the server at {self.url} did not come up")
 
     def __exit__(self, *exc) -> None:

@@ -1,15 +1,17 @@
 """The OpenAI-compatible HTTP server: routes, app lifetime, and running it under uvicorn."""
 from __future__ import annotations
 
-import copy
+import logging
+import signal
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
 
 from specserve.config import EngineConfig
-from specserve.engine.async_engine import AsyncLLMEngine
-from specserve.engine.engine import LLMEngine
+from specserve.engine.async_llm import AsyncLLM
+from specserve.entrypoints.openai.body_limit import BodyLimitMiddleware
 from specserve.entrypoints.openai.errors import install_error_handlers
 from specserve.entrypoints.openai.metrics import ServerMetrics
 from specserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -17,22 +19,51 @@ from specserve.entrypoints.openai.serving import OpenAIServing
 from specserve.entrypoints.openai.serving_chat import create_chat_completion
 from specserve.entrypoints.openai.serving_completion import create_completion
 
+logger = logging.getLogger(__name__)
 
-def build_app(engine: AsyncLLMEngine, served_model_name: str, shutdown_grace_s: float = 5.0) -> FastAPI:
-    """An app serving `engine`; the engine thread starts and stops with the app's lifespan."""
+
+@dataclass
+class ServerConfig:
+    """How the server listens and treats requests (the engine's own settings are in EngineConfig)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # None: the model as given
+    max_waiting: int = 512  # requests allowed to wait for admission; more are answered 503
+    request_timeout: float | None = None  # seconds; None: no deadline
+    shutdown_grace_s: float = 10.0  # time running requests get to finish on shutdown
+    stream_interval: int = 1  # tokens per streamed chunk, at most (the first and last go out at once)
+    max_request_bytes: int = 8 * 2**20  # larger bodies are refused (413) before they are read
+
+    def __post_init__(self) -> None:
+        checks = [(0 <= self.port < 65536, "port", "must be in [0, 65535]"),
+                  (self.max_waiting >= 1, "max_waiting", "must be >= 1"),
+                  (self.request_timeout is None or self.request_timeout > 0, "request_timeout", "must be > 0"),
+                  (self.shutdown_grace_s >= 0, "shutdown_grace_s", "must be >= 0"),
+                  (self.stream_interval >= 1, "stream_interval", "must be >= 1 token"),
+                  (self.max_request_bytes >= 1024, "max_request_bytes", "must be >= 1024")]
+        for ok, name, rule in checks:
+            if not ok:
+                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+
+
+def build_engine(engine_config: EngineConfig, server: ServerConfig, core_factory=None) -> AsyncLLM:
+    return AsyncLLM(engine_config, server.max_waiting, server.request_timeout, server.stream_interval, core_factory)
+
+
+def build_app(engine: AsyncLLM, server: ServerConfig):
+    """An app serving `engine`; the engine core's process starts and stops with the app's lifespan."""
+    served_model_name = server.served_model_name or engine.config.model
     metrics = ServerMetrics(engine)
-    # Copied before the engine thread starts, so the two threads never share a tokenizer.
-    tokenizer = copy.deepcopy(engine.engine.tokenizer)
-    serving = OpenAIServing(engine, tokenizer, served_model_name, metrics)
+    serving = OpenAIServing(engine, served_model_name, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        engine.start()
+        await engine.start()
         yield
-        await engine.shutdown(shutdown_grace_s)
+        await engine.shutdown(server.shutdown_grace_s)
 
     app = FastAPI(title="specserve", lifespan=lifespan)
-    app.state.serving = serving
     install_error_handlers(app)
 
     @app.post("/v1/completions")
@@ -45,7 +76,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, shutdown_grace_s: 
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.engine.config.max_model_len)])
+        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len)])
 
     @app.get("/health")
     async def health() -> Response:
@@ -56,29 +87,47 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, shutdown_grace_s: 
         content, media_type = metrics.render()
         return Response(content, media_type=media_type)
 
-    return app
+    return BodyLimitMiddleware(app, server.max_request_bytes)
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn, draining the engine before it waits on open connections.
+    """uvicorn, draining the engine before it waits on open connections, and exiting when the engine
+    core dies (so whatever supervises the server can start it again).
 
     Plain uvicorn would wait for streams to end by themselves and then cancel
     them mid-response; draining first lets running requests finish within the
     grace period and ends the rest with an error event and `data: [DONE]`.
     """
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, shutdown_grace_s: float):
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, shutdown_grace_s: float):
         super().__init__(config)
         self.engine = engine
         self.shutdown_grace_s = shutdown_grace_s
+        engine.on_core_death = self._core_died
+
+    def _core_died(self) -> None:
+        logger.error("the engine core died; the server shuts down")
+        self.should_exit = True
 
     async def shutdown(self, sockets=None) -> None:
         await self.engine.shutdown(self.shutdown_grace_s)
         await super().shutdown(sockets)
 
 
-def run_server(config: EngineConfig, served_model_name: str, host: str, port: int, max_waiting: int,
-               request_timeout: float | None, shutdown_grace_s: float) -> None:
-    engine = AsyncLLMEngine(LLMEngine(config), max_waiting=max_waiting, request_timeout=request_timeout)
-    app = build_app(engine, served_model_name, shutdown_grace_s)
-    GracefulServer(uvicorn.Config(app, host=host, port=port, log_level="info"), engine, shutdown_grace_s).run()
+def uvicorn_config(app, **kwargs) -> uvicorn.Config:
+    """uvloop and httptools where installed (uvicorn's "auto" picks them), and no per-request access log."""
+    return uvicorn.Config(app, loop="auto", http="auto", access_log=False, **kwargs)
+
+
+def run_server(engine_config: EngineConfig, server: ServerConfig) -> None:
+    engine = build_engine(engine_config, server)
+    app = build_app(engine, server)
+    uv = GracefulServer(uvicorn_config(app, host=server.host, port=server.port, log_level="info"), engine,
+                        server.shutdown_grace_s)
+    # uvicorn drains on SIGINT / SIGTERM, then raises the signal again under the handlers it found. By then
+    # the drain is done, so those handlers only let run() return: a drained server exits with status 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    uv.run()
+    if engine.is_dead:
+        raise SystemExit("error: the engine core died; see the log above")

@@ -34,6 +34,7 @@ class BenchConfig:
     request_rate: float = math.inf
     seed: int = 0
     timeout: float = 600.0
+    ignore_eos: bool = False  # every request generates max_tokens (servers that accept it: specserve, vLLM)
 
 
 @dataclass
@@ -61,6 +62,8 @@ def load_prompts(path: str, num_prompts: int) -> list[str]:
 async def _send(client: httpx.AsyncClient, cfg: BenchConfig, model: str, prompt: str) -> RequestResult:
     payload = {"model": model, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "stream": True,
                "stream_options": {"include_usage": True}}
+    if cfg.ignore_eos:
+        payload["ignore_eos"] = True
     if cfg.endpoint == "chat":
         url, payload["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
     else:

@@ -34,6 +34,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds after which a request is aborted and answered 408 (default: no limit)")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running requests get to finish on shutdown before they are aborted")
+    p.add_argument("--stream-interval", type=_positive(int), default=1,
+                   help="tokens per streamed chunk at most; a busy server sends fewer, larger chunks with more "
+                        "(the first token and the end always go out at once)")
+    p.add_argument("--max-request-bytes", type=_positive(int), default=8 * 2**20,
+                   help="request bodies larger than this are refused (413) before they are read")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -50,9 +55,12 @@ def cmd_serve(a: argparse.Namespace) -> None:
     except ImportError as e:
         raise _missing_extra(e) from e
 
+    from specserve.entrypoints.openai.api_server import ServerConfig
+
     model = a.model_tag or a.model
-    run_server(EngineConfig(model=model, **engine_kwargs(a)), a.served_model_name or model, a.host, a.port,
-               a.max_waiting, a.request_timeout, a.shutdown_grace)
+    server = ServerConfig(a.host, a.port, a.served_model_name or model, a.max_waiting, a.request_timeout,
+                          a.shutdown_grace, a.stream_interval, a.max_request_bytes)
+    run_server(EngineConfig(model=model, **engine_kwargs(a)), server)
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -72,6 +80,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--request-rate", type=_positive(float), default=math.inf,
                    help="mean requests per second, Poisson arrivals (default: all at once)")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    p.add_argument("--ignore-eos", action="store_true", help="make every request generate --max-tokens tokens")
     p.add_argument("--timeout", type=_positive(float), default=600.0, help="seconds per request")
     p.set_defaults(func=cmd_bench_serve)
     add_decode_parser(bench_sub)
@@ -88,5 +97,5 @@ def cmd_bench_serve(a: argparse.Namespace) -> None:
     except (OSError, ValueError, KeyError) as e:
         raise SystemExit(f"error: cannot read prompts from {a.dataset}: {e!r}") from e
     config = BenchConfig(a.base_url.rstrip("/"), a.model, a.endpoint, a.max_tokens, a.temperature, a.concurrency,
-                         a.request_rate, a.seed, a.timeout)
+                         a.request_rate, a.seed, a.timeout, a.ignore_eos)
     print_report(asyncio.run(run_benchmark(config, prompts)))

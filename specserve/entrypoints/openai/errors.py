@@ -14,10 +14,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from specserve.engine.async_engine import EngineUnavailableError, QueueFullError, RequestTimeoutError
 from specserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                                    ContentPart, ErrorInfo, ErrorResponse, StreamOptions)
-from specserve.errors import InvalidRequestError
+from specserve.errors import EngineUnavailableError, InvalidRequestError, QueueFullError, RequestTimeoutError
 
 logger = logging.getLogger(__name__)
 

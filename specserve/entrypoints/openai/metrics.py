@@ -3,8 +3,8 @@ one process (tests, embedding) without their metric names clashing.
 
 Two kinds: per-request metrics (latencies, finish reasons) are observed by the
 server when a request ends; engine state (queue lengths, KV cache, token totals,
-speculative decoding) is read at scrape time from the snapshot the engine thread
-publishes, so a scrape never touches the engine itself.
+speculative decoding) is read at scrape time from the snapshot that comes with the
+core's last step, so a scrape never touches the engine itself.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from specserve.engine.async_engine import AsyncLLMEngine
+from specserve.engine.async_llm import AsyncLLM
 from specserve.outputs import RequestOutput
 
 PREFIX = "specserve:"
@@ -23,7 +23,7 @@ _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.
 
 
 class EngineStatsCollector(Collector):
-    def __init__(self, engine: AsyncLLMEngine):
+    def __init__(self, engine: AsyncLLM):
         self.engine = engine
 
     def collect(self):
@@ -54,7 +54,7 @@ class EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncLLMEngine):
+    def __init__(self, engine: AsyncLLM):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(PREFIX + "requests", "Requests ended, by finish reason "

@@ -3,24 +3,27 @@
 A request is answered only once the engine has produced its first output (or
 refused it), so that every refusal, from an invalid prompt to a full queue,
 gets its own HTTP status instead of an error inside a 200 stream.
+
+Streamed chunks are the hot path (one per request per engine step at most):
+they are built as bytes from a prefix fixed per request and msgspec-encoded
+choices, with no pydantic objects per chunk.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel
 
-from specserve.engine.async_engine import (AsyncLLMEngine, EngineUnavailableError, QueueFullError,
-                                           RequestTimeoutError)
+from specserve.engine.async_llm import AsyncLLM
 from specserve.entrypoints.openai.errors import OpenAIError, to_openai_error
 from specserve.entrypoints.openai.metrics import ServerMetrics
 from specserve.entrypoints.openai.protocol import PromptTokensDetails, Usage
-from specserve.errors import InvalidRequestError
+from specserve.errors import EngineUnavailableError, InvalidRequestError, QueueFullError, RequestTimeoutError
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 
@@ -61,10 +64,10 @@ def usage(out: RequestOutput) -> Usage:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, tokenizer, model_name: str, metrics: ServerMetrics):
+    def __init__(self, engine: AsyncLLM, model_name: str, metrics: ServerMetrics):
         self.engine = engine
-        # The front end's own copy: the engine thread's tokenizer must not be shared across threads.
-        self.tokenizer = tokenizer
+        # Used on the event loop only (logprob tokens); tokenization has its own in a worker thread.
+        self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.metrics = metrics
 
@@ -132,16 +135,30 @@ async def _prepend(first: RequestOutput, rest: Outputs) -> Outputs:
             yield out
 
 
-def sse(events: AsyncIterator[BaseModel]) -> StreamingResponse:
-    """Stream pydantic events as server-sent events ending in `data: [DONE]`; an error after the
-    stream started is sent as an OpenAI error event, since the status line is already out."""
-    async def body() -> AsyncIterator[str]:
+class ChunkWriter:
+    """Server-sent events of one streamed response: `data: {...}` lines sharing id, object, created
+    and model, whose bytes are encoded once."""
+
+    def __init__(self, request_id: str, object_name: str, model: str):
+        head = msgspec.json.encode({"id": request_id, "object": object_name, "created": int(time.time()),
+                                    "model": model})
+        self._prefix = b"data: " + head[:-1] + b',"choices":'
+
+    def chunk(self, choices: list[dict], usage: Usage | None = None) -> bytes:
+        tail = b"}\n\n" if usage is None else b',"usage":' + usage.model_dump_json().encode() + b"}\n\n"
+        return self._prefix + msgspec.json.encode(choices) + tail
+
+
+def sse(events: AsyncIterator[bytes]) -> StreamingResponse:
+    """Stream server-sent events ending in `data: [DONE]`; an error after the stream started is sent as
+    an OpenAI error event, since the status line is already out."""
+    async def body() -> AsyncIterator[bytes]:
         async with contextlib.aclosing(events):
             try:
                 async for event in events:
-                    yield f"data: {event.model_dump_json()}\n\n"
+                    yield event
             except Exception as e:
-                yield f"data: {json.dumps(to_openai_error(e).body())}\n\n"
-        yield "data: [DONE]\n\n"
+                yield b"data: " + msgspec.json.encode(to_openai_error(e).body()) + b"\n\n"
+        yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")

@@ -9,14 +9,14 @@ from fastapi import Request
 
 from specserve.entrypoints.openai.errors import to_openai_error
 from specserve.entrypoints.openai.logprobs import chat_logprobs
-from specserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                                   ChatCompletionResponse, ChatMessage, ChatResponseMessage,
-                                                   ChatStreamChoice, DeltaMessage)
-from specserve.entrypoints.openai.serving import OpenAIServing, Outputs, sse, usage
+from specserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
+                                                   ChatMessage, ChatResponseMessage)
+from specserve.entrypoints.openai.serving import ChunkWriter, OpenAIServing, Outputs, sse, usage
 from specserve.errors import InvalidRequestError
 
 
 def chat_prompt(tokenizer, messages: list[ChatMessage]) -> list[int]:
+    """The prompt's token ids; slow for long conversations, so the server runs it in its tokenizer thread."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("messages", "this model's tokenizer has no chat template; use /v1/completions")
     conversation = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
@@ -32,7 +32,7 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
     serving.check_model(body.model)
     try:
         params = body.to_sampling_params()
-        prompt = chat_prompt(serving.tokenizer, body.messages)
+        prompt = await serving.engine.run_tokenizer(chat_prompt, body.messages)
     except InvalidRequestError as e:
         raise to_openai_error(e, body.param_name) from e
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -49,20 +49,20 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
 
 
 async def _chunks(serving: OpenAIServing, body: ChatCompletionRequest, request_id: str,
-                  outputs: Outputs) -> AsyncIterator[ChatCompletionChunk]:
-    def chunk(delta: DeltaMessage, **choice) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=request_id, model=serving.model_name,
-                                   choices=[ChatStreamChoice(delta=delta, **choice)])
-
+                  outputs: Outputs) -> AsyncIterator[bytes]:
+    writer = ChunkWriter(request_id, "chat.completion.chunk", serving.model_name)
     # As OpenAI does, the first chunk carries the role alone.
-    yield chunk(DeltaMessage(role="assistant", content=""))
+    yield writer.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}])
     async for out in outputs:
-        c = out.outputs[0]  # this step's new tokens (RequestOutputKind.DELTA)
+        c = out.outputs[0]  # the new tokens since the previous output (RequestOutputKind.DELTA)
         logprobs = None
         if body.logprobs:
             logprobs = chat_logprobs(serving.tokenizer, c.token_ids, c.logprobs, body.top_logprobs or 0)
         # Steps whose text is held back (a possible stop string, an unfinished character) send nothing.
         if c.text or out.finished or (logprobs and logprobs.content):
-            yield chunk(DeltaMessage(content=c.text), logprobs=logprobs, finish_reason=c.finish_reason)
+            yield writer.chunk([{"index": 0, "delta": {"content": c.text},
+                                 "logprobs": None if logprobs is None else logprobs.model_dump(),
+                                 "finish_reason": c.finish_reason}])
     if body.include_usage:
-        yield ChatCompletionChunk(id=request_id, model=serving.model_name, choices=[], usage=usage(out))
+        yield writer.chunk([], usage(out))

@@ -9,7 +9,7 @@ from fastapi import Request
 from specserve.entrypoints.openai.errors import to_openai_error
 from specserve.entrypoints.openai.logprobs import completion_logprobs
 from specserve.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
-from specserve.entrypoints.openai.serving import OpenAIServing, Outputs, sse, usage
+from specserve.entrypoints.openai.serving import ChunkWriter, OpenAIServing, Outputs, sse, usage
 from specserve.errors import InvalidRequestError
 
 
@@ -33,16 +33,18 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, req
 
 
 async def _chunks(serving: OpenAIServing, body: CompletionRequest, request_id: str,
-                  outputs: Outputs) -> AsyncIterator[CompletionResponse]:
+                  outputs: Outputs) -> AsyncIterator[bytes]:
+    writer = ChunkWriter(request_id, "text_completion", serving.model_name)
     text_offset = 0  # where the text of the tokens whose logprobs went out ends
     async for out in outputs:
-        c = out.outputs[0]  # this step's new tokens (RequestOutputKind.DELTA)
+        c = out.outputs[0]  # the new tokens since the previous output (RequestOutputKind.DELTA)
         logprobs = None
         if body.logprobs is not None:
             logprobs, text_offset = completion_logprobs(serving.tokenizer, c.token_ids, c.logprobs, text_offset)
         # Steps whose text is held back (a possible stop string, an unfinished character) send nothing.
         if c.text or out.finished or (logprobs and logprobs.tokens):
-            choice = CompletionChoice(text=c.text, logprobs=logprobs, finish_reason=c.finish_reason)
-            yield CompletionResponse(id=request_id, model=serving.model_name, choices=[choice])
+            yield writer.chunk([{"index": 0, "text": c.text,
+                                 "logprobs": None if logprobs is None else logprobs.model_dump(),
+                                 "finish_reason": c.finish_reason}])
     if body.include_usage:
-        yield CompletionResponse(id=request_id, model=serving.model_name, choices=[], usage=usage(out))
+        yield writer.chunk([], usage(out))

@@ -1,0 +1,167 @@
+"""The engine core: admit token-id requests, schedule, run the model, report each step's new tokens.
+
+It owns the model runner, the scheduler and the KV cache, and nothing that deals in text: the front
+end (LLMEngine in this process, the API server in another) tokenizes, detokenizes, matches stop
+strings and aborts a request whose text hit one. The core is not thread-safe; one thread calls it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+from specserve.attention.backend import get_attention_backend
+from specserve.config import EngineConfig
+from specserve.engine.kv_cache_manager import KVCacheManager
+from specserve.engine.messages import CoreOutput, CoreReady, CoreRequest, EngineStats
+from specserve.engine.request import Request, RequestStatus
+from specserve.engine.scheduler import Scheduler
+from specserve.errors import InvalidRequestError
+from specserve.models.loader import ModelSource, build_model, load_tokenizer, open_model_source
+from specserve.spec_decode.factory import build_speculator
+from specserve.spec_decode.metrics import SpecDecodeStats
+from specserve.worker.cudagraph_mode import CUDAGraphMode
+from specserve.worker.graph_recorder import CudaGraphRecorder
+from specserve.worker.model_runner import ModelRunner
+from specserve.worker.step_handle import StepHandle
+
+logger = logging.getLogger(__name__)
+
+
+def eos_token_ids(source: ModelSource, arch, tokenizer) -> set[int]:
+    """Every token id that ends a generation: the model config's, the tokenizer's and generation_config's."""
+    ids = set(arch.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen_cfg = source.path / "generation_config.json" if source.path.is_dir() else None
+    if gen_cfg is not None and gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return ids
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, tokenizer=None):
+        """`tokenizer` is the front end's when it shares this process; the core reads only its EOS id."""
+        self.config = config
+        source = open_model_source(config.model)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source, config.tokenizer)
+        backend = get_attention_backend(config.attention_backend)
+        self.model, self.arch = build_model(source, config.torch_dtype, config.device, backend,
+                                             load_format=config.load_format, seed=config.seed)
+        config.finalize(self.arch.max_context)
+        self.eos_token_ids = eos_token_ids(source, self.arch, tokenizer)
+        self.runner = ModelRunner(self.model, self.arch, config)
+        spec = config.speculative_config
+        if spec is not None:
+            self.runner.set_speculator(build_speculator(spec, self.runner, backend), spec.forced_acceptance_prob)
+        self.attention_backend = backend
+        mode = CUDAGraphMode(config.cudagraph_mode)
+        if mode is not CUDAGraphMode.NONE:
+            self.runner.capture_graphs(mode, CudaGraphRecorder(self.runner.device), backend)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 config.max_model_len)
+        self.scheduler = Scheduler(config, self.kv, num_lookahead_tokens=spec.num_draft_tokens if spec else 0,
+                                   tree=spec.tree if spec else None)
+        # Running totals for metrics: prompt tokens of admitted requests, and tokens generated, those of
+        # requests later aborted included.
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+        # Asynchronous scheduling: the step launched but not yet completed, and whether the next call must
+        # complete it before scheduling again.
+        self._inflight: StepHandle | None = None
+        self._drain = False
+        logger.info("specserve ready: %s (%s, %s, %d layers), max_model_len=%d%s", source.name, self.arch.architecture,
+                    config.torch_dtype, self.arch.num_layers, config.max_model_len,
+                    ", asynchronous scheduling" if config.async_scheduling else "")
+
+    def ready_message(self) -> CoreReady:
+        return CoreReady(self.config.max_model_len, self.kv.num_blocks, self.config.block_size)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, request: CoreRequest) -> None:
+        """Validate and queue a request; raises InvalidRequestError and leaves the core untouched on bad input."""
+        ids, params = request.prompt_token_ids, request.params
+        if request.request_id in self.scheduler.requests:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use; "
+                                      "give each request its own id")
+        if not ids:
+            raise InvalidRequestError("prompt_token_ids", "is empty; give at least one token id")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise InvalidRequestError("prompt_token_ids", f"{bad[:3]} are not token ids of this model "
+                                      f"(vocabulary size {self.arch.vocab_size})")
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequestError(
+                "prompt", f"is {len(ids)} tokens long but the model's context is {limit} tokens (max_model_len), "
+                "which must also leave room for at least one generated token; shorten the prompt"
+            )
+        self.scheduler.add_request(Request(request.request_id, ids, params, self.eos_token_ids, limit,
+                                           device=self.config.device))
+        self.num_prompt_tokens += len(ids)
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats:
+        """Engine-wide acceptance statistics; empty without a speculator."""
+        return self.scheduler.spec_stats
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished or self._inflight is not None
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    def stats(self) -> EngineStats:
+        spec = self.spec_stats
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,
+                           self.kv.prefix_cache_hit_rate, spec.num_drafted, spec.num_accepted,
+                           tuple(spec.acceptance_per_position), self.num_prompt_tokens, self.num_generated_tokens)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[CoreOutput]:
+        """Schedule and launch a step, and return the new tokens of the step that completes: this one, or
+        with asynchronous scheduling the one launched by the previous call, whose results the host reads
+        while the device runs this one."""
+        if self._inflight is not None and self._drain:
+            # The scheduler stopped short of preempting requests the step in flight still uses.
+            self._drain = False
+            done, self._inflight = self._inflight, None
+            return self._complete(done)
+        sched = self.scheduler.schedule()
+        launched = None if sched.is_empty else self.runner.launch(sched)
+        self._drain = sched.stalled
+        if self.config.async_scheduling:
+            done, self._inflight = self._inflight, launched
+        else:
+            done = launched
+        return [] if done is None else self._complete(done)
+
+    def _complete(self, handle: StepHandle) -> list[CoreOutput]:
+        result = self.runner.resolve(handle)
+        sched = handle.sched
+        before = {s.request.request_id: s.request.num_output_tokens for s in sched.scheduled}
+        outputs = []
+        with_spec = self.config.speculative_config is not None
+        for req in self.scheduler.update(sched, result):
+            rid = req.request_id
+            new = req.output_token_ids[before[rid]:]
+            self.num_generated_tokens += len(new)
+            logprobs = result.logprobs.get(rid, [])[:len(new)] if req.params.logprobs is not None else None
+            finished = req.is_finished
+            if finished:
+                self.scheduler.finish(req, req.status)
+            outputs.append(CoreOutput(
+                rid, new, req.status.value if finished else None, req.stop_reason, logprobs,
+                max(req.num_cached_tokens, 0), req.num_model_tokens, req.num_preemptions,
+                req.spec_stats.as_dict() if finished and with_spec else None))
+        return outputs
