@@ -1,4 +1,4 @@
-"""Decode speed (issue 4): per-token latency at batch 1 and throughput at larger batches, in every CUDA
+"""Decode speed: per-token latency at batch 1 and throughput at larger batches, in every CUDA
 graph mode, without speculation and with EAGLE-3 at a forced acceptance rate, beside transformers'
 generate and the weight-bytes / bandwidth limit, all in one run on one device.
 
@@ -143,7 +143,7 @@ class DecodeBenchConfig:
 
 
 PRESETS: dict[str, dict] = {
-    # Issue 4's matrix on one H100, sized for one 10-minute run; see BENCHMARKS.md.
+    # BENCHMARKS.md's 'Decode speed' tables on one GPU, sized for one 10-minute run.
     "full": dict(models=["llama3-8b", "smollm2-135m"], device="cuda",
                  spec=[SpecSetting(3, 0.6), SpecSetting(3, 0.8), SpecSetting(5, 0.6), SpecSetting(5, 0.8)],
                  time_budget_s=540.0),

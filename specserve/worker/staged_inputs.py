@@ -9,7 +9,7 @@ device staging buffer, and `scatter_staged_inputs` writes the persistent
 buffers, padding included:
 
     tokens t < T                 input_ids, positions, slot_mapping, tree_bits from the staged arrays
-    tokens T <= t < max_tokens   0, 0, PAD_SLOT_ID, -1                      (design.md 4.5)
+    tokens T <= t < max_tokens   0, 0, PAD_SLOT_ID, -1     (docs/invariants.md, 'Padded rows')
     requests r < R               seq_lens[r], query_start_loc[r + 1], block_table row r
                                  (its first `table_width` staged columns, zeros after)
     requests R <= r < max_reqs   seq_lens 0, query_start_loc[r + 1] = T (empty requests)
