@@ -92,8 +92,8 @@ class CUDAGraphManager:
         self.req_sizes = {q: sorted(s for s in capture_sizes if s <= max_num_reqs and s * q <= max_num_tokens)
                           for q in self.uniform_query_lens}
         # One request's query of these lengths runs as a full graph too, in one graph each: the uncached tail of
-        # a prompt the prefix cache holds is at most a block, and run piecewise its eager attention calls took
-        # the host about 4.5 ms of a SmolLM2 prefill step (H100), the cost of 3-6 decode steps.
+        # a prompt the prefix cache holds is at most a block, and run piecewise its eager attention calls cost
+        # the host several decode steps' time.
         self.single_request_query_lens = tuple(
             q for q in sorted(set(single_request_query_lens))
             if q not in self.req_sizes and q <= max_num_tokens and 1 in capture_sizes)

@@ -155,9 +155,9 @@ class CudaGraphRecorder:
 @contextmanager
 def _no_collection():
     """No cyclic garbage collection while a graph records: collecting an engine dropped earlier in the process
-    frees its CUDA graphs, which the driver refuses during a capture, and the capture is lost (seen on an
-    H100 as "operation not permitted when stream is capturing (function reset)"). The garbage waits for the
-    next collection, after the capture (a collection per capture would cost ~0.1 s each)."""
+    frees its CUDA graphs, which the driver refuses during a capture, and the capture is lost ("operation not
+    permitted when stream is capturing (function reset)"). The garbage waits for the next collection, after
+    the capture (a collection before every capture would slow a start-up that records hundreds)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
