@@ -1,5 +1,5 @@
 """Every "<page>.md, 'Section'" citation (docs/design.md, docs/invariants.md, BENCHMARKS.md) in the code, the
-scripts and the docs names a page and a section that exist."""
+scripts, the docs and the README names a page and a section that exist."""
 import re
 from pathlib import Path
 
@@ -14,7 +14,8 @@ def test_cited_doc_sections_exist():
     cited = [(path.relative_to(ROOT), page, LINE_BREAK.sub(" ", name))
              for folder, pattern in SOURCES.items() for path in (ROOT / folder).rglob(pattern)
              for page, name in CITATION.findall(path.read_text())]
-    cited += [(Path("BENCHMARKS.md"), page, name) for page, name in CITATION.findall((ROOT / "BENCHMARKS.md").read_text())]
+    cited += [(Path(top), page, LINE_BREAK.sub(" ", name))
+              for top in ("BENCHMARKS.md", "README.md") for page, name in CITATION.findall((ROOT / top).read_text())]
     assert {page for _, page, _ in cited} == {"docs/design", "docs/invariants", "BENCHMARKS"}
     sections = {page: set(re.findall(r"^#+ (.+)$", (ROOT / f"{page}.md").read_text(), re.M))
                 for page in {page for _, page, _ in cited}}
