@@ -127,7 +127,8 @@ def linear_class(weight: torch.Tensor, wide: bool, norm: bool = False, m: int = 
 
 
 def qkv_class(weight: torch.Tensor, norm: bool = False, m: int = 16) -> str:
-    """The shape class of the qkv kernel (on a GPU), whose block_n counts rotary pairs."""
+    """The shape class of the qkv kernel (on a GPU), whose block_n counts rotary pairs: 16 at least, tl.dot's
+    minimum width."""
     small = weight_bytes(weight) <= SMALL_WEIGHT_BYTES
     if norm:
         if not small:
