@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU suite and issue 4's decode benchmark in one go, for one call of the device tool (10 minutes):
+# The GPU suite and the decode benchmark (specserve bench decode) in one go, within 10 minutes:
 #
 #   scripts/gpu_check.sh [tests|bench|all] [extra `specserve bench decode` flags]
 #

@@ -4,8 +4,8 @@
 #   scripts/train_smollm2_head.sh HEAD_DIR EVAL_PROMPTS.jsonl [more train-eagle flags]
 #
 # Training prompts are written by the target itself from built-in topics (never the evaluation set).
-# The shipped head (specserve/heads/smollm2_135m_eagle3) is three such runs, each continuing the last
-# (BENCHMARKS.md, ninth and tenth sessions). Each run trained on two data sets joined, about 18 minutes on
+# The shipped head (specserve/heads/smollm2_135m_eagle3) is five such runs, each continuing the last
+# (BENCHMARKS.md, 'The shipped head'). The first three trained on two data sets joined, about 18 minutes on
 # an H100: data-only runs (--data-only) on
 #   A: --prompts human.jsonl --sampled-fraction 1.0 --data-seconds 170 (scripts/build_prompt_set.py:
 #      8,240 prompts people wrote, from PyPI packages; each answered greedily and sampled)
@@ -15,7 +15,7 @@
 # work directory, then training there with --resume --draft-vocab-size 12288 --train-seconds 524. The
 # next two runs used new seeds for A and B (3 and 2, then 5 and 4; A's budget 230 s in the last) and
 # trained with --init-from smollm2-135m-eagle3 --lr 5e-4 --train-seconds 548, the head then shipped.
-# Two more runs (eleventh session) ran three data-only jobs at once on the one GPU, for 517 s: A as above
+# The last two ran three data-only jobs at once on the one GPU, for 517 s: A as above
 # (seeds 7, then 9 over 9,111 prompts), and two B-like jobs (--num-prompts 28000, seeds 6/10 and 8/11, the
 # second with --templated-fraction 0.8), each --kv-cache-memory-gb 14 (then 10); then trained on all three
 # with --init-from smollm2-135m-eagle3 --lr 5e-4 --train-seconds 505, the second also with

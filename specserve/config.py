@@ -46,7 +46,7 @@ class EngineConfig:
     attention_backend: str | None = None
     # A SpeculativeConfig, or its dict / JSON form as on vLLM's command line.
     speculative_config: object = None
-    # CUDA graph mode as in vLLM (design.md 3): NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or
+    # CUDA graph mode as in vLLM (docs/design.md, 'Graph modes'): NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or
     # FULL_AND_PIECEWISE; None: FULL_AND_PIECEWISE on CUDA with the triton backend, else NONE.
     cudagraph_mode: str | None = None
     # Batch sizes (num_tokens; num_reqs for full decode graphs) to capture; None: 1, 2, 4, 8, then every 8

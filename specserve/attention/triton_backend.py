@@ -188,8 +188,8 @@ def _paged_attention_kernel(
 # program costs Python time, and the tests set their own.
 SPLIT_TARGET_PROGRAMS = 128
 MAX_SPLITS = 32
-# Contexts up to this many keys stay in one part: at 64-192 keys an earlier two-kernel split cost more than it
-# saved on the H100 (BENCHMARKS.md, fifth session).
+# Contexts up to this many keys stay in one part: below it, writing and merging the parts costs more than
+# walking the keys in parallel saves (BENCHMARKS.md, 'Kernel choices').
 MIN_CHUNK = 512
 
 
@@ -204,15 +204,14 @@ def num_kv_splits(num_reqs: int, num_kv_heads: int, query_tiles: int, on_cpu: bo
 
 # Keys per loop step of a 16-row tile (decode, short verification) with heads of <= 64: a small model's
 # decode attention is a chain of dependent loads (block table, keys, values) per step, so fewer, wider
-# steps finish sooner. SmolLM2 at batch 1, contexts of 64-192 tokens: 3.66 us a layer against 5.08 at 64
-# keys; 128 and 256 decoded equally fast (results/h100_2026-11-23_s5_decode_block_n_ab.txt).
+# steps finish sooner; past 128 keys a step they gain nothing (BENCHMARKS.md, 'Kernel choices').
 NARROW_HEAD_DECODE_BLOCK_N = 128
 
 
 # Queries of at most this many tokens a request (verifying a tree of drafts) take 16-row tiles when the batch
-# is small: SmolLM2 verifying 17 tokens at batch 1 ran 3 programs of 64 rows, 8.25 us a layer against 5.16
-# for 5 tokens in one 16-row tile (benchmarks/results/h100_2026-11-24_s17_profile.txt); 16-row tiles give
-# it 12 programs, each with the wide key steps of a decode.
+# is small: in 64-row tiles SmolLM2 verifying 17 tokens at batch 1 gets 3 programs, each walking the keys in
+# the narrow steps of a prefill; 16-row tiles give it 12, each with the wide key steps of a decode
+# (BENCHMARKS.md, 'Kernel choices').
 MAX_NARROW_TILE_QUERY_LEN = 32
 
 

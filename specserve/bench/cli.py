@@ -23,7 +23,8 @@ def add_decode_parser(bench_sub: argparse._SubParsersAction) -> None:
         "weight-bytes / bandwidth limit. A preset sets everything; the options below replace parts of it. "
         "Tables go to stdout, progress to stderr.")
     p.add_argument("--preset", choices=["full", "tiny"], default="full",
-                   help="full: issue 4's matrix on one GPU, sized for one 10-minute run (it starts nothing new after "
+                   help="full: every graph mode, a batch sweep and EAGLE-3 at forced acceptance, for the Llama-3-8B "
+                   "shape and SmolLM2 on one GPU, sized for one 10-minute run (it starts nothing new after "
                    "540 s); tiny: a 4-layer model on the CPU in seconds")
     p.add_argument("--models", type=_names, help="comma-separated shape names (llama3-8b, tiny: random weights) "
                    "or model names / paths (their own weights)")

@@ -1,4 +1,4 @@
-"""Decode speed (issue 4): per-token latency at batch 1 and throughput at larger batches, in every CUDA
+"""Decode speed: per-token latency at batch 1 and throughput at larger batches, in every CUDA
 graph mode, without speculation and with EAGLE-3 at a forced acceptance rate, beside transformers'
 generate and the weight-bytes / bandwidth limit, all in one run on one device.
 
@@ -143,7 +143,7 @@ class DecodeBenchConfig:
 
 
 PRESETS: dict[str, dict] = {
-    # Issue 4's matrix on one H100, sized for one 10-minute run; see BENCHMARKS.md.
+    # The tables of BENCHMARKS.md, 'Decode speed', on one GPU, sized for one 10-minute run.
     "full": dict(models=["llama3-8b", "smollm2-135m"], device="cuda",
                  spec=[SpecSetting(3, 0.6), SpecSetting(3, 0.8), SpecSetting(5, 0.6), SpecSetting(5, 0.8)],
                  time_budget_s=540.0),
@@ -467,8 +467,8 @@ class DecodeBench:
                 self._fail(job, [b], "skipped: time budget spent")
                 continue
             time_engine(engine, make_prompts(b, cfg.prompt_len, vocab, cfg.seed + 1), min(cfg.new_tokens, 16))
-            # The median of three runs: a batch-1 run of a small model lasts a tenth of a second, and one
-            # host hiccup moved it by a fifth on the H100.
+            # The median of three runs: a batch-1 run of a small model lasts a tenth of a second, so one host
+            # hiccup moves it visibly.
             runs = [time_engine(engine, make_prompts(b, cfg.prompt_len, vocab, cfg.seed + r), cfg.new_tokens)
                     for r in range(RUNS_PER_FIGURE)]
             t = sorted(runs, key=lambda run: run.tok_s)[RUNS_PER_FIGURE // 2]

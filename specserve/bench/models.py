@@ -159,6 +159,6 @@ def build_hf_model(model: BenchModel, dtype: torch.dtype, device: str):
 
 def distinct_params(module: torch.nn.Module) -> tuple[int, int]:
     """(count, bytes) of the distinct parameters (a tied embedding counts once); the bytes are the weight
-    bytes of the batch-1 floor in design.md 6."""
+    bytes of the batch-1 floor (docs/design.md, 'Performance: what to measure')."""
     seen: dict[int, torch.nn.Parameter] = {p.data_ptr(): p for p in module.parameters()}
     return sum(p.numel() for p in seen.values()), sum(p.numel() * p.element_size() for p in seen.values())

@@ -13,8 +13,8 @@ processes; acceptance figures then count all N.
 
 With --interleave every engine (no speculation and each k) is built first and
 the timed runs go round robin, one of each per round: a host that slows down
-during the process (measured on the H100's host: 10% between processes, and
-a step's host time growing from run to run) then slows every engine alike, and
+during the process (a step's host time can grow from run to run, and differ
+between processes) then slows every engine alike, and
 each speculative run's speedup over the baseline run of its own round is
 reported beside the ratio of the medians.
 """
@@ -125,10 +125,9 @@ def run_prompts(llm, prompts: list[list[int]], temperature: float, max_tokens: i
 
 def _warm_up(llm, prompts: list[list[int]], temperatures: list[float]) -> None:
     """The timed batches first, a few tokens each, so one-time costs (kernel compilation for the batch's
-    shapes, allocator growth) stay out of the timing: with two prompts only, the first timed run of 80 on
-    the H100 still compiled and read 9.1k tok/s against 22k for the next one. Twice: the timed runs find
-    the prompts in the prefix cache and prefill only what is past their last full block, shapes the
-    first warm-up does not run (on a fresh H100 the batch-1 baseline read 505-520 tok/s, not 1,150-1,240)."""
+    shapes, allocator growth) stay out of the timing: a warm-up on fewer prompts leaves the timed batch's
+    shapes to compile inside the first timed run. Twice: the timed runs find the prompts in the prefix cache
+    and prefill only what is past their last full block, shapes the first warm-up does not run."""
     from specserve.sampling_params import SamplingParams
 
     for _ in range(2):

@@ -1,8 +1,8 @@
 """Row-wise argmax of large logits in two Triton launches.
 
-torch's argmax reduces one row in one thread block: over Llama-3's 128,256
-logits at batch 1 it took 36 us of the H100's 5.9 ms step, with 131 SMs idle.
-Here each row's columns split over many programs, each keeping the first
+torch's argmax reduces one row in one thread block: at batch 1 over Llama-3's
+128,256 logits every other SM idles while one walks the row. Here each row's
+columns split over many programs, each keeping the first
 maximum of its chunk, and a second kernel picks the first chunk holding the
 row's maximum: the index torch returns (the first maximal one), for any
 logits without NaN.
@@ -15,8 +15,9 @@ import triton.language as tl
 
 from specserve.kernels.pick_scatter import PickScatter
 
-# Below this vocabulary torch's argmax is kept: SmolLM2's 49,152 logits take it 13 us, and its batch-1
-# step waits on the host, to which a second launch adds more than the kernel time it saves.
+# Below this vocabulary torch's argmax is kept outside CUDA graphs: a step that waits on the host (a small
+# model's at batch 1) gains less from the split than its second launch costs the host (BENCHMARKS.md,
+# 'Kernel choices').
 MIN_VOCAB = 65536
 _BLOCK = 1024
 _CHUNK = 2048

@@ -1,9 +1,9 @@
 """Small-M projection in Triton: out = prologue(x) @ weight^T for at most 32 tokens, optionally SiLU-and-mul.
 
 For decode and small verify batches a projection is a matrix-vector product
-bound by reading its weight; cuBLAS runs it at a fraction of the bandwidth
-(SmolLM2-135M: 3.5 us for 0.2 to 1.2 us of weight) and the norm before it and
-the activation after it are kernels of their own. Here one kernel does all
+bound by reading its weight; cuBLAS runs a small one at a fraction of the
+bandwidth (BENCHMARKS.md, 'Kernel choices'), and the norm before it and the
+activation after it are kernels of their own. Here one kernel does all
 three: programs own BLOCK_N output columns (the grid covers N), each runs
 the prologue of small_m_prologue.py (residual add and RMSNorm: a weight-free
 prepass over x for the rows' rstd, then the K loop normalising each chunk as

@@ -5,14 +5,13 @@ rows (at most 32 x K) are cheap to reread: every program of the projection
 recomputes the prologue for the K chunk it multiplies, instead of a separate
 norm kernel writing the normed rows for the projection to read back.
 
-RMSNorm runs in two passes over K (benchmarks/bench_prologue_variants.py,
-its H100 results in benchmarks/results/h100_2026-11-23_prologue_variants.txt):
-a weight-free prepass (row_rstd) reads x (and the residual) alone for each
-row's rstd, then the main loop normalises every chunk as it loads it
-(input_chunk), so the loop that streams the weight holds no reduction.
-Accumulating the sum of squares inside that loop made add + norm + projection
-2-3x slower than cuBLAS plus separate kernels (9-11 us against 3.8-5.3 us for
-SmolLM2 at one token), whether reduced per chunk or once after the loop.
+RMSNorm runs in two passes over K: a weight-free prepass (row_rstd) reads x
+(and the residual) alone for each row's rstd, then the main loop normalises
+every chunk as it loads it (input_chunk), so the loop that streams the weight
+holds no reduction. A sum of squares accumulated inside that loop, whether
+reduced per chunk or once after it, holds back the weight loads behind it and
+made add + norm + projection slower than cuBLAS plus separate kernels
+(BENCHMARKS.md, 'Kernel choices').
 
 Rounding follows the unfused path where it is cheap to: the residual sum is
 rounded to x's dtype before it is normed, as the torch path stores it; the
@@ -20,7 +19,8 @@ normed and weighted row is rounded once, to the weight's dtype for the dot.
 
 With COMPACT the prologue computes only the ROWS = next_power_of_2(M) token
 rows and repeats them over the BLOCK_M rows of the tile (rows past M are never
-stored): measured best at one token, worse at four.
+stored); which shape classes take it is the tile data's choice
+(small_m_configs.py).
 
 x + residual, the next residual stream, is written once: every program
 stores one K slice of it (residual_slice before its main loop, so the load
@@ -137,8 +137,8 @@ def store_residual_slice(res_out_ptr, s, program, M, K, stride_rom, ROWS: tl.con
 
 
 def block_m(m: int) -> int:
-    """The tile's rows for m token rows: BLOCK_M up to 16, the tile small_m_configs.py was measured in
-    (decode's), MAX_ROWS above."""
+    """The tile's rows for m token rows: BLOCK_M up to 16 (decode's tile), MAX_ROWS above, where
+    small_m_configs.py's tall classes apply."""
     return BLOCK_M if m <= BLOCK_M else MAX_ROWS
 
 

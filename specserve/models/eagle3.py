@@ -136,7 +136,7 @@ class Eagle3Head(nn.Module):
 
     def top_tokens(self, h: torch.Tensor, k: int, scatter=None) -> torch.Tensor:
         """[n, k] target ids of the k best draft-vocabulary logits, best first: at small M one projection keeping
-        each program's best columns, and a pick (torch.topk of the vocabulary took 37 us a call on an H100).
+        each program's best columns, and a pick (torch.topk walks the vocabulary in few programs).
         Ties go to the lowest target id there, as greedy_tokens's do. scatter (kernels/pick_scatter.py): send
         them where it says instead, and return its out."""
         if self.target_ids_ascend and small_m(self.norm, h):

@@ -35,19 +35,18 @@ class FusableModule(nn.Module):
 
 # Up to this many tokens (decode at batch <= 32, verification of a small batch) a fused module runs its
 # output projections (o_proj, down_proj) as the small-M Triton kernel (kernels/fused_linear.py): a
-# matrix-vector product bound by reading the weight, measured on an H100 at 1.04-1.26x cuBLAS's speed
-# at <= 16 tokens (BENCHMARKS.md). A tree of drafts verifies up to 32 rows a request, which at 17 would
+# matrix-vector product bound by reading the weight, faster there than cuBLAS (BENCHMARKS.md, 'Kernel
+# choices'). A tree of drafts verifies up to 32 rows a request, which at 17 would
 # otherwise fall back to cuBLAS and the separate norm, rotary and SiLU kernels; past 16 rows the tile
 # doubles to 32, still bound by the weight read. 32 is the kernel's row limit (small_m_prologue.MAX_ROWS).
 SMALL_M_MAX_TOKENS = 32
 # Up to this many weight bytes the norm in front of the qkv and gate/up projections (with the residual
-# add) folds into their small-M kernels, rotary + KV-cache write and SiLU-and-mul in the epilogues: on
-# SmolLM2-135M measured 1.16-1.42x cuBLAS plus the separate kernels at one token, 1.03-1.21x at four
-# (benchmarks/results/h100_2026-11-23_prologue_variants.txt).
+# add) folds into their small-M kernels, rotary + KV-cache write and SiLU-and-mul in the epilogues: on a
+# small weight the kernels saved outweigh rereading the input rows in every program (BENCHMARKS.md,
+# 'Kernel choices').
 FOLD_NORM_MAX_WEIGHT_BYTES = SMALL_WEIGHT_BYTES
-# Up to this many tokens the norm folds whatever the weight: Llama-3-8B's qkv (+ rotary and cache write) and
-# gate/up (+ SiLU), 50 and 235 MB, measured 1.20x and 1.04x cuBLAS plus the separate kernels at one token
-# (results/h100_2026-11-23_s5_fused_linear_8b.txt), and 0.88x and 0.96x at four (prologue_variants.txt).
+# Up to this many tokens the norm folds whatever the weight: over a large weight (Llama-3-8B's qkv and
+# gate/up) folding gains at one token and loses at four (BENCHMARKS.md, 'Kernel choices').
 FOLD_NORM_ANY_WEIGHT_MAX_TOKENS = 1
 
 

@@ -1,11 +1,12 @@
-"""Inputs of one EAGLE draft decode step, prepared on the device (design.md 4.5-4.7).
+"""Inputs of one EAGLE draft decode step, prepared on the device (docs/design.md, 'Draft inputs').
 
 After the draft prefill produced draft 1 at each request's last accepted
 position, draft step j (1 <= j < k) runs one query token per request at
-position base + j. Its attention metadata must be rebuilt for every step
-(seed #38311), from persistent buffers, on the device, without a host sync
-(seed #39546), and rows past num_reqs must hold values that are always safe
-for a padded FULL graph to read (seed #39773):
+position base + j. Its attention metadata is rebuilt for every step (stale
+metadata from the step before silently lowers acceptance), from persistent
+buffers, on the device, without a host sync, and rows past num_reqs hold values
+that are always safe for a padded FULL graph to read (docs/invariants.md,
+'Draft step metadata', 'Metadata on the device', 'Padded rows'):
 
     real row i < num_reqs        padded row i >= num_reqs
     positions[i]  = p            0

@@ -1,20 +1,21 @@
 """Drafting with a model (an EAGLE head or a small draft LM): one prefill, then one token per step.
 
 The prefill runs over exactly the tokens the target just ran, with the
-target's attention metadata (design.md 4.6: no rebuild before the draft
-prefill). Each later draft step has one query token per request and gets its
-own metadata, rebuilt on the device by prepare_draft_step (positions and
-seq_lens advance, a fresh slot per request; padded rows as design.md 4.5).
-Draft probabilities are kept in one persistent float32 buffer, one row per
-running request, for the rejection sampler of the next step (seed #37639).
+target's attention metadata, not rebuilt (docs/design.md, 'Draft prefill').
+Each later draft step has one query token per request and gets its own
+metadata, rebuilt on the device by prepare_draft_step (positions and seq_lens
+advance, a fresh slot per request; padded rows as in docs/invariants.md,
+'Padded rows'). Draft probabilities are kept in one persistent float32 buffer,
+one row per running request, for the rejection sampler of the next step
+(docs/invariants.md, 'Draft logits').
 
 Under CUDA graphs two managers serve the drafter, on the engine's one pool:
 the prefill's, recorded for every descriptor the target records and in the
 same mode, reading the target's static outputs and, for full graphs, the very
 metadata the target's graph was recorded with; and the decode steps', which is
-FULL_DECODE_ONLY or NONE, never piecewise (seed #39773). Both read only the
-persistent buffers below, and a decode graph writes its float32 draft logits
-during replay.
+FULL_DECODE_ONLY or NONE, never piecewise (docs/invariants.md, 'Draft decode is
+never piecewise'). Both read only the persistent buffers below, and a decode
+graph writes its float32 draft logits during replay.
 """
 from __future__ import annotations
 
@@ -132,7 +133,8 @@ class ModelDrafter(Speculator):
         def prefill_prepare(desc: BatchDescriptor) -> AttentionMetadata:
             self.next_ids.zero_()
             metadata = target_prepare(desc)
-            # A full graph reads the attention state the target's graph was recorded with (seed #40410).
+            # A full graph reads the attention state the target's graph was recorded with, not a rebuilt one
+            # (docs/invariants.md, 'Draft step metadata').
             return target_graphs.metadata.get(desc.key, metadata)
 
         def prefill(desc: BatchDescriptor, metadata: AttentionMetadata):
@@ -156,7 +158,7 @@ class ModelDrafter(Speculator):
 
         if self.tree_tables is not None:
             # A tree drafts in passes of its own (tree_drafting.py), all of them one graph a batch size: eager,
-            # the passes' forty-odd launches took the host about 4 ms of a prefill step (H100, tree of 15).
+            # the passes' forty-odd launches would cost the host several decode steps' time at each prefill.
             self.tree_graphs = CUDAGraphManager("draft tree", decode_mode, sizes, max_reqs, max_reqs, (1,),
                                                 recorder, debug)
             self.tree_graphs.capture(self._tree_in_graph, loop_prepare)
@@ -179,8 +181,8 @@ class ModelDrafter(Speculator):
     def _greedy_loop(self, desc: BatchDescriptor, metadata: AttentionMetadata) -> torch.Tensor:
         """Every draft of a greedy batch: [n, k]. Draft 1 from first_hidden where the prefill drafts (else
         the loop starts from decode_tokens), then each decode step, metadata rebuilt on the device before
-        each (seed #38311). Reads num_reqs from its device buffer, so one recording serves every batch
-        padded to desc.num_reqs."""
+        each (docs/invariants.md, 'Draft step metadata'). Reads num_reqs from its device buffer, so one
+        recording serves every batch padded to desc.num_reqs."""
         n = desc.num_reqs
         base_positions, block_table = self._loop_inputs
         feedback = self.feedback[:n] if self.feedback is not None else None
@@ -301,7 +303,7 @@ class ModelDrafter(Speculator):
         """propose() of a greedy batch that the target ran as the full graph for desc, for recording inside the
         runner's whole-step graph: [desc.num_reqs, k] drafts. The batch is padded to desc.num_reqs; num_reqs
         ([1] on the device) holds how many rows are real, and rows past it of last_token_indices and
-        last_tokens hold 0, so every padded row reads in-range values (design.md 4.5)."""
+        last_tokens hold 0, so every padded row reads in-range values (docs/invariants.md, 'Padded rows')."""
         n = desc.num_reqs
         for_logits, fed_back = self._prefill(desc, metadata, target_out)
         last = last_token_indices[:n]

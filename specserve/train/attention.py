@@ -22,7 +22,7 @@ Step j > 0 is computed as two parts merged by their log-sum-exps: causal
 flash attention over the step-0 keys, and the j per-row scores of the row's
 own keys. A dense [L, (j + 1) L] mask over all steps' keys gives the same
 result but leaves flash for the masked kernel and computes every masked
-score: on an H100 that took a quarter of a SmolLM2 training step.
+score, a large share of a small model's training step.
 """
 from __future__ import annotations
 
@@ -115,8 +115,8 @@ def unrolled_step_attention(q: torch.Tensor, keys: list[torch.Tensor], values: l
     k0, v0 = (_expand_heads(x[0], heads).to(q.dtype) for x in (keys, values))
     causal, lse = CausalAttentionWithLse.apply(q, k0, v0, scale)
     # The row's own keys as elementwise products, grouped query heads broadcast over their key head: batched
-    # [j, D] x [D, 1] products took a fifth of an H100 training step. The merge runs in float32 at least: the
-    # weights of a bf16 query's parts would round visibly.
+    # [j, D] x [D, 1] products run as many tiny matrix multiplies, far slower. The merge runs in float32 at
+    # least: the weights of a bf16 query's parts would round visibly.
     acc = torch.promote_types(q.dtype, torch.float32)
     grouped = q.view(b, kv_heads, heads // kv_heads, n, d).to(acc)
     own_scores = [scale * (grouped * k.unsqueeze(2).to(acc)).sum(-1).view(b, heads, n) for k in keys[1:]]

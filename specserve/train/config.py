@@ -31,7 +31,7 @@ class TrainConfig:
     # Reuse the work directory's data and continue from its checkpoint.
     resume: bool = False
     # Stop once the data is in the work directory; a later run with resume trains on it (the two phases
-    # then fit in jobs, or device sessions, of their own).
+    # then fit in jobs of their own).
     data_only: bool = False
 
     # ---- data ----
@@ -47,8 +47,8 @@ class TrainConfig:
     # rather than written by the target.
     templated_fraction: float = 0.5
     # Without a prompt file: share of prompt topics that are words of the target's vocabulary rather than
-    # the curated list (questions.py): MT-bench asks about subjects no curated list foresees. A SmolLM2
-    # head trained so accepted 1.91 at k=5 on MT-bench against 1.76 without (BENCHMARKS.md).
+    # the curated list (questions.py): MT-bench asks about subjects no curated list foresees, and a head drafts
+    # poorly the content words its data never showed.
     word_topic_fraction: float = 0.6
     # Share of the greedy first answers that get a follow-up request, answered in a second round.
     follow_up_fraction: float = 1.0
@@ -91,7 +91,7 @@ class TrainConfig:
     # the one token the data holds; accuracy is then agreement with the target's greedy choice.
     soft_labels: bool = False
     # Start the head's lm_head, final norm and fc from the target (trainer.start_from_target) rather than
-    # noise. Off until a GPU run measures it (BENCHMARKS.md).
+    # noise. Off by default: no evaluation has shown it to help.
     warm_start: bool = False
     # Share of sequences held out to report accuracy on data the head did not train on.
     val_fraction: float = 0.05

@@ -1,13 +1,14 @@
 """One manager for a model's CUDA graphs: batch descriptors, padding, dispatch, capture, replay.
 
-A batch descriptor is the dispatch key (design.md 3). Under PIECEWISE only
-num_tokens is padded, to the next capture size; under FULL num_tokens and
-num_reqs are both padded, and every per-request buffer a graph reads must be
-valid for the padded rows (the owner's job, design.md 4.5). Full graphs of
-uniform batches (every request has query length q: 1 for decode, 1 + k when
-verifying k drafts) are keyed by their padded request count, with
-num_tokens = num_reqs * q; mixed full and piecewise graphs by their padded
-token count. A batch larger than every capture size runs eagerly.
+A batch descriptor is the dispatch key (docs/design.md, 'Batch descriptors and
+padding'). Under PIECEWISE only num_tokens is padded, to the next capture size;
+under FULL num_tokens and num_reqs are both padded, and every per-request
+buffer a graph reads must be valid for the padded rows (the owner's job:
+docs/invariants.md, 'Padded rows'). Full graphs of uniform batches (every
+request has query length q: 1 for decode, 1 + k when verifying k drafts) are
+keyed by their padded request count, with num_tokens = num_reqs * q; mixed full
+and piecewise graphs by their padded token count. A batch larger than every
+capture size runs eagerly.
 
 The owner supplies the forward as a function of a descriptor that reads and
 writes only persistent buffers; the manager records it once per descriptor
@@ -91,8 +92,8 @@ class CUDAGraphManager:
         self.req_sizes = {q: sorted(s for s in capture_sizes if s <= max_num_reqs and s * q <= max_num_tokens)
                           for q in self.uniform_query_lens}
         # One request's query of these lengths runs as a full graph too, in one graph each: the uncached tail of
-        # a prompt the prefix cache holds is at most a block, and run piecewise its eager attention calls took
-        # the host about 4.5 ms of a SmolLM2 prefill step (H100), the cost of 3-6 decode steps.
+        # a prompt the prefix cache holds is at most a block, and run piecewise its eager attention calls cost
+        # the host several decode steps' time.
         self.single_request_query_lens = tuple(
             q for q in sorted(set(single_request_query_lens))
             if q not in self.req_sizes and q <= max_num_tokens and 1 in capture_sizes)
@@ -100,7 +101,7 @@ class CUDAGraphManager:
             self.req_sizes[q] = [1]
         self.graphs: dict[tuple, RecordedGraph] = {}
         # The padded attention metadata each full graph was recorded with; a drafter's graphs for the
-        # same descriptor reuse it (design.md 4.6).
+        # same descriptor reuse it (docs/invariants.md, 'Draft step metadata').
         self.metadata: dict[tuple, AttentionMetadata] = {}
 
     # ---- dispatch ----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""CUDA graph modes (design.md 3, same names and meaning as vLLM's) and what each runs per batch kind."""
+"""CUDA graph modes (same names and meaning as vLLM's) and what each runs per batch kind: docs/design.md,
+'Graph modes'."""
 from __future__ import annotations
 
 from enum import Enum
@@ -29,6 +30,7 @@ class CUDAGraphMode(Enum):
         return self in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE)
 
     def for_draft_decode(self) -> CUDAGraphMode:
-        """Draft decode steps never run PIECEWISE (seed #39773): a mode with full graphs gives
-        FULL_DECODE_ONLY, any other NONE."""
+        """Draft decode steps never run PIECEWISE: a mode with full graphs gives FULL_DECODE_ONLY, any other
+        NONE. Piecewise padding would give a one-token draft step more tokens than requests, and attention would
+        read stale rows for the extra ones (docs/invariants.md, 'Draft decode is never piecewise')."""
         return CUDAGraphMode.FULL_DECODE_ONLY if self.has_full else CUDAGraphMode.NONE

@@ -8,7 +8,8 @@ metadata, which writes and reads nothing) and starts the next piece; the call
 piece 0, attention 0 on the step's live metadata, piece 1, ... so attention
 sees each step's real num_reqs and lengths while everything else is replayed.
 
-EagerRecorder is the CPU stand-in for torch.cuda.CUDAGraph (design.md 5):
+EagerRecorder is the CPU stand-in for torch.cuda.CUDAGraph (docs/design.md,
+'Testing without a GPU'):
 "replay" re-runs the recorded function, so the manager's dispatch, padding
 and mode rules are tested without a GPU.
 """
@@ -96,7 +97,8 @@ class RecordedGraph:
 
 class CudaGraphRecorder:
     """Records into torch.cuda.CUDAGraph objects, all in one memory pool shared by every graph of the
-    engine (design.md 3); graphs are captured largest first so smaller ones reuse that memory."""
+    engine (docs/design.md, 'Batch descriptors and padding'); graphs are captured largest first so smaller
+    ones reuse that memory."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -153,9 +155,9 @@ class CudaGraphRecorder:
 @contextmanager
 def _no_collection():
     """No cyclic garbage collection while a graph records: collecting an engine dropped earlier in the process
-    frees its CUDA graphs, which the driver refuses during a capture, and the capture is lost (seen on an
-    H100 as "operation not permitted when stream is capturing (function reset)"). The garbage waits for the
-    next collection, after the capture (a collection per capture would cost ~0.1 s each)."""
+    frees its CUDA graphs, which the driver refuses during a capture, and the capture is lost ("operation not
+    permitted when stream is capturing (function reset)"). The garbage waits for the next collection, after
+    the capture (a collection before every capture would slow a start-up that records hundreds)."""
     enabled = gc.isenabled()
     gc.disable()
     try:

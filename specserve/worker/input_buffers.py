@@ -4,7 +4,7 @@ A later CUDA graph reads these exact tensors, so nothing here is ever
 reallocated; a step stages its inputs in one copy (staged_inputs.py), which
 spread() then writes into the buffers, eagerly or inside a whole-step graph.
 Rows past the live batch are reset to values that are always safe to read
-(design.md 4.5).
+(docs/invariants.md, 'Padded rows').
 """
 from __future__ import annotations
 

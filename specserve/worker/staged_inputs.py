@@ -1,15 +1,15 @@
 """A step's host inputs reach the device in one copy, then one kernel spreads them into the persistent buffers.
 
 Each host-to-device copy and each fill of a padded tail is a launch of its own,
-and at 10 to 25 us of host time per launch (measured on the H100's host), a
-step that uploaded its inputs buffer by buffer spent more host time launching
-than a small model spends computing. Here the host packs everything into one
+and a launch costs the host more time than a small model's kernel costs the
+GPU, so a step that uploaded its inputs buffer by buffer would spend more host
+time launching than the model spends computing. Here the host packs everything into one
 int64 array (StagedLayout says where each part sits), copies it into one
 device staging buffer, and `scatter_staged_inputs` writes the persistent
 buffers, padding included:
 
     tokens t < T                 input_ids, positions, slot_mapping, tree_bits from the staged arrays
-    tokens T <= t < max_tokens   0, 0, PAD_SLOT_ID, -1                      (design.md 4.5)
+    tokens T <= t < max_tokens   0, 0, PAD_SLOT_ID, -1     (docs/invariants.md, 'Padded rows')
     requests r < R               seq_lens[r], query_start_loc[r + 1], block_table row r
                                  (its first `table_width` staged columns, zeros after)
     requests R <= r < max_reqs   seq_lens 0, query_start_loc[r + 1] = T (empty requests)

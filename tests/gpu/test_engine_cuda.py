@@ -81,7 +81,7 @@ def test_cuda_async_scheduling_equals_cpu(case, tmp_path, spec):
 
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "eagle3"])
 def test_launching_a_step_never_syncs_the_host(case, tmp_path, spec):
-    """design.md 4.7: everything a step enqueues (inputs, in-flight corrections, forward, sampling or
+    """docs/invariants.md, 'Metadata on the device': everything a step enqueues (inputs, in-flight corrections, forward, sampling or
     verification, drafts, the copy of the results) runs under CUDA's sync debug mode set to raise, for
     greedy and sampled requests, prefill chunks and decode; only resolve() waits, on one event."""
     path, hf, prompts, ref = case

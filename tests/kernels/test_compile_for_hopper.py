@@ -70,21 +70,22 @@ def kernels():
     # add + norm (its rstd after the weight loop, as bfloat16 runs it), with the compact prologue at one
     # token, and the plain output projection.
     from specserve.kernels import fused_linear, qkv_rotary_cache
-    from specserve.kernels.small_m_configs import (NORM_FEW_TOKENS, NORM_MEDIUM, NORM_MEDIUM_ONE_ACC, NORM_SMALL,
-                                                   QKV_NORM_ONE_TOKEN_LARGE, QKV_SMALL, SMALL_SHORT_K)
+    from specserve.kernels.small_m_configs import load_configs
+
+    tiles = load_configs()
 
     bf16, f32 = "*bf16", "*fp32"
     projection = dict(x_ptr=bf16, res_ptr=bf16, res_out_ptr=bf16, norm_w_ptr=bf16, w_ptr=bf16, out_ptr=bf16,
                       idx_ptr=bf16, part_ptr=bf16, counter_ptr=bf16, M=i32, N=i32, K=i32, k_per=i32, stride_xm=i32,
                       stride_rm=i32, stride_rom=i32, stride_wn=i32, stride_om=i32, eps="fp32", DOT_FP32=False,
                       BLOCK_M=16, SPLIT_K=1)
-    for rows, cfg in ((1, NORM_SMALL), (16, NORM_FEW_TOKENS), (4, NORM_MEDIUM)):
+    for rows, cfg in ((1, tiles["norm_small_one_token"]), (16, tiles["norm_small"]), (4, tiles["norm_medium"])):
         yield fused_linear._fused_linear_kernel, dict(
             projection, ADD=True, NORM=True, SILU_MUL=True, TOP=0, COMPACT=cfg.compact, ROWS=rows,
             PRE_K=4096 // rows, SLICE_K=16, LATE_RSTD=True, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
     yield fused_linear._fused_linear_kernel, dict(
         projection, ADD=False, NORM=False, SILU_MUL=False, TOP=0, COMPACT=False, ROWS=16, PRE_K=256,
-        SLICE_K=16, LATE_RSTD=False, BLOCK_N=SMALL_SHORT_K.block_n, BLOCK_K=SMALL_SHORT_K.block_k)
+        SLICE_K=16, LATE_RSTD=False, BLOCK_N=tiles["small_short_k"].block_n, BLOCK_K=tiles["small_short_k"].block_k)
     # The head's down_proj (576 x 6144), K split over 4 programs a column tile (atomics, L2 loads, a barrier).
     yield fused_linear._fused_linear_kernel, dict(
         projection, part_ptr=f32, counter_ptr=p32, ADD=False, NORM=False, SILU_MUL=False, TOP=0, COMPACT=False,
@@ -94,8 +95,8 @@ def kernels():
     for rows, top in ((1, 1), (4, 3)):
         yield fused_linear._fused_linear_kernel, dict(
             projection, out_ptr=f32, idx_ptr=p32, ADD=True, NORM=True, SILU_MUL=False, TOP=top, COMPACT=False,
-            ROWS=rows, PRE_K=4096 // rows, SLICE_K=16, LATE_RSTD=True, BLOCK_N=NORM_MEDIUM_ONE_ACC.block_n,
-            BLOCK_K=NORM_MEDIUM_ONE_ACC.block_k)
+            ROWS=rows, PRE_K=4096 // rows, SLICE_K=16, LATE_RSTD=True, BLOCK_N=tiles["norm_medium_one_acc"].block_n,
+            BLOCK_K=tiles["norm_medium_one_acc"].block_k)
     qkv = dict(
         x_ptr=bf16, res_ptr=bf16, res_out_ptr=bf16, norm_w_ptr=bf16, w_ptr=bf16, bias_ptr=bf16, q_ptr=bf16,
         k_cache_ptr=bf16, v_cache_ptr=bf16, cos_ptr=f32, sin_ptr=f32, positions_ptr=p64, slot_mapping_ptr=p64,
@@ -103,18 +104,18 @@ def kernels():
         stride_qh=i32, stride_pos=i32, stride_cb=i32, stride_cs=i32, stride_ch=i32, block_size=i32,
         num_heads=i32, num_kv_heads=i32, half=i32, eps="fp32", ADD=True, NORM=True, BIAS=False, DOT_FP32=False,
         PAD_SLOT=PAD_SLOT_ID, ROWS=1, BLOCK_M=16)
-    for rows, cfg in ((1, NORM_SMALL), (16, NORM_FEW_TOKENS)):
+    for rows, cfg in ((1, tiles["qkv_norm_small_one_token"]), (16, tiles["qkv_norm_small"])):
         yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
             qkv, ROWS=rows, COMPACT=cfg.compact, PRE_K=4096 // rows, SLICE_K=64, LATE_RSTD=True, BLOCK_P=cfg.block_n,
             BLOCK_K=cfg.block_k)
     # The head's qkv: its input normed already (K = 1152), no prologue.
     yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
         qkv, ADD=False, NORM=False, COMPACT=False, ROWS=16, PRE_K=256, SLICE_K=128, LATE_RSTD=False,
-        BLOCK_P=QKV_SMALL.block_n, BLOCK_K=QKV_SMALL.block_k)
+        BLOCK_P=tiles["qkv_small"].block_n, BLOCK_K=tiles["qkv_small"].block_k)
     # Llama-3-8B's one token (K = 4096, 96 programs).
     yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
-        qkv, COMPACT=False, PRE_K=4096, SLICE_K=64, LATE_RSTD=False, BLOCK_P=QKV_NORM_ONE_TOKEN_LARGE.block_n,
-        BLOCK_K=QKV_NORM_ONE_TOKEN_LARGE.block_k)
+        qkv, COMPACT=False, PRE_K=4096, SLICE_K=64, LATE_RSTD=False, BLOCK_P=tiles["qkv_norm_large_one_token"].block_n,
+        BLOCK_K=tiles["qkv_norm_large_one_token"].block_k)
     from specserve.attention import triton_backend
     from specserve.kernels import rmsnorm
 

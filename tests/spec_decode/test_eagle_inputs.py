@@ -1,5 +1,5 @@
-"""Draft decode step inputs: exact values in real rows, exactly the pad values of design.md 4.5
-past them, the same buffers from the Triton kernel and the torch path, and a device-side
+"""Draft decode step inputs: exact values in real rows, exactly the pad values of docs/invariants.md,
+'Padded rows' past them, the same buffers from the Triton kernel and the torch path, and a device-side
 num_reqs that can change between calls over the same buffers.
 
 Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py switches it on).
@@ -55,7 +55,7 @@ def expected(step: int, num_reqs: int, max_num_reqs: int, base: list[int], table
             p = min(base[i] + step, max_position - 1)
             row = (p, p + 1, table[i][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE, i)
         else:
-            row = (0, 0, PAD_SLOT_ID, 0)  # design.md 4.5
+            row = (0, 0, PAD_SLOT_ID, 0)  # docs/invariants.md, 'Padded rows'
         for name, value in zip(("positions", "seq_lens", "slot_mapping", "last_token_indices"), row):
             want[name].append(value)
     # One query token per request; padded requests are empty at the last real end.

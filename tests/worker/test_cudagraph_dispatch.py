@@ -1,4 +1,4 @@
-"""The graph manager's mode rules, dispatch and padding (design.md 3), without a GPU."""
+"""The graph manager's mode rules, dispatch and padding (docs/design.md, 'Graph modes'), without a GPU."""
 from __future__ import annotations
 
 import pytest

@@ -65,7 +65,7 @@ def test_graph_modes_keep_greedy_output_and_dispatch_as_designed(case, mode):
     # Greedy batches run every decode step in one graph (the loop); others step by step.
     decode = {m for n, m in used if n in ("decode", "loop")}
     prefill = {m for n, m in used if n == "prefill"}
-    assert M.PIECEWISE not in decode  # seed #39773
+    assert M.PIECEWISE not in decode  # docs/invariants.md, 'Draft decode is never piecewise'
     if mode.has_full:
         # Uniform greedy batches (every verification here) replay the whole step, loop included, as one graph.
         assert ("whole", M.FULL) in used
