@@ -84,6 +84,28 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=_positive(float), default=600.0, help="seconds per request")
     p.set_defaults(func=cmd_bench_serve)
     add_decode_parser(bench_sub)
+    p = bench_sub.add_parser("offline", help="the engine's throughput on a prompt set in this process, the "
+                             "figure `bench serve` is compared with")
+    p.add_argument("--dataset", required=True, help="JSONL of prompts, as for `bench serve`")
+    p.add_argument("--num-prompts", type=_positive(int), default=80)
+    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
+                   help="chat: the prompts go through the model's chat template, as `bench serve` sends them")
+    p.add_argument("--max-tokens", type=_positive(int), default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_bench_offline)
+
+
+def cmd_bench_offline(a: argparse.Namespace) -> None:
+    from specserve.bench.offline import print_offline_report, run_offline
+    from specserve.entrypoints.openai.bench_serve import load_prompts
+    from specserve.llm import LLM
+
+    prompts = load_prompts(a.dataset, a.num_prompts)
+    llm = LLM(a.model, **engine_kwargs(a))
+    print_offline_report(run_offline(llm, prompts, a.endpoint == "chat", a.max_tokens, a.temperature,
+                                     a.ignore_eos))
 
 
 def cmd_bench_serve(a: argparse.Namespace) -> None:
