@@ -93,6 +93,19 @@ def test_streamed_equals_non_streamed(plain):
     assert chat_texts(plain, PROMPTS, stream=True) == chat_texts(plain, PROMPTS, stream=False)
 
 
+@pytest.mark.parametrize("interval", [3, 64])
+def test_every_stream_interval_streams_the_same_text(plain, tiny_llama, interval):
+    reference = completion_texts(plain, PROMPTS, stream=False)
+    chat_reference = chat_texts(plain, PROMPTS, stream=False)
+    with LiveServer(str(tiny_llama[0]), stream_interval=interval, **ENGINE) as server:
+        assert completion_texts(server, PROMPTS, stream=True) == reference
+        assert chat_texts(server, PROMPTS, stream=True) == chat_reference
+        chunks = list(client(server).completions.create(model=server.model, prompt=PROMPTS[0], stream=True,
+                                                        **GREEDY))
+    # One chunk for the first token, then at most one per `interval` tokens until the last.
+    assert len(chunks) <= 2 + GREEDY["max_tokens"] // interval
+
+
 @needs_spec
 def test_speculative_streams_equal_plain_output(plain, spec):
     reference = completion_texts(plain, PROMPTS, stream=False)
