@@ -1,6 +1,7 @@
 """Engine configuration: typed dataclasses validated at construction."""
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -76,6 +77,10 @@ class EngineConfig:
         if self.device.startswith("cuda"):
             _check(torch.cuda.is_available(), "device",
                    "CUDA was asked for but torch sees no GPU; use device='cpu' or install a CUDA build of torch")
+            # The CUDA path runs Triton kernels (specserve/kernels/); the CPU path runs without them.
+            _check(importlib.util.find_spec("triton") is not None, "device",
+                   "the CUDA path runs Triton kernels but Triton is not installed; pip install triton, "
+                   "or use device='cpu'")
         if self.attention_backend is None:
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
         _check(self.attention_backend in ("torch", "triton"), "attention_backend",
