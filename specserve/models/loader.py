@@ -6,6 +6,7 @@ import importlib.util
 import json
 import logging
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,25 +88,42 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+@contextmanager
+def _read_safetensors(f: Path):
     from safetensors import SafetensorError, safe_open
 
+    try:
+        with safe_open(str(f), framework="pt") as st:
+            yield st
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(f"cannot read {f}: {e}. The file is corrupt or truncated; download it again") from e
+
+
+def safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for f in _safetensors_files(path):
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():
-                    yield name, st.get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise ModelLoadError(f"cannot read {f}: {e}. The file is corrupt or truncated; download it again") from e
+        with _read_safetensors(f) as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+def count_safetensors(path: Path) -> int:
+    """How many tensors safetensors_weights(path) yields (read from the files' headers)."""
+    total = 0
+    for f in _safetensors_files(path):
+        with _read_safetensors(f) as st:
+            total += len(st.keys())
+    return total
 
 
 def hf_named_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     """The source's tensors under Hugging Face names, dequantized to float32 for GGUF."""
     if source.is_gguf:
         reader = open_gguf(source.path)
-        return iter(tqdm(gguf_weights(reader, source.hf_config), total=len(reader.tensors),
-                         desc=f"Loading {source.name}", unit="tensor", leave=False))
-    return iter(tqdm(safetensors_weights(source.path), desc=f"Loading {source.name}", unit="tensor", leave=False))
+        weights, total = gguf_weights(reader, source.hf_config), len(reader.tensors)
+    else:
+        weights, total = safetensors_weights(source.path), count_safetensors(source.path)
+    # Counted against the total and left on screen, so that a log shows how many tensors were read.
+    return iter(tqdm(weights, total=total, desc=f"Loading {source.name}", unit="tensor"))
 
 
 def load_weights_into(model: torch.nn.Module, source: ModelSource) -> None:
