@@ -27,8 +27,12 @@ class EngineConfig:
     kv_cache_memory_gb.
     """
 
+    # A built-in name, a Hugging Face directory, a .gguf file or a Hugging Face id (org/name); tokenizer: any of
+    # these too (None: the model's).
     model: str = "smollm2-135m"
     tokenizer: str | None = None
+    # The branch, tag or commit of a Hugging Face id to load (None: main).
+    revision: str | None = None
     dtype: str | None = None
     device: str | None = None
     seed: int = 0
@@ -66,7 +70,9 @@ class EngineConfig:
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         _check(isinstance(self.model, str) and bool(self.model), "model",
-               "give a model name (e.g. smollm2-135m), a Hugging Face directory or a .gguf file")
+               "give a model name (e.g. smollm2-135m), a Hugging Face directory, a .gguf file or a Hugging Face id")
+        _check(self.revision is None or (isinstance(self.revision, str) and bool(self.revision)), "revision",
+               f"must be a branch, tag or commit of the model's Hugging Face repository, got {self.revision!r}")
         _check(self.load_format in LOAD_FORMATS, "load_format",
                f"must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         _check(self.dtype is None or self.dtype in _DTYPES, "dtype",

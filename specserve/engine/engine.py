@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        source = open_model_source(config.model)
+        source = open_model_source(config.model, config.revision)
         self.tokenizer = load_tokenizer(source, config.tokenizer)
         backend = get_attention_backend(config.attention_backend)
         self.model, self.arch = build_model(source, config.torch_dtype, config.device, backend,

@@ -12,7 +12,10 @@ from specserve.errors import SpecserveError
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default="smollm2-135m", help="built-in name, Hugging Face directory or .gguf file")
+    g.add_argument("--model", default="smollm2-135m",
+                   help="built-in name, Hugging Face directory, .gguf file or Hugging Face id (org/name)")
+    g.add_argument("--revision", help="branch, tag or commit of a Hugging Face id (default: main)")
+    g.add_argument("--tokenizer", help="the tokenizer, given as --model is (default: the model's)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on CUDA")
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     g.add_argument("--max-model-len", type=int)
@@ -38,7 +41,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(
-        dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+        revision=a.revision, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=not a.no_prefix_caching,
         enable_chunked_prefill=not a.no_chunked_prefill, seed=a.seed, speculative_config=a.speculative_config,
     )
