@@ -39,9 +39,9 @@ def hub_snapshot(repo_id: str, revision: str | None = None, files: tuple[str, ..
         why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub cannot be reached"
         command = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
         raise ModelLoadError(
-            f"{repo_id}{at} is not in the Hugging Face cache at {constants.HF_HUB_CACHE} and {why}; download it "
-            f"with `{command}` where the hub is reachable (the same HF_HOME or HF_HUB_CACHE), or give a local "
-            "directory") from e
+            f"{repo_id}{at} is neither a local path nor in the Hugging Face cache at {constants.HF_HUB_CACHE}, and "
+            f"{why}; download it with `{command}` where the hub is reachable (the same HF_HOME or HF_HUB_CACHE), "
+            "or give a local directory") from e
     except GatedRepoError as e:
         raise ModelLoadError(f"{repo_id} is gated on the Hugging Face hub: accept its terms on huggingface.co, then "
                              "log in with `hf auth login` or set HF_TOKEN") from e

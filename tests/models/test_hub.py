@@ -98,8 +98,8 @@ print(json.dumps(dict(main=greedy(main), v2=greedy(v2),
     assert got["v2"] == greedy(LLM(str(v2), device="cpu", num_kv_blocks=64))
     assert got["main"] != got["v2"]
     assert got["missing"] == (
-        f"org/missing is not in the Hugging Face cache at {cache} and HF_HUB_OFFLINE is set; download it with "
-        "`hf download org/missing` where the hub is reachable (the same HF_HOME or HF_HUB_CACHE), or give a local "
-        "directory")
-    assert "org/tiny at revision 'v3' is not in the Hugging Face cache" in got["missing_revision"]
+        f"org/missing is neither a local path nor in the Hugging Face cache at {cache}, and HF_HUB_OFFLINE is set; "
+        "download it with `hf download org/missing` where the hub is reachable (the same HF_HOME or HF_HUB_CACHE), "
+        "or give a local directory")
+    assert got["missing_revision"].startswith("org/tiny at revision 'v3' is neither a local path nor in the Hugging")
     assert "`hf download org/tiny --revision v3`" in got["missing_revision"]
