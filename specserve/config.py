@@ -9,7 +9,7 @@ import torch
 
 from specserve.errors import ConfigError
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -75,8 +75,8 @@ class EngineConfig:
                f"must be a branch, tag or commit of the model's Hugging Face repository, got {self.revision!r}")
         _check(self.load_format in LOAD_FORMATS, "load_format",
                f"must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
-        _check(self.dtype is None or self.dtype in _DTYPES, "dtype",
-               f"must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        _check(self.dtype is None or self.dtype in DTYPES, "dtype",
+               f"must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         _check(self.device.split(":")[0] in ("cpu", "cuda"), "device", f"must be 'cpu' or 'cuda', got {self.device!r}")
@@ -145,7 +145,7 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         if self.dtype is None:
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     def finalize(self, model_max_len: int) -> None:
         """Fill the fields that depend on the loaded model and check their fit."""
