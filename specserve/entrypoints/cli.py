@@ -41,9 +41,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(
-        revision=a.revision, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=not a.no_prefix_caching,
-        enable_chunked_prefill=not a.no_chunked_prefill, seed=a.seed, speculative_config=a.speculative_config,
+        revision=a.revision, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+        enable_prefix_caching=not a.no_prefix_caching, enable_chunked_prefill=not a.no_chunked_prefill, seed=a.seed,
+        speculative_config=a.speculative_config,
     )
 
 

@@ -13,8 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from conftest import make_hf_model
 from specserve import LLM, SamplingParams
 from specserve.models.hub import MODEL_FILES, is_hub_id
