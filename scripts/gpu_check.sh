@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_check.sh [tests|bench|all] [extra `specserve bench decode` flags]
 #
-# tests: every GPU-marked test (tests/entrypoints needs the serving extras, which the GPU image lacks).
+# tests: every GPU-marked test (tests/entrypoints needs the server's dependencies, which the GPU image lacks).
 # bench: batch 1 and 64 without speculation and EAGLE-3 k=3/k=5 at forced acceptance 0.8 for the
 # Llama-3-8B shape and the SmolLM2 shape (random weights: speed does not depend on them), in the
 # default graph mode, beside transformers and the bandwidth limit. Logs and tables go to $OUT

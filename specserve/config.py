@@ -1,6 +1,7 @@
 """Engine configuration: typed dataclasses validated at construction."""
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -8,7 +9,7 @@ import torch
 
 from specserve.errors import ConfigError
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -26,8 +27,12 @@ class EngineConfig:
     kv_cache_memory_gb.
     """
 
+    # A built-in name, a Hugging Face directory, a .gguf file or a Hugging Face id (org/name); tokenizer: any of
+    # these too (None: the model's).
     model: str = "smollm2-135m"
     tokenizer: str | None = None
+    # The branch, tag or commit of a Hugging Face id to load (None: main).
+    revision: str | None = None
     dtype: str | None = None
     device: str | None = None
     seed: int = 0
@@ -65,17 +70,23 @@ class EngineConfig:
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         _check(isinstance(self.model, str) and bool(self.model), "model",
-               "give a model name (e.g. smollm2-135m), a Hugging Face directory or a .gguf file")
+               "give a model name (e.g. smollm2-135m), a Hugging Face directory, a .gguf file or a Hugging Face id")
+        _check(self.revision is None or (isinstance(self.revision, str) and bool(self.revision)), "revision",
+               f"must be a branch, tag or commit of the model's Hugging Face repository, got {self.revision!r}")
         _check(self.load_format in LOAD_FORMATS, "load_format",
                f"must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
-        _check(self.dtype is None or self.dtype in _DTYPES, "dtype",
-               f"must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        _check(self.dtype is None or self.dtype in DTYPES, "dtype",
+               f"must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         _check(self.device.split(":")[0] in ("cpu", "cuda"), "device", f"must be 'cpu' or 'cuda', got {self.device!r}")
         if self.device.startswith("cuda"):
             _check(torch.cuda.is_available(), "device",
                    "CUDA was asked for but torch sees no GPU; use device='cpu' or install a CUDA build of torch")
+            # The CUDA path runs Triton kernels (specserve/kernels/); the CPU path runs without them.
+            _check(importlib.util.find_spec("triton") is not None, "device",
+                   "the CUDA path runs Triton kernels but Triton is not installed; pip install triton, "
+                   "or use device='cpu'")
         if self.attention_backend is None:
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
         _check(self.attention_backend in ("torch", "triton"), "attention_backend",
@@ -134,7 +145,7 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         if self.dtype is None:
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     def finalize(self, model_max_len: int) -> None:
         """Fill the fields that depend on the loaded model and check their fit."""

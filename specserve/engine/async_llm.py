@@ -64,7 +64,7 @@ class AsyncLLM:
         self.request_timeout = request_timeout
         self.stream_interval = stream_interval
         self._core_factory = core_factory
-        self.tokenizer = load_tokenizer(open_model_source(config.model), config.tokenizer)
+        self.tokenizer = load_tokenizer(open_model_source(config.model, config.revision), config.tokenizer)
         # Tokenization runs in one worker thread with a tokenizer of its own: a tokenizer is not shared
         # across threads, and one thread keeps big prompts from taking every core from the loop.
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="specserve-tokenize")

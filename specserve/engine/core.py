@@ -43,7 +43,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, tokenizer=None):
         """`tokenizer` is the front end's when it shares this process; the core reads only its EOS id."""
         self.config = config
-        source = open_model_source(config.model)
+        source = open_model_source(config.model, config.revision)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source, config.tokenizer)
         backend = get_attention_backend(config.attention_backend)
         self.model, self.arch = build_model(source, config.torch_dtype, config.device, backend,

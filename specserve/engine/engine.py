@@ -18,7 +18,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, core_factory=EngineCore):
         """`core_factory(config, tokenizer)` builds the core; tests pass a subclass of EngineCore."""
         self.config = config
-        self.tokenizer = load_tokenizer(open_model_source(config.model), config.tokenizer)
+        self.tokenizer = load_tokenizer(open_model_source(config.model, config.revision), config.tokenizer)
         self.core = core_factory(config, self.tokenizer)
         self.processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()

@@ -1,4 +1,4 @@
-"""The `specserve` command line: generate, chat, serve, bench, train-eagle, eval-acceptance."""
+"""The `specserve` command line: generate, chat, export, serve, bench, train-eagle, eval-acceptance."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +12,10 @@ from specserve.errors import SpecserveError
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default="smollm2-135m", help="built-in name, Hugging Face directory or .gguf file")
+    g.add_argument("--model", default="smollm2-135m",
+                   help="built-in name, Hugging Face directory, .gguf file or Hugging Face id (org/name)")
+    g.add_argument("--revision", help="branch, tag or commit of a Hugging Face id (default: main)")
+    g.add_argument("--tokenizer", help="the tokenizer, given as --model is (default: the model's)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on CUDA")
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     g.add_argument("--max-model-len", type=int)
@@ -38,9 +41,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(
-        dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=not a.no_prefix_caching,
-        enable_chunked_prefill=not a.no_chunked_prefill, seed=a.seed, speculative_config=a.speculative_config,
+        revision=a.revision, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+        enable_prefix_caching=not a.no_prefix_caching, enable_chunked_prefill=not a.no_chunked_prefill, seed=a.seed,
+        speculative_config=a.speculative_config,
     )
 
 
@@ -108,6 +112,13 @@ def cmd_chat(a: argparse.Namespace) -> None:
         history.append({"role": "assistant", "content": reply})
 
 
+def cmd_export(a: argparse.Namespace) -> None:
+    from specserve.models.export import ExportConfig, export
+
+    out = export(ExportConfig(a.model, a.out_dir, a.dtype, a.revision))
+    print(f"wrote {a.model} as a Hugging Face directory: {out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="LLM inference with speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -125,6 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    export = sub.add_parser("export", help="write a model (a GGUF too) as a complete Hugging Face directory")
+    export.add_argument("model", help="built-in name, Hugging Face directory, .gguf file or Hugging Face id")
+    export.add_argument("out_dir", help="the directory to write")
+    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                        help="of the weights written (default: the model's; float32 for a GGUF, dequantized)")
+    export.add_argument("--revision", help="branch, tag or commit of a Hugging Face id (default: main)")
+    export.set_defaults(func=cmd_export)
 
     # Imported here because cli_args builds on this module's add_engine_args.
     from specserve.entrypoints.openai.cli_args import add_bench_parser, add_serve_parser

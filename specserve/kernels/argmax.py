@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.pick_scatter import PickScatter
+from specserve.spec_decode.pick_scatter import PickScatter
 
 # Below this vocabulary torch's argmax is kept outside CUDA graphs: a step that waits on the host (a small
 # model's at batch 1) gains less from the split than its second launch costs the host (BENCHMARKS.md,
@@ -108,10 +108,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return pick_chunks(vals, idxs)
 
 
-def greedy_argmax(logits: torch.Tensor, captured: bool = False) -> torch.Tensor:
-    """logits.argmax(dim=-1) over [rows, vocab]: the split kernels for a large vocabulary on a GPU.
-    captured: the call is being recorded into a CUDA graph (a smaller vocabulary already pays)."""
-    min_vocab = CAPTURED_MIN_VOCAB if captured else MIN_VOCAB
-    if logits.is_cuda and min_vocab <= logits.shape[-1] <= _MAX_CHUNKS * _CHUNK and logits.stride(-1) == 1:
-        return argmax_rows(logits)
-    return logits.argmax(dim=-1)
+def splits(vocab: int, captured: bool) -> bool:
+    """Whether argmax_rows pays over a CUDA row of vocab logits (see MIN_VOCAB); captured: the call is being
+    recorded into a CUDA graph (a smaller vocabulary already pays)."""
+    return (CAPTURED_MIN_VOCAB if captured else MIN_VOCAB) <= vocab <= _MAX_CHUNKS * _CHUNK

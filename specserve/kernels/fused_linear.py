@@ -37,10 +37,11 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.argmax import PickScatter, pick_chunks
+from specserve.kernels.argmax import pick_chunks
 from specserve.kernels.small_m_configs import SmallMConfig, linear_config
 from specserve.kernels.small_m_prologue import (check_prologue, dot_in_float32, input_chunk, prologue_meta,
                                                  prologue_rows, row_rstd, store_residual_slice)
+from specserve.spec_decode.pick_scatter import PickScatter
 
 
 @triton.jit

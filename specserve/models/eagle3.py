@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from specserve.kernels.argmax import greedy_argmax
+from specserve.sample.argmax import greedy_argmax
 from specserve.models.arch_config import ArchConfig
 from specserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, folds_norm, prologue_args, small_m
 from specserve.models.llama import Attention

@@ -9,9 +9,10 @@ import numpy as np
 import torch
 
 from specserve.errors import ModelLoadError
+from specserve.models.arch_config import SUPPORTED_ARCHITECTURES
 
-_ARCH_TO_HF = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# GGUF's general.architecture is the Hugging Face model_type.
+_ARCH_TO_HF = {model_type: arch for arch, model_type in SUPPORTED_ARCHITECTURES.items()}
 # llama.cpp's converter interleaves the rotary halves of q and k for these; we undo it.
 _PERMUTED_QK = {"llama", "mistral"}
 
@@ -57,11 +58,13 @@ def gguf_hf_config(reader, path: Path) -> dict:
     num_heads = get("attention.head_count")
     hidden = get("embedding_length")
     vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    rope = {"rope_type": "default"}
+    rope = None
     if get("rope.scaling.type") == "linear":
         rope = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
     return {
         "architectures": [_ARCH_TO_HF[arch]],
+        "model_type": arch,
+        "hidden_act": "silu",
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": get("feed_forward_length"),

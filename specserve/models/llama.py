@@ -16,7 +16,7 @@ from torch import nn
 
 from specserve.attention.backend import AttentionBackend
 from specserve.attention.metadata import AttentionMetadata
-from specserve.kernels.argmax import greedy_argmax
+from specserve.sample.argmax import greedy_argmax
 from specserve.models.arch_config import ArchConfig
 from specserve.models.layers import (FusableModule, GatedMLP, RMSNorm, RotaryEmbedding, add_and_norm, folds_norm,
                                      fuses_neighbours, output_projection, prologue_args)

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import logging
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from tqdm import tqdm
 from specserve.errors import ModelLoadError
 from specserve.models.arch_config import ArchConfig
 from specserve.models.gguf_file import gguf_hf_config, gguf_weights, open_gguf
+from specserve.models.hub import MODEL_FILES, TOKENIZER_FILES, hub_snapshot, is_hub_id
 
 logger = logging.getLogger(__name__)
 
@@ -30,13 +32,12 @@ class ModelSource:
     path: Path
     hf_config: dict
     is_gguf: bool
-
-    @property
-    def name(self) -> str:
-        return self.path.name
+    name: str  # what the user called it: a file or directory name, or a Hugging Face id
 
 
-def resolve_model_path(model: str) -> Path:
+def resolve_model_path(model: str, revision: str | None = None, files: tuple[str, ...] = MODEL_FILES) -> Path:
+    """The local file or directory of model: a built-in name, an existing path, or a Hugging Face id (org/name)
+    at revision, whose `files` are fetched into the hub's cache when missing (models/hub.py)."""
     if model in _BUILTIN:
         package, filename, install = _BUILTIN[model]
         spec = importlib.util.find_spec(package)
@@ -48,20 +49,25 @@ def resolve_model_path(model: str) -> Path:
             raise ModelLoadError(f"{path} is missing from package {package}; reinstall it with: {install} --force-reinstall")
         return path
     path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(
-            f"unknown model {model!r}: it is neither a built-in name ({', '.join(_BUILTIN)}) nor an existing path. "
-            "Give a Hugging Face model directory (config.json + safetensors) or a .gguf file"
-        )
-    return path
+    if path.exists():
+        return path
+    if is_hub_id(model):
+        return hub_snapshot(model, revision, files)
+    raise ModelLoadError(
+        f"unknown model {model!r}: it is neither a built-in name ({', '.join(_BUILTIN)}), an existing path nor a "
+        "Hugging Face id (org/name). Give a Hugging Face model directory (config.json + safetensors), a .gguf file "
+        "or an id such as Qwen/Qwen2.5-0.5B-Instruct"
+    )
 
 
-def open_model_source(model: str) -> ModelSource:
-    path = resolve_model_path(model)
+def open_model_source(model: str, revision: str | None = None) -> ModelSource:
+    path = resolve_model_path(model, revision)
+    # A hub snapshot's directory is named by its commit: the id names the model instead.
+    name = model if is_hub_id(model) and not Path(model).expanduser().exists() else path.name
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path} is a file but not a .gguf; give a .gguf file or a Hugging Face directory")
-        return ModelSource(path, gguf_hf_config(open_gguf(path), path), True)
+        return ModelSource(path, gguf_hf_config(open_gguf(path), path), True, name)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise ModelLoadError(f"{path} has no config.json; a Hugging Face model directory needs one")
@@ -69,7 +75,7 @@ def open_model_source(model: str) -> ModelSource:
         hf_config = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{cfg_path} is not valid JSON ({e}); restore the file") from e
-    return ModelSource(path, hf_config, False)
+    return ModelSource(path, hf_config, False, name)
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -87,25 +93,42 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+@contextmanager
+def _read_safetensors(f: Path):
     from safetensors import SafetensorError, safe_open
 
+    try:
+        with safe_open(str(f), framework="pt") as st:
+            yield st
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(f"cannot read {f}: {e}. The file is corrupt or truncated; download it again") from e
+
+
+def safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for f in _safetensors_files(path):
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():
-                    yield name, st.get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise ModelLoadError(f"cannot read {f}: {e}. The file is corrupt or truncated; download it again") from e
+        with _read_safetensors(f) as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+def count_safetensors(path: Path) -> int:
+    """How many tensors safetensors_weights(path) yields (read from the files' headers)."""
+    total = 0
+    for f in _safetensors_files(path):
+        with _read_safetensors(f) as st:
+            total += len(st.keys())
+    return total
 
 
 def hf_named_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     """The source's tensors under Hugging Face names, dequantized to float32 for GGUF."""
     if source.is_gguf:
         reader = open_gguf(source.path)
-        return iter(tqdm(gguf_weights(reader, source.hf_config), total=len(reader.tensors),
-                         desc=f"Loading {source.name}", unit="tensor", leave=False))
-    return iter(tqdm(safetensors_weights(source.path), desc=f"Loading {source.name}", unit="tensor", leave=False))
+        weights, total = gguf_weights(reader, source.hf_config), len(reader.tensors)
+    else:
+        weights, total = safetensors_weights(source.path), count_safetensors(source.path)
+    # Counted against the total and left on screen, so that a log shows how many tensors were read.
+    return iter(tqdm(weights, total=total, desc=f"Loading {source.name}", unit="tensor"))
 
 
 def load_weights_into(model: torch.nn.Module, source: ModelSource) -> None:
@@ -118,23 +141,25 @@ def load_weights_into(model: torch.nn.Module, source: ModelSource) -> None:
 
 
 def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
-    """A transformers tokenizer; GGUF tokenizers are converted once and cached on disk."""
+    """A transformers tokenizer: the model's own, or that of `tokenizer` (a built-in name, a directory, a .gguf
+    file or a Hugging Face id). GGUF tokenizers are converted once and cached on disk."""
     from transformers import AutoTokenizer
 
-    if tokenizer is not None:
-        return AutoTokenizer.from_pretrained(tokenizer)
-    if not source.is_gguf:
+    path = source.path if tokenizer is None else resolve_model_path(tokenizer, files=TOKENIZER_FILES)
+    if path.is_dir():
         try:
-            return AutoTokenizer.from_pretrained(str(source.path))
+            return AutoTokenizer.from_pretrained(str(path))
         except (OSError, ValueError) as e:
-            raise ModelLoadError(f"{source.path} has no usable tokenizer ({e}); add tokenizer files or pass tokenizer=") from e
-    stat = source.path.stat()
-    key = hashlib.sha256(f"{source.path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+            raise ModelLoadError(f"{path} has no usable tokenizer ({e}); add tokenizer files or pass tokenizer=") from e
+    if path.suffix != ".gguf":
+        raise ModelLoadError(f"{path} is neither a tokenizer directory nor a .gguf file; give one of those")
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     cached = TOKENIZER_CACHE / key
     if (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached))
-    logger.info("Converting the GGUF tokenizer of %s (once; cached in %s)", source.name, cached)
-    tok = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+    logger.info("Converting the GGUF tokenizer of %s (once; cached in %s)", path.name, cached)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     try:
         tok.save_pretrained(str(cached))
     except OSError as e:

@@ -13,7 +13,7 @@ from functools import cached_property
 import torch
 
 from specserve.engine.request import Request
-from specserve.kernels.argmax import greedy_argmax
+from specserve.sample.argmax import greedy_argmax
 from specserve.transfer import to_device
 
 

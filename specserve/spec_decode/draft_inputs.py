@@ -28,17 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from specserve.worker.staged_inputs import HEADER_EXTRAS, NUM_TOKENS, header_extra
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # Triton is optional on CPU installs; the torch path serves there.
-    triton = None
+from specserve.worker.staged_inputs import NUM_TOKENS, header_extra
 
 REQUEST_COLUMNS = 5
-_TOKENS_PER_LOOP = 128
-_TABLE_COLUMNS = 64
 
 
 def gather_draft_inputs_torch(staged: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
@@ -69,59 +61,6 @@ def gather_draft_inputs_torch(staged: torch.Tensor, accepted: torch.Tensor, toke
     last_tokens[requests.shape[0]:pad_reqs] = 0
 
 
-if triton is not None:
-
-    # pad_to and pad_reqs are a graph's sizes, one per recorded batch size: not specializing on them keeps
-    # one compiled kernel for all.
-    @triton.jit(do_not_specialize=["pad_to", "pad_reqs"])
-    def _gather_draft_inputs_kernel(
-        staged_ptr, accepted_ptr, accepted_stride, tokens_ptr, tokens_stride, input_ids_ptr, positions_ptr,
-        block_table_ptr, block_table_stride, pad_to, pad_reqs,
-        next_ids_ptr, last_ptr, last_tokens_ptr, base_positions_ptr, draft_table_ptr, draft_table_stride,
-        max_blocks, REQUESTS_AT: tl.constexpr, REQUESTS_ROWS: tl.constexpr, NUM_TOKENS_AT: tl.constexpr,
-        TOKENS: tl.constexpr, COLUMNS: tl.constexpr,
-    ):
-        r = tl.program_id(0)
-        # The grid is a bound: the header says how many requests there are and where their rows are.
-        num_scheduled = tl.load(staged_ptr + REQUESTS_ROWS)
-        num_tokens = tl.load(staged_ptr + NUM_TOKENS_AT)
-        requests_ptr = staged_ptr + tl.load(staged_ptr + REQUESTS_AT)
-        if r > num_scheduled:
-            return
-        if r == num_scheduled:
-            # The extra program: zeros over the drafter graph's padded tokens and rows.
-            for p0 in range(num_tokens, pad_to, TOKENS):
-                p = p0 + tl.arange(0, TOKENS)
-                tl.store(next_ids_ptr + p, tl.zeros([TOKENS], dtype=tl.int64), mask=p < pad_to)
-            for i0 in range(num_scheduled, pad_reqs, TOKENS):
-                i = i0 + tl.arange(0, TOKENS)
-                tl.store(last_ptr + i, tl.zeros([TOKENS], dtype=tl.int64), mask=i < pad_reqs)
-                tl.store(last_tokens_ptr + i, tl.zeros([TOKENS], dtype=tl.int64), mask=i < pad_reqs)
-        else:
-            first = tl.load(requests_ptr + r * 5)
-            end = first + tl.load(requests_ptr + r * 5 + 1)
-            slot = tl.load(requests_ptr + r * 5 + 2)
-            override_at = end - 1
-            value = tl.load(requests_ptr + r * 5 + 4)
-            if slot >= 0:
-                acc = tl.load(accepted_ptr + r * accepted_stride)
-                override_at = end - 1 - tl.load(requests_ptr + r * 5 + 3) + acc
-                value = tl.load(tokens_ptr + r * tokens_stride + acc)
-                tl.store(last_ptr + slot, override_at)
-                tl.store(last_tokens_ptr + slot, value)
-                tl.store(base_positions_ptr + slot, tl.load(positions_ptr + override_at))
-                for c0 in range(0, max_blocks, COLUMNS):
-                    c = c0 + tl.arange(0, COLUMNS)
-                    block = tl.load(block_table_ptr + r * block_table_stride + c, mask=c < max_blocks, other=0)
-                    tl.store(draft_table_ptr + slot * draft_table_stride + c, block, mask=c < max_blocks)
-            for t0 in range(first, end, TOKENS):
-                t = t0 + tl.arange(0, TOKENS)
-                live = t < end
-                following = tl.where(t + 1 < num_tokens, t + 1, 0)
-                nxt = tl.load(input_ids_ptr + following, mask=live, other=0)
-                tl.store(next_ids_ptr + t, tl.where(t == override_at, value, nxt), mask=live)
-
-
 def gather_draft_inputs(staged: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
                         input_ids: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
                         pad_to: int, pad_reqs: int, next_ids: torch.Tensor, last: torch.Tensor,
@@ -134,21 +73,15 @@ def gather_draft_inputs(staged: torch.Tensor, accepted: torch.Tensor, tokens: to
     request's index, and last, last_tokens zero over [R, pad_reqs)). One Triton launch on CUDA, torch ops
     elsewhere (use_triton forces either; tests run the kernel under TRITON_INTERPRET=1)."""
     if use_triton is None:
-        use_triton = triton is not None and input_ids.is_cuda
-    if not use_triton:
+        use_triton = input_ids.is_cuda
+    if use_triton:
+        from specserve.kernels.draft_inputs import gather_draft_inputs_triton
+
+        gather_draft_inputs_triton(staged, accepted, tokens, input_ids, positions, block_table, pad_to, pad_reqs,
+                                   next_ids, last, last_tokens, base_positions, draft_block_table, max_rows)
+    else:
         gather_draft_inputs_torch(staged, accepted, tokens, input_ids, positions, block_table, pad_to, pad_reqs,
                                   next_ids, last, last_tokens, base_positions, draft_block_table)
-        return
-    assert staged.is_contiguous() and staged.dtype == torch.int64 and block_table.stride(1) == 1
-    assert draft_block_table.stride(1) == 1 and tokens.stride(1) == 1
-    at_slot, rows_slot = HEADER_EXTRAS["draft_requests"]
-    _gather_draft_inputs_kernel[(max_rows + 1,)](
-        staged, accepted, accepted.stride(0), tokens, tokens.stride(0), input_ids, positions,
-        block_table, block_table.stride(0), pad_to, pad_reqs,
-        next_ids, last, last_tokens, base_positions, draft_block_table, draft_block_table.stride(0),
-        block_table.shape[1], REQUESTS_AT=at_slot, REQUESTS_ROWS=rows_slot, NUM_TOKENS_AT=NUM_TOKENS,
-        TOKENS=_TOKENS_PER_LOOP, COLUMNS=_TABLE_COLUMNS,
-    )
 
 
 def follow_tree_paths_torch(path_tokens: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
@@ -166,23 +99,6 @@ def follow_tree_paths_torch(path_tokens: torch.Tensor, accepted: torch.Tensor, t
     base_positions[slots] = positions[last_index.squeeze(1)]
 
 
-if triton is not None:
-
-    @triton.jit
-    def _follow_tree_paths_kernel(path_ptr, accepted_ptr, tokens_ptr, slots_ptr, positions_ptr, next_ids_ptr,
-                                  last_ptr, base_positions_ptr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64)
-        d = tl.arange(0, BLOCK)
-        acc = tl.load(accepted_ptr + i)
-        on_path = d <= acc
-        path = tl.load(path_ptr + i * WIDTH + d, mask=on_path, other=0)
-        tl.store(next_ids_ptr + path, tl.load(tokens_ptr + i * WIDTH + d, mask=on_path, other=0), mask=on_path)
-        last_index = tl.load(path_ptr + i * WIDTH + acc)
-        slot = tl.load(slots_ptr + i)
-        tl.store(last_ptr + slot, last_index)
-        tl.store(base_positions_ptr + slot, tl.load(positions_ptr + last_index))
-
-
 def follow_tree_paths(path_tokens: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor,
                       positions: torch.Tensor, next_ids: torch.Tensor, last: torch.Tensor,
                       base_positions: torch.Tensor, *, use_triton: bool | None = None) -> None:
@@ -193,12 +109,10 @@ def follow_tree_paths(path_tokens: torch.Tensor, accepted: torch.Tensor, tokens:
     each request's drafting index. One Triton launch on CUDA, torch ops elsewhere (use_triton forces
     either; tests run the kernel under TRITON_INTERPRET=1)."""
     if use_triton is None:
-        use_triton = triton is not None and path_tokens.is_cuda
-    if not use_triton:
+        use_triton = path_tokens.is_cuda
+    if use_triton:
+        from specserve.kernels.draft_inputs import follow_tree_paths_triton
+
+        follow_tree_paths_triton(path_tokens, accepted, tokens, slots, positions, next_ids, last, base_positions)
+    else:
         follow_tree_paths_torch(path_tokens, accepted, tokens, slots, positions, next_ids, last, base_positions)
-        return
-    n, width = path_tokens.shape
-    assert path_tokens.is_contiguous() and tokens.is_contiguous() and tokens.shape[1] == width
-    if n:
-        _follow_tree_paths_kernel[(n,)](path_tokens, accepted, tokens, slots, positions, next_ids, last,
-                                        base_positions, WIDTH=width, BLOCK=triton.next_power_of_2(width))

@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specserve.attention.metadata import AttentionMetadata
-from specserve.kernels.argmax import greedy_argmax
-from specserve.kernels.pick_scatter import PickScatter
+from specserve.sample.argmax import greedy_argmax
+from specserve.spec_decode.pick_scatter import PickScatter
 from specserve.sample.sampler import filtered_probs, sample_from_probs
 from specserve.spec_decode.eagle_inputs import DraftStepBuffers, prepare_draft_step
 from specserve.spec_decode.speculator import DraftInput, Speculator

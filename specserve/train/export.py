@@ -14,11 +14,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from specserve.errors import ConfigError
 from specserve.models.arch_config import ArchConfig
 from specserve.models.eagle3 import Eagle3Head
+from specserve.models.export import write_safetensors
 from specserve.train.vocab import DraftVocab
 
 EXPORT_DTYPE = torch.bfloat16
@@ -96,37 +96,9 @@ def hf_tensors(head: torch.nn.Module, vocab: DraftVocab) -> dict[str, torch.Tens
     return out
 
 
-def shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
-    """Names per shard, in name order, each shard's tensors adding up to at most max_bytes
-    (a tensor larger than that alone in its shard)."""
-    shards: list[list[str]] = [[]]
-    used = 0
-    for name in sorted(tensors):
-        size = tensors[name].numel() * tensors[name].element_size()
-        if used + size > max_bytes and shards[-1]:
-            shards.append([])
-            used = 0
-        shards[-1].append(name)
-        used += size
-    return shards
-
-
 def export_head(out: Path, head: torch.nn.Module, vocab: DraftVocab, config: dict, max_shard_bytes: int) -> list[Path]:
     """Write config.json and the safetensors shards (an index when there are several); returns the shard paths."""
     out.mkdir(parents=True, exist_ok=True)
-    tensors = hf_tensors(head, vocab)
-    names = shard(tensors, max_shard_bytes)
-    # Weights of an earlier export with another shard count would be read too.
-    for stale in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
-        stale.unlink(missing_ok=True)
-    if len(names) == 1:
-        files = [out / "model.safetensors"]
-    else:
-        files = [out / f"model-{i + 1:05d}-of-{len(names):05d}.safetensors" for i in range(len(names))]
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                 "weight_map": {n: f.name for f, group in zip(files, names) for n in group}}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    for f, group in zip(files, names):
-        save_file({n: tensors[n] for n in group}, str(f), metadata={"format": "pt"})
+    files = write_safetensors(out, hf_tensors(head, vocab), max_shard_bytes)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return files

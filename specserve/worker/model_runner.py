@@ -10,7 +10,7 @@ import torch
 
 from specserve.config import EngineConfig
 from specserve.engine.scheduler import SchedulerOutput
-from specserve.kernels.argmax import greedy_argmax
+from specserve.sample.argmax import greedy_argmax
 from specserve.models.arch_config import ArchConfig
 from specserve.outputs import Logprob
 from specserve.sample.sampler import (Sampler, SamplerOutput, SamplingBatch, filtered_probs, sample_from_probs,

@@ -36,7 +36,7 @@ def test_rows_of_a_strided_view():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_llama3_vocabulary_on_the_gpu_as_greedy_decoding_calls_it():
-    from specserve.kernels.argmax import greedy_argmax
+    from specserve.sample.argmax import greedy_argmax
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(64, 128_256, device="cuda", generator=gen).to(torch.bfloat16)
@@ -49,7 +49,7 @@ def test_llama3_vocabulary_on_the_gpu_as_greedy_decoding_calls_it():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_smollm2_vocabulary_replayed_from_a_cuda_graph():
     # Recorded into a graph, greedy_argmax splits SmolLM2's 49,152 logits too; the replay reads new logits.
-    from specserve.kernels.argmax import greedy_argmax
+    from specserve.sample.argmax import greedy_argmax
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     logits = torch.randn(8, 49_152, device="cuda", generator=gen).to(torch.bfloat16)

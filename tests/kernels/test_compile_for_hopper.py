@@ -27,8 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def kernels():
     """(kernel, {argument: type or constexpr value}): the kernels a step launches outside the models, and the
     model's small-M projections."""
-    from specserve.spec_decode import draft_inputs, greedy_verify
-    from specserve.worker import inflight_inputs, staged_inputs
+    from specserve.kernels import draft_inputs, greedy_verify, inflight_inputs, staged_inputs
 
     p64, p32, i32 = "*i64", "*i32", "i32"
     yield draft_inputs._gather_draft_inputs_kernel, dict(
@@ -43,7 +42,7 @@ def kernels():
             uniform_ptr="*fp32", accepted_ptr=p64, accepted_stride=i32, tokens_ptr=p64, tokens_stride=i32,
             forced_accept_prob="fp32", K1=4, FORCED=forced, BLOCK=4)
     # Trees of drafts (the sixteen-node tree of depth 5): the walk, the drafter's inputs, a depth's pass.
-    from specserve.spec_decode import tree_drafting, tree_verify
+    from specserve.kernels import tree_drafting, tree_verify
 
     yield tree_verify._verify_tree_kernel, dict(
         target_ptr=p64, target_stride=i32, input_ids_ptr=p64, index_ptr=p64, index_stride=i32, num_drafts_ptr=p64,

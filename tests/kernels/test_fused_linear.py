@@ -239,7 +239,7 @@ def test_topk_scattered_into_a_tree_level(requests):
     each, 4 of the 6 kept (in another order), into the level's tensor and into 4 columns of a wider drafts
     tensor (a strided view) from column 5; what the kernel scatters is what PickScatter.apply makes of
     fused_linear_topk's own [M, k] picks, and nothing else of drafts is written."""
-    from specserve.kernels.pick_scatter import PickScatter
+    from specserve.spec_decode.pick_scatter import PickScatter
 
     m, k = 2 * requests, 3
     x = poisoned_view(m, K, torch.float32, seed=5)

@@ -255,7 +255,7 @@ def test_eagle3_tree_step(monkeypatch, dtype):
     draft the same. Four drafts (and two padded rows) read the states of two parents out of three rows."""
     import specserve.kernels.eagle3_input as input_module
     import specserve.kernels.fused_linear as fused_linear_module
-    from specserve.kernels.pick_scatter import PickScatter
+    from specserve.spec_decode.pick_scatter import PickScatter
 
     calls = count_calls(monkeypatch, {"input": (input_module, "eagle3_layer_input"),
                                       "topk": (fused_linear_module, "fused_linear_topk")})

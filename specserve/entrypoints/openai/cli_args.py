@@ -43,8 +43,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def _missing_extra(e: ImportError) -> SystemExit:
-    return SystemExit(f"error: {e.name} is not installed; install the server extra: pip install 'specserve[serve]'")
+def _missing_dependency(e: ImportError) -> SystemExit:
+    return SystemExit(f"error: {e.name} is not installed, though specserve depends on it: the installation is "
+                      "incomplete; reinstall specserve (pip install -e . in a checkout) to bring its dependencies")
 
 
 def cmd_serve(a: argparse.Namespace) -> None:
@@ -53,7 +54,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
     try:
         from specserve.entrypoints.openai.api_server import run_server
     except ImportError as e:
-        raise _missing_extra(e) from e
+        raise _missing_dependency(e) from e
 
     from specserve.entrypoints.openai.api_server import ServerConfig
 
@@ -112,7 +113,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> None:
     try:
         from specserve.entrypoints.openai.bench_serve import BenchConfig, load_prompts, print_report, run_benchmark
     except ImportError as e:
-        raise _missing_extra(e) from e
+        raise _missing_dependency(e) from e
 
     try:
         prompts = load_prompts(a.dataset, a.num_prompts)
