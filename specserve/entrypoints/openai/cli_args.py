@@ -52,11 +52,9 @@ def cmd_serve(a: argparse.Namespace) -> None:
     from specserve.config import EngineConfig
 
     try:
-        from specserve.entrypoints.openai.api_server import run_server
+        from specserve.entrypoints.openai.api_server import ServerConfig, run_server
     except ImportError as e:
         raise _missing_dependency(e) from e
-
-    from specserve.entrypoints.openai.api_server import ServerConfig
 
     model = a.model_tag or a.model
     server = ServerConfig(a.host, a.port, a.served_model_name or model, a.max_waiting, a.request_timeout,
