@@ -47,6 +47,8 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, max_waiting:
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(addresses.requests)
     outbox = ctx.socket(zmq.PUSH)
+    # Never block a step on a front end that reads late: it merges what piled up when it catches up.
+    outbox.setsockopt(zmq.SNDHWM, 0)
     outbox.setsockopt(zmq.LINGER, 2000)
     outbox.connect(addresses.outputs)
     encoder = msgspec.msgpack.Encoder()
