@@ -40,6 +40,7 @@ class LLMEngine:
         spec = config.speculative_config
         if spec is not None:
             self.runner.set_speculator(build_speculator(spec, self.runner, backend), spec.forced_acceptance_prob)
+        self.runner.initialize_kv_cache(backend)
         self.attention_backend = backend
         mode = CUDAGraphMode(config.cudagraph_mode)
         if mode is not CUDAGraphMode.NONE:

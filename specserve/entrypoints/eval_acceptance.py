@@ -140,15 +140,22 @@ def evaluate(model: str, spec_config: dict, prompt_file: str, temperatures: list
              max_tokens: int, num_prompts: int | None, baseline: bool, engine_kwargs: dict, repeats: int = 1,
              interleave: bool = False) -> dict:
     """Run every (k, temperature) and the baseline; returns the report as JSON-ready data."""
+    from specserve.config import EngineConfig
     from specserve.llm import LLM
     from specserve.prompt_files import load_prompt_file, prompt_token_ids
 
     conversations = load_prompt_file(prompt_file, limit=num_prompts)
     settings = ([None] if baseline else []) + list(ks)
 
+    kwargs = dict(engine_kwargs)
+    if interleave and kwargs.get("kv_cache_memory_bytes") is None:
+        # The engines live side by side: each sizes its cache within its part of the GPU's share.
+        share = kwargs.get("gpu_memory_utilization", EngineConfig.gpu_memory_utilization)
+        kwargs["gpu_memory_utilization"] = share / len(settings)
+
     def ready(k: int | None):
         spec = None if k is None else {**spec_config, "num_speculative_tokens": k}
-        llm = LLM(model, speculative_config=spec, **engine_kwargs)
+        llm = LLM(model, speculative_config=spec, **kwargs)
         prompts = [prompt_token_ids(llm, c) for c in conversations]
         _warm_up(llm, prompts, temperatures)
         return llm, prompts
