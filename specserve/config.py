@@ -86,6 +86,9 @@ class EngineConfig:
     # detokenization) overlaps the GPU instead of idling it, as vLLM's --async-scheduling. None: on with
     # CUDA and the triton backend, unless the speculator drafts on the host (n-gram).
     async_scheduling: bool | None = None
+    # Run every kernel shape a request can hit once at start-up (engine/warmup.py), so that no request waits
+    # for a kernel to compile. None: on CUDA, where kernels compile; off on the CPU.
+    warmup: bool | None = None
 
     def __post_init__(self) -> None:
         from specserve.spec_decode.config import SpeculativeConfig
@@ -125,6 +128,9 @@ class EngineConfig:
                f"must be >= 1, got {self.max_num_batched_tokens}")
         self._check_cudagraph_fields()
         self._check_async_scheduling()
+        if self.warmup is None:
+            self.warmup = self.device.startswith("cuda")
+        _check(isinstance(self.warmup, bool), "warmup", f"must be True, False or None, got {self.warmup!r}")
 
     def _check_async_scheduling(self) -> None:
         spec = self.speculative_config

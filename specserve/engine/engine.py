@@ -12,6 +12,7 @@ from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.request import Request, RequestStatus
 from specserve.engine.scheduler import Scheduler
+from specserve.engine.warmup import warm_up
 from specserve.errors import InvalidRequestError
 from specserve.models.loader import build_model, load_tokenizer, open_model_source
 from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -59,6 +60,8 @@ class LLMEngine:
         # complete it before scheduling again.
         self._inflight: StepHandle | None = None
         self._drain = False
+        if config.warmup:
+            warm_up(self)
         logger.info("specserve ready: %s (%s, %s, %d layers), max_model_len=%d%s", source.name, self.arch.architecture,
                     config.torch_dtype, self.arch.num_layers, config.max_model_len,
                     ", asynchronous scheduling" if config.async_scheduling else "")

@@ -82,3 +82,8 @@ class KVCaches:
         self.num_blocks, self.stacks, self.stack, self.layers, self.spare_slot = 0, [], None, [], 0
         if self.drafter is not None:
             self.drafter.bind_kv_cache(None)
+
+    def clear(self) -> None:
+        """Zero every cache, as allocated."""
+        for stack in self.stacks:
+            stack.zero_()

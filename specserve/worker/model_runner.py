@@ -309,7 +309,7 @@ class ModelRunner:
         return (len(batch_rows) == len(sched.scheduled) and self.greedy_graphs is not None
                 and self.greedy_graphs.has_graph(desc))
 
-    def _dispatch(self, num_tokens: int, query_lens: list[int]) -> BatchDescriptor:
+    def dispatch(self, num_tokens: int, query_lens: list[int]) -> BatchDescriptor:
         """How this step's target forward runs: the graph descriptor where graphs are recorded."""
         uniform = query_lens[0] if all(q == query_lens[0] for q in query_lens) else None
         if self.graphs is None:
@@ -386,7 +386,7 @@ class ModelRunner:
                                         np.array(slens, dtype=np.int64), self.host_block_table.gather(rows),
                                         self.block_size, plan.extras, *self._tree_layout(sched, offset))
         b = self.buffers
-        desc = self._dispatch(offset, qlens)
+        desc = self.dispatch(offset, qlens)
         handle = StepHandle(sched, sampling)
         self._previous = {sched.scheduled[i].request.request_id: (i, len(sched.scheduled[i].spec_token_ids))
                           for i in sampling}

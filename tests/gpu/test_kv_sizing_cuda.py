@@ -9,20 +9,9 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.bench.models import prepare_model, write_random_eagle3_head
 
 pytestmark = pytest.mark.gpu
 MAX_LEN, SEQS = 2048, 64
-
-
-@pytest.fixture(scope="module")
-def smollm2_shape(tmp_path_factory):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    root = tmp_path_factory.mktemp("kv_sizing")
-    model = prepare_model("smollm2-shape", root, torch.bfloat16)
-    head = write_random_eagle3_head(root / "head", model.hf_config, torch.bfloat16, "cuda")
-    return model, head
 
 
 def device_used() -> int:
