@@ -123,17 +123,13 @@ def run_prompts(llm, prompts: list[list[int]], temperature: float, max_tokens: i
                                     for _ in range(repeats)])
 
 
-def _warm_up(llm, prompts: list[list[int]], temperatures: list[float]) -> None:
-    """The timed batches first, a few tokens each, so one-time costs (kernel compilation for the batch's
-    shapes, allocator growth) stay out of the timing: with two prompts only, the first timed run of 80 on
-    the H100 still compiled and read 9.1k tok/s against 22k for the next one. Twice: the timed runs find
-    the prompts in the prefix cache and prefill only what is past their last full block, shapes the
-    first warm-up does not run (on a fresh H100 the batch-1 baseline read 505-520 tok/s, not 1,150-1,240)."""
+def prime_prefix_cache(llm, prompts: list[list[int]]) -> None:
+    """Run the prompts once, so that every timed run finds their full blocks in the prefix cache, the first
+    included, and prefills only what is past their last full block. Kernel shapes need no such run: the engine's
+    start-up warm-up has launched them all (engine/warmup.py), and leaves the prefix cache empty."""
     from specserve.sampling_params import SamplingParams
 
-    for _ in range(2):
-        for t in temperatures:
-            llm.generate(prompts, SamplingParams(temperature=t, max_tokens=8), use_tqdm=False)
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
 
 
 def evaluate(model: str, spec_config: dict, prompt_file: str, temperatures: list[float], ks: list[int],
@@ -157,7 +153,7 @@ def evaluate(model: str, spec_config: dict, prompt_file: str, temperatures: list
         spec = None if k is None else {**spec_config, "num_speculative_tokens": k}
         llm = LLM(model, speculative_config=spec, **kwargs)
         prompts = [prompt_token_ids(llm, c) for c in conversations]
-        _warm_up(llm, prompts, temperatures)
+        prime_prefix_cache(llm, prompts)
         return llm, prompts
 
     runs: list[RunResult] = []
