@@ -15,6 +15,7 @@ first pass pays for every kernel shape it meets first.
 from __future__ import annotations
 
 import argparse
+import logging
 import random
 import statistics
 import tempfile
@@ -57,6 +58,8 @@ def main() -> None:
     ap.add_argument("--spec", type=int, default=0, help="drafts of a random EAGLE-3 head per step (0: none)")
     ap.add_argument("--requests", type=int, default=40)
     a = ap.parse_args()
+    # The engine's start-up lines: the memory profile, the KV cache's size, the warm-up's scenarios and time.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     root = Path(tempfile.mkdtemp())
     model = prepare_model("smollm2-shape", root, torch.bfloat16)
     spec = None
