@@ -113,10 +113,8 @@ class ModelRunner:
         """Size the KV cache pool (kv_sizing.py) and allocate it, once the models (and a drafter) are loaded and
         before the graphs are captured. backend: the attention backend the models were built with."""
         mode = CUDAGraphMode(self.config.cudagraph_mode)
-        capture = None
-        if mode is not CUDAGraphMode.NONE:
-            def capture() -> None:
-                self.capture_graphs(mode, CudaGraphRecorder(self.device), backend)
+        capture = None if mode is CUDAGraphMode.NONE else (
+            lambda: self.capture_graphs(mode, CudaGraphRecorder(self.device), backend))
         self.kv_plan = plan_kv_cache(self, capture)
         self.kv.allocate(self.kv_plan.num_blocks)
         logger.info("%s", self.kv_plan.describe(self.config.max_model_len))
