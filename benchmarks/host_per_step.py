@@ -27,6 +27,7 @@ import torch
 from profile_kernels import idle_table, kernel_table, launch_parts, wrap_timed
 from torch.profiler import ProfilerActivity, profile
 
+from specserve.entrypoints.eval_acceptance import prime_prefix_cache
 from specserve.llm import LLM
 from specserve.prompt_files import load_prompt_file, prompt_token_ids
 from specserve.sampling_params import SamplingParams
@@ -57,8 +58,7 @@ def main() -> None:
     for k, spec in settings:
         llm = LLM(a.model, speculative_config=spec, max_num_seqs=1)
         prompts = [prompt_token_ids(llm, c) for c in conversations]
-        for _ in range(2):  # compile and prefix-cache as eval-acceptance's warm-up does
-            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        prime_prefix_cache(llm, prompts)
         spent, calls = defaultdict(float), defaultdict(int)
         runner, engine = llm.engine.runner, llm.engine
         parts = [(runner, "launch"), (runner, "resolve"), *launch_parts(runner), (engine.scheduler, "schedule"),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -18,13 +19,32 @@ def _check(cond: bool, field: str, message: str) -> None:
         raise ConfigError(field, message)
 
 
+_MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+                 "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory_size(text: str) -> int:
+    """Bytes from a size as written on a command line: "4GiB", "512 MiB", "1.5GB", "4294967296". KiB, MiB, GiB
+    and TiB are powers of 1024, KB, MB, GB and TB powers of 1000 (any case). Raises ValueError."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", text)
+    unit = match and _MEMORY_UNITS.get(match.group(2).lower())
+    if unit is None:
+        raise ValueError(f"{text!r} is not a memory size; write bytes, or a number and a unit, such as 4GiB, "
+                         "512MiB or 2GB (KiB, MiB, GiB, TiB: powers of 1024; KB, MB, GB, TB: of 1000)")
+    size = int(float(match.group(1)) * unit)
+    if size < 1:
+        raise ValueError(f"{text!r} is less than a byte; give a positive size")
+    return size
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to know before it loads a model.
 
     None means "choose for me": dtype float32 on CPU and bfloat16 on CUDA;
-    max_model_len from the model (capped at 8192); KV blocks from
-    kv_cache_memory_gb.
+    max_model_len from the model (capped at 8192); the KV cache's size from
+    num_kv_blocks, else kv_cache_memory_bytes, else gpu_memory_utilization
+    (worker/kv_sizing.py).
     """
 
     # A built-in name, a Hugging Face directory, a .gguf file or a Hugging Face id (org/name); tokenizer: any of
@@ -39,7 +59,14 @@ class EngineConfig:
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 2.0
+    # The share of the GPU's total memory this engine may use in all: weights, activations, CUDA graphs and
+    # the KV cache, which gets what the rest leaves (as vLLM's --gpu-memory-utilization). What other processes
+    # or engines hold does not count, but the share must be free when the engine starts. Not read on the CPU,
+    # nor with an explicit size below.
+    gpu_memory_utilization: float = 0.9
+    # The KV cache's size in bytes (every model's layers, a drafter's included), in place of sizing it by
+    # gpu_memory_utilization.
+    kv_cache_memory_bytes: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
@@ -64,6 +91,9 @@ class EngineConfig:
     # detokenization) overlaps the GPU instead of idling it, as vLLM's --async-scheduling. None: on with
     # CUDA and the triton backend, unless the speculator drafts on the host (n-gram).
     async_scheduling: bool | None = None
+    # Run every kernel shape a request can hit once at start-up (engine/warmup.py), so that no request waits
+    # for a kernel to compile. None: on CUDA, where kernels compile; off on the CPU.
+    warmup: bool | None = None
 
     def __post_init__(self) -> None:
         from specserve.spec_decode.config import SpeculativeConfig
@@ -97,11 +127,21 @@ class EngineConfig:
                f"must be >= 1, got {self.max_model_len}")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks",
                f"must be >= 2, got {self.num_kv_blocks}")
-        _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
+        util = self.gpu_memory_utilization
+        _check(isinstance(util, (int, float)) and not isinstance(util, bool) and 0 < util <= 1,
+               "gpu_memory_utilization", f"must be a fraction in (0, 1], got {util!r}")
+        _check(self.kv_cache_memory_bytes is None or (type(self.kv_cache_memory_bytes) is int
+                                                     and self.kv_cache_memory_bytes > 0), "kv_cache_memory_bytes",
+               f"must be a positive number of bytes, got {self.kv_cache_memory_bytes!r}")
+        _check(self.num_kv_blocks is None or self.kv_cache_memory_bytes is None, "kv_cache_memory_bytes",
+               "and num_kv_blocks both size the KV cache; give one of them")
         _check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                f"must be >= 1, got {self.max_num_batched_tokens}")
         self._check_cudagraph_fields()
         self._check_async_scheduling()
+        if self.warmup is None:
+            self.warmup = self.device.startswith("cuda")
+        _check(isinstance(self.warmup, bool), "warmup", f"must be True, False or None, got {self.warmup!r}")
 
     def _check_async_scheduling(self) -> None:
         spec = self.speculative_config

@@ -123,3 +123,16 @@ def cuda_float32():
         pytest.skip("needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.fixture(scope="session")
+def smollm2_shape(tmp_path_factory):
+    """For GPU tests: (SmolLM2's shape with random weights as a BenchModel, a random EAGLE-3 head's directory),
+    in bfloat16: a real model's size and kernels without its weights."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from specserve.bench.models import prepare_model, write_random_eagle3_head
+
+    root = tmp_path_factory.mktemp("smollm2_shape")
+    model = prepare_model("smollm2-shape", root, torch.bfloat16)
+    return model, write_random_eagle3_head(root / "head", model.hf_config, torch.bfloat16, "cuda")

@@ -34,6 +34,12 @@ class AttentionBackend(Protocol):
         (fused with its rotary embedding)."""
         ...
 
+    def launch_variant(self, num_reqs: int, max_query_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                       on_cpu: bool) -> tuple | None:
+        """The compile-time sizes a batch's attention launches with (each distinct value is a kernel compiled at
+        its first launch), or None for a backend that compiles nothing. The start-up warm-up reads it."""
+        ...
+
 
 def get_attention_backend(name: str) -> AttentionBackend:
     if name == "torch":

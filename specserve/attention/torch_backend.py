@@ -62,6 +62,9 @@ class _BatchedLayout:
 class TorchAttentionBackend:
     name = "torch"
 
+    def launch_variant(self, *args) -> None:
+        return None  # torch operators only: nothing compiles
+
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
         return self.attend(q, kv_cache, metadata, scale)

@@ -32,6 +32,7 @@ any context length; the counters assume one stream runs the attention.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -215,15 +216,21 @@ NARROW_HEAD_DECODE_BLOCK_N = 128
 MAX_NARROW_TILE_QUERY_LEN = 32
 
 
+def _pow2_at_least(n: int) -> int:
+    """triton.next_power_of_2 for n >= 1, as plain integer arithmetic: the warm-up's plan asks attention_launch
+    about every (batch, query length), where Triton's constexpr-function wrapper costs microseconds a call."""
+    return 1 << (n - 1).bit_length()
+
+
 def _tile_sizes(group: int, max_query_len: int, head_dim: int, on_cpu: bool, programs_a_tile: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N): small tiles under the CPU interpreter, where every
     tile costs Python time; on the GPU, rows just cover a decode/verify batch
     and are capped at 64 for prefill so the fp32 accumulator stays in registers.
     programs_a_tile: the programs of one query tile per request (requests x KV heads)."""
-    min_rows = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows; a tile holds a whole group
-    block_m = max(min_rows, min(triton.next_power_of_2(group * max_query_len), 16 if on_cpu else 64))
+    min_rows = max(16, _pow2_at_least(group))  # tl.dot needs 16 rows; a tile holds a whole group
+    block_m = max(min_rows, min(_pow2_at_least(group * max_query_len), 16 if on_cpu else 64))
     if (min_rows == 16 and max_query_len <= MAX_NARROW_TILE_QUERY_LEN
-            and programs_a_tile * triton.cdiv(max_query_len, 16 // group) <= SPLIT_TARGET_PROGRAMS):
+            and programs_a_tile * -(-max_query_len // (16 // group)) <= SPLIT_TARGET_PROGRAMS):
         block_m = 16
     if on_cpu:
         return block_m, 16
@@ -232,11 +239,33 @@ def _tile_sizes(group: int, max_query_len: int, head_dim: int, on_cpu: bool, pro
     return block_m, 64 if head_dim <= 128 else 32
 
 
+class AttentionLaunch(NamedTuple):
+    """The compile-time sizes of one attention launch: each distinct one is a kernel Triton compiles."""
+
+    block_m: int
+    block_n: int
+    block_q: int
+    splits: int
+
+
+def attention_launch(num_reqs: int, max_query_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                     on_cpu: bool) -> AttentionLaunch:
+    """The tiles and key splits of a batch of num_reqs requests, the longest query max_query_len tokens (the one
+    place that decides them, for attend() and the start-up warm-up)."""
+    group = num_heads // num_kv_heads
+    block_m, block_n = _tile_sizes(group, max_query_len, head_dim, on_cpu, num_reqs * num_kv_heads)
+    block_q = block_m // group
+    splits = num_kv_splits(num_reqs, num_kv_heads, -(-max_query_len // block_q), on_cpu)
+    return AttentionLaunch(block_m, block_n, block_q, splits)
+
+
 class TritonAttentionBackend:
     name = "triton"
 
     def __init__(self):
         self._split_counters: dict[torch.device, torch.Tensor] = {}
+
+    launch_variant = staticmethod(attention_launch)
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv_cache_triton(k, v, kv_cache, metadata.slot_mapping)
@@ -255,12 +284,10 @@ class TritonAttentionBackend:
 
         group = num_heads // num_kv_heads
         on_cpu = q.device.type == "cpu"  # only the interpreter runs Triton on CPU tensors
-        block_m, block_n = _tile_sizes(group, metadata.max_query_len, head_dim, on_cpu,
-                                       metadata.num_reqs * num_kv_heads)
-        block_q = block_m // group
+        block_m, block_n, block_q, splits = attention_launch(metadata.num_reqs, metadata.max_query_len, num_heads,
+                                                             num_kv_heads, head_dim, on_cpu)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         query_tiles = triton.cdiv(metadata.max_query_len, block_q)
-        splits = num_kv_splits(metadata.num_reqs, num_kv_heads, query_tiles, on_cpu)
         parts, counters = [out] * 3, out
         if splits > 1:
             part = q.shape[0] * num_heads * splits

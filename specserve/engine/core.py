@@ -15,6 +15,7 @@ from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.messages import CoreOutput, CoreReady, CoreRequest, EngineStats
 from specserve.engine.request import Request, RequestStatus
 from specserve.engine.scheduler import Scheduler
+from specserve.engine.warmup import warm_up
 from specserve.errors import InvalidRequestError
 from specserve.models.loader import ModelSource, build_model, load_tokenizer, open_model_source
 from specserve.spec_decode.factory import build_speculator
@@ -54,6 +55,7 @@ class EngineCore:
         spec = config.speculative_config
         if spec is not None:
             self.runner.set_speculator(build_speculator(spec, self.runner, backend), spec.forced_acceptance_prob)
+        self.runner.initialize_kv_cache(backend)
         self.attention_backend = backend
         mode = CUDAGraphMode(config.cudagraph_mode)
         if mode is not CUDAGraphMode.NONE:
@@ -70,6 +72,8 @@ class EngineCore:
         # complete it before scheduling again.
         self._inflight: StepHandle | None = None
         self._drain = False
+        if config.warmup:
+            warm_up(self)
         logger.info("specserve ready: %s (%s, %s, %d layers), max_model_len=%d%s", source.name, self.arch.architecture,
                     config.torch_dtype, self.arch.num_layers, config.max_model_len,
                     ", asynchronous scheduling" if config.async_scheduling else "")

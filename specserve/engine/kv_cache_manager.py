@@ -92,6 +92,14 @@ class KVCacheManager:
         # and caches only the blocks it filled, not all of them again.
         self.req_num_cached: dict[str, int] = {}
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block and the hit counts: the pool as built, every block free in id order. Only
+        while no request holds blocks."""
+        if self.req_blocks:
+            raise RuntimeError(f"{len(self.req_blocks)} requests still hold KV blocks; finish them first")
+        self.pool = BlockPool(self.num_blocks, self.enable_caching)
+        self.req_hashes.clear()
+
     @property
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / self.num_blocks

@@ -100,9 +100,13 @@ class Scheduler:
         self.waiting.appendleft(victim)
         out.preempted.append(victim.request_id)
 
+    def drain_finished(self) -> list[str]:
+        """The ids of requests finished since the last step (for the runner to drop their state), now cleared."""
+        finished, self._finished_ids = self._finished_ids, []
+        return finished
+
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished=self._finished_ids)
-        self._finished_ids = []
+        out = SchedulerOutput(finished=self.drain_finished())
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
 

@@ -21,6 +21,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory the engine may use (weights, activations, CUDA graphs, KV cache)")
+    g.add_argument("--kv-cache-memory", type=memory_size, metavar="SIZE",
+                   help="KV cache size, e.g. 4GiB, 512MiB or bytes, in place of sizing it by --gpu-memory-utilization")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
@@ -44,8 +48,19 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
         revision=a.revision, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         enable_prefix_caching=not a.no_prefix_caching, enable_chunked_prefill=not a.no_chunked_prefill, seed=a.seed,
-        speculative_config=a.speculative_config,
+        speculative_config=a.speculative_config, gpu_memory_utilization=a.gpu_memory_utilization,
+        kv_cache_memory_bytes=a.kv_cache_memory,
     )
+
+
+def memory_size(text: str) -> int:
+    """argparse's type for a memory size (config.parse_memory_size), its message shown on a bad value."""
+    from specserve.config import parse_memory_size
+
+    try:
+        return parse_memory_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def sampling_params(a: argparse.Namespace, output_kind: str = "cumulative"):

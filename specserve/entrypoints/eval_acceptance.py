@@ -123,33 +123,37 @@ def run_prompts(llm, prompts: list[list[int]], temperature: float, max_tokens: i
                                     for _ in range(repeats)])
 
 
-def _warm_up(llm, prompts: list[list[int]], temperatures: list[float]) -> None:
-    """The timed batches first, a few tokens each, so one-time costs (kernel compilation for the batch's
-    shapes, allocator growth) stay out of the timing: a warm-up on fewer prompts leaves the timed batch's
-    shapes to compile inside the first timed run. Twice: the timed runs find the prompts in the prefix cache
-    and prefill only what is past their last full block, shapes the first warm-up does not run."""
+def prime_prefix_cache(llm, prompts: list[list[int]]) -> None:
+    """Run the prompts once, so that every timed run finds their full blocks in the prefix cache, the first
+    included, and prefills only what is past their last full block. Kernel shapes need no such run: the engine's
+    start-up warm-up has launched them all (engine/warmup.py), and leaves the prefix cache empty."""
     from specserve.sampling_params import SamplingParams
 
-    for _ in range(2):
-        for t in temperatures:
-            llm.generate(prompts, SamplingParams(temperature=t, max_tokens=8), use_tqdm=False)
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
 
 
 def evaluate(model: str, spec_config: dict, prompt_file: str, temperatures: list[float], ks: list[int],
              max_tokens: int, num_prompts: int | None, baseline: bool, engine_kwargs: dict, repeats: int = 1,
              interleave: bool = False) -> dict:
     """Run every (k, temperature) and the baseline; returns the report as JSON-ready data."""
+    from specserve.config import EngineConfig
     from specserve.llm import LLM
     from specserve.prompt_files import load_prompt_file, prompt_token_ids
 
     conversations = load_prompt_file(prompt_file, limit=num_prompts)
     settings = ([None] if baseline else []) + list(ks)
 
+    kwargs = dict(engine_kwargs)
+    if interleave and kwargs.get("kv_cache_memory_bytes") is None:
+        # The engines live side by side: each sizes its cache within its part of the GPU's share.
+        share = kwargs.get("gpu_memory_utilization", EngineConfig.gpu_memory_utilization)
+        kwargs["gpu_memory_utilization"] = share / len(settings)
+
     def ready(k: int | None):
         spec = None if k is None else {**spec_config, "num_speculative_tokens": k}
-        llm = LLM(model, speculative_config=spec, **engine_kwargs)
+        llm = LLM(model, speculative_config=spec, **kwargs)
         prompts = [prompt_token_ids(llm, c) for c in conversations]
-        _warm_up(llm, prompts, temperatures)
+        prime_prefix_cache(llm, prompts)
         return llm, prompts
 
     runs: list[RunResult] = []

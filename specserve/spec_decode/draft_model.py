@@ -7,16 +7,22 @@ from __future__ import annotations
 
 import torch
 
+from specserve.models.arch_config import ArchConfig
 from specserve.spec_decode.model_drafter import ModelDrafter
+from specserve.worker.kv_layout import KVCacheLayout
 
 
 class DraftModelSpeculator(ModelDrafter):
     first_draft_from_prefill = False
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], **kw):
+    def __init__(self, model: torch.nn.Module, arch: ArchConfig, **kw):
         super().__init__(**kw)
         self.model = model
-        self.kv_caches = kv_caches
+        self.kv_layout = KVCacheLayout.of(arch)
+        self.kv_caches: list[torch.Tensor] = []
+
+    def bind_kv_cache(self, stack: torch.Tensor | None) -> None:
+        self.kv_caches = [] if stack is None else list(stack.unbind(0))
 
     def models(self) -> list[torch.nn.Module]:
         return [self.model]

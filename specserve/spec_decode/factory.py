@@ -92,13 +92,11 @@ def build_speculator(cfg: SpeculativeConfig, runner, backend) -> Speculator:
         if arch.vocab_size != target.vocab_size:
             raise _bad("model", f"the draft model's vocabulary size {arch.vocab_size} does not match the target's "
                        f"{target.vocab_size}; it must share the target's tokenizer")
-        caches = list(runner.allocate_kv_caches(arch).unbind(0))
         logger.info("Draft model: %d layers, hidden %d", arch.num_layers, arch.hidden_size)
-        return DraftModelSpeculator(model, caches, **common)
+        return DraftModelSpeculator(model, arch, **common)
     from specserve.spec_decode.eagle.speculator import EagleSpeculator
 
     head = load_head(cfg, runner.model, target, backend).to(device=runner.device, dtype=runner.dtype)
     head = head.eval().requires_grad_(False)
-    (cache,) = runner.allocate_kv_caches(head.cfg, num_layers=1)
     logger.info("%s head loaded from %s", cfg.method.upper(), cfg.model)
-    return EagleSpeculator(head, cache, tree_tables=runner.tree_tables, **common)
+    return EagleSpeculator(head, dtype=runner.dtype, tree_tables=runner.tree_tables, **common)

@@ -173,6 +173,16 @@ class ModelDrafter(Speculator):
             self.greedy_loop_graphs.capture(self._greedy_loop, loop_prepare)
         self._rows_in_use = -1  # the captures wrote the buffers' every row
 
+    def release_graphs(self) -> None:
+        self.prefill_graphs = self.decode_graphs = self.greedy_loop_graphs = self.tree_graphs = None
+        self._loop_inputs = None
+
+    def reset(self) -> None:
+        for rows in self._request_rows:
+            rows.zero_()
+        self.draft_probs.zero_()
+        self._rows_in_use = -1
+
     @property
     def num_loop_steps(self) -> int:
         """Decode steps after the prefill: k - 1 when the prefill drafts, else k."""

@@ -8,6 +8,7 @@ import torch
 from specserve.attention.metadata import AttentionMetadata
 from specserve.engine.request import Request
 from specserve.sample.sampler import SamplingBatch
+from specserve.worker.kv_layout import KVCacheLayout
 
 
 @dataclass
@@ -57,6 +58,9 @@ class Speculator:
     draft_probs: torch.Tensor | None = None
     aux_hidden_layers: tuple[int, ...] = ()
     uses_hidden_states: bool = False
+    # The drafter's own KV cache layers, over the target's blocks; None for a proposer without a cache. The
+    # runner sizes the pool with them counted and hands the cache over with bind_kv_cache.
+    kv_layout: KVCacheLayout | None = None
 
     def propose(self, inp: DraftInput) -> torch.Tensor:
         raise NotImplementedError
@@ -66,3 +70,14 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         """A request finished or was preempted: drop any per-request state."""
+
+    def reset(self) -> None:
+        """Every request forgotten: the per-request state of a speculator just built (and its graphs captured)."""
+
+    def release_graphs(self) -> None:
+        """Drop any recorded CUDA graphs (ModelRunner.release_graphs)."""
+
+    def bind_kv_cache(self, stack: torch.Tensor | None) -> None:
+        """Take the cache allocated for kv_layout ([layers, 2, blocks + 1, ...], KVCacheLayout.allocate), or
+        None to let it go."""
+        raise NotImplementedError(f"{type(self).__name__} has no KV cache")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, fields
 
+from specserve.entrypoints.cli import memory_size
 from specserve.train.config import TrainConfig
 
 _HELP = {
@@ -27,7 +28,7 @@ _HELP = {
     "follow_up_fraction": "share of greedy answers followed up in a second round (another turn, or the answer "
                           "as a passage to summarise or extract from)",
     "max_num_seqs": "concurrent requests while generating",
-    "kv_cache_memory_gb": "KV cache of the generating engine in GB (default: 8 on CUDA)",
+    "kv_cache_memory": "KV cache of the generating engine, e.g. 8GiB or bytes (default: 8GiB on CUDA)",
     "data_seconds": "time budget of data generation; what finished is kept (0: no limit)",
     "init_from": "an exported head (directory or shipped name) to continue training on this run's data; it "
                  "keeps its draft vocabulary and auxiliary layers (default: a fresh head)",
@@ -72,6 +73,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP[f.name])
         elif f.name == "aux_layers":
             p.add_argument(flag, type=int, nargs="+", default=default, help=_HELP[f.name])
+        elif f.name == "kv_cache_memory":
+            p.add_argument(flag, type=memory_size, metavar="SIZE", default=default, help=_HELP[f.name])
         else:
             cast = {"int": int, "float": float}.get(f.type.split(" |")[0], str)
             p.add_argument(flag, type=cast, default=default, required=required, help=_HELP[f.name])

@@ -53,9 +53,9 @@ class TrainConfig:
     # Share of the greedy first answers that get a follow-up request, answered in a second round.
     follow_up_fraction: float = 1.0
     max_num_seqs: int = 256
-    # KV cache of the generating engine; None: 8 GB on CUDA (256 SmolLM2 sequences of 1024 tokens fit),
-    # the engine's default on CPU.
-    kv_cache_memory_gb: float | None = None
+    # KV cache of the generating engine in bytes; None: 8 GiB on CUDA (256 SmolLM2 sequences of 1024 tokens
+    # fit, and the GPU keeps room for training after it), the engine's default on CPU.
+    kv_cache_memory: int | None = None
     # Stop generating after this many seconds and keep what finished (None: no limit).
     data_seconds: float | None = 240.0
 
@@ -133,7 +133,7 @@ class TrainConfig:
         check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
         check(0.0 <= self.val_fraction < 0.5, "val_fraction", f"must be in [0, 0.5), got {self.val_fraction}")
-        for name in ("data_seconds", "train_seconds", "kv_cache_memory_gb"):
+        for name in ("data_seconds", "train_seconds", "kv_cache_memory"):
             value = getattr(self, name)
             check(value is None or value > 0, name, f"must be > 0 (or unset), got {value}")
         if self.prompts is not None:
@@ -152,8 +152,8 @@ class TrainConfig:
               f"must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.dtype is None:
             self.dtype = "bfloat16" if self.on_cuda else "float32"
-        if self.kv_cache_memory_gb is None and self.on_cuda:
-            self.kv_cache_memory_gb = 8.0
+        if self.kv_cache_memory is None and self.on_cuda:
+            self.kv_cache_memory = 8 << 30
         if self.work_dir is None:
             self.work_dir = str(Path(self.out).expanduser()) + ".work"
 

@@ -144,7 +144,7 @@ def data_engine_options(cfg: TrainConfig) -> dict:
     max_num_seqs decodes plus the prompts of requests that replace finished ones, more tokens than the
     engine's default graphs cover (256), and a small target run eagerly spends its step launching
     kernels: the step's token budget leaves room for those prompts and graphs cover all of it."""
-    options = {"kv_cache_memory_gb": cfg.kv_cache_memory_gb} if cfg.kv_cache_memory_gb else {}
+    options = {"kv_cache_memory_bytes": cfg.kv_cache_memory} if cfg.kv_cache_memory else {}
     if cfg.on_cuda:
         budget = max(2 * cfg.max_num_seqs, 512)
         options.update(max_num_batched_tokens=budget, cudagraph_capture_sizes=default_capture_sizes(budget))

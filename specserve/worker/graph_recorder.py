@@ -76,9 +76,11 @@ class AttentionSplitter:
         call.out.copy_(getattr(self.inner, call.method)(*args, **kwargs))
 
     def install(self, model: torch.nn.Module) -> None:
-        """Route every attention module of `model` through this splitter."""
+        """Route every attention module of `model` through this splitter (in place of an earlier splitter of the
+        same backend, whose graphs were released)."""
         for module in model.modules():
-            if getattr(module, "backend", None) is self.inner:
+            backend = getattr(module, "backend", None)
+            if backend is self.inner or (isinstance(backend, AttentionSplitter) and backend.inner is self.inner):
                 module.backend = self
 
 

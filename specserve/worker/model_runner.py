@@ -1,8 +1,10 @@
 """Runs one scheduled step: inputs into persistent buffers, target forward, sampling."""
 from __future__ import annotations
 
+import gc
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -23,13 +25,16 @@ from specserve.spec_decode.speculator import DraftInput, Speculator
 from specserve.spec_decode.tree_verify import TreeOutcome, TreeTables, move_kv, verify_tree
 from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager, default_capture_sizes
 from specserve.worker.cudagraph_mode import CUDAGraphMode
-from specserve.worker.graph_recorder import AttentionSplitter
+from specserve.worker.graph_recorder import AttentionSplitter, CudaGraphRecorder
 from specserve.worker.host_block_table import HostBlockTable
 from specserve.worker.inflight_inputs import take_inflight_inputs
 from specserve.worker.input_buffers import InputBuffers
+from specserve.worker.kv_layout import KVCacheLayout, KVCaches
+from specserve.worker.kv_sizing import CudaMemory, KVCachePlan, plan_kv_cache
 from specserve.worker.staged_inputs import NUM_REQS
 from specserve.worker.step_handle import PendingLogprobs, StepHandle
 from specserve.worker.step_outputs import StepOutputs
+from specserve.worker.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +49,6 @@ class RunnerOutput:
     drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
-def kv_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * block_size * arch.num_kv_heads * arch.head_dim * elem * arch.num_layers
-
-
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ArchConfig, config: EngineConfig):
         self.model = model
@@ -56,15 +56,17 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
+        # The device's memory before the runner's buffers, the target's weights loaded: KV sizing counts the
+        # engine's growth from here (kv_sizing.py). An engine dropped before may hold memory in a reference
+        # cycle until collected: collected first, its memory reads as free.
+        self.memory_at_start = None
+        if self.device.type == "cuda":
+            gc.collect()
+            self.memory_at_start = CudaMemory(self.device).read()
         self.block_size = config.block_size
-        self.num_blocks = config.num_kv_blocks or max(
-            2, int(config.kv_cache_memory_gb * 2**30) // kv_block_bytes(arch, self.block_size, self.dtype)
-        )
-        self.kv_stack = self.allocate_kv_caches(arch)
-        self.spare_slot = self.num_blocks * self.block_size
-        self.kv_caches = list(self.kv_stack.unbind(0))
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
-                    self.num_blocks * kv_block_bytes(arch, self.block_size, self.dtype) / 2**30)
+        # Allocated by initialize_kv_cache, once a drafter's layers have joined the target's (set_speculator).
+        self.kv = KVCaches(KVCacheLayout.of(arch), self.block_size, self.dtype, self.device)
+        self.kv_plan: KVCachePlan | None = None
         # Room for the context plus draft lookahead slots.
         max_blocks_per_req = -(-(config.max_model_len + MAX_DRAFT_TOKENS) // self.block_size) + 1
         spec = config.speculative_config
@@ -107,17 +109,23 @@ class ModelRunner:
         self.capture_seconds: float | None = None
         self.graph_memory_bytes: int | None = None
 
-    def allocate_kv_caches(self, arch: ArchConfig, num_layers: int | None = None) -> torch.Tensor:
-        """Paged KV caches in the runner's block layout (the target's, or a drafter's over the same blocks), one
-        tensor [layers, 2, blocks, block_size, kv heads, head dim] whose entries are the layers' caches, so one
-        copy moves slots in all of them (tree_verify.move_kv)."""
-        # One block more than the pool hands out: its first slot is where padded rows' cache moves go.
-        shape = (num_layers or arch.num_layers, 2, self.num_blocks + 1, self.block_size, arch.num_kv_heads,
-                 arch.head_dim)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+    def initialize_kv_cache(self, backend) -> None:
+        """Size the KV cache pool (kv_sizing.py) and allocate it, once the models (and a drafter) are loaded and
+        before the graphs are captured. backend: the attention backend the models were built with."""
+        mode = CUDAGraphMode(self.config.cudagraph_mode)
+        capture = None if mode is CUDAGraphMode.NONE else (
+            lambda: self.capture_graphs(mode, CudaGraphRecorder(self.device), backend))
+        self.kv_plan = plan_kv_cache(self, capture)
+        self.kv.allocate(self.kv_plan.num_blocks)
+        logger.info("%s", self.kv_plan.describe(self.config.max_model_len))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
 
     def set_speculator(self, speculator: Speculator, forced_acceptance_prob: float | None) -> None:
         self.speculator = speculator
+        self.kv.add_drafter(speculator)
         self.forced_acceptance_prob = forced_acceptance_prob
         self.model.aux_hidden_layers = speculator.aux_hidden_layers
         n = self.config.max_num_seqs
@@ -183,6 +191,32 @@ class ModelRunner:
         logger.info("CUDA graphs (%s): captured in %.1f s, %.0f MiB of GPU memory", mode.name, self.capture_seconds,
                     self.graph_memory_bytes / 2**20)
 
+    def release_graphs(self) -> None:
+        """Drop every recorded graph, the runner's and the drafter's, so that their memory pool can be freed;
+        steps run eagerly until capture_graphs records them again."""
+        self.graphs = self.greedy_graphs = self.whole_step_graphs = None
+        self.uniform_verify = None
+        if self.speculator is not None:
+            self.speculator.release_graphs()
+
+    @contextmanager
+    def scratch_steps(self):
+        """Steps run inside leave nothing a later step reads: after them every request is forgotten, the
+        staged inputs and step outputs are reset as after a capture, and the engine's generator is back
+        where it was (a seeded engine draws the same numbers as without them)."""
+        generator = self.sampler.default_generator
+        state = generator.get_state()
+        try:
+            yield
+        finally:
+            self.forget_requests(list(self.rows))
+            self._previous, self._tree_step = {}, None
+            self.buffers.reset()
+            self.outputs.packed.zero_()
+            if self.speculator is not None:
+                self.speculator.reset()
+            generator.set_state(state)
+
     def _prepare_capture(self, desc: BatchDescriptor):
         # Recording executes nothing but the warm-up run, which must write no cache slot: every row is empty.
         self.buffers.reset()
@@ -191,7 +225,7 @@ class ModelRunner:
 
     def _target_forward(self, desc: BatchDescriptor, metadata):
         n = desc.num_tokens
-        return self.model(self.buffers.input_ids[:n], self.buffers.positions[:n], self.kv_caches, metadata)
+        return self.model(self.buffers.input_ids[:n], self.buffers.positions[:n], self.kv.layers, metadata)
 
     def _greedy_outputs(self, desc: BatchDescriptor, metadata):
         """_greedy_outputs_of the target graph's hidden states for the same descriptor."""
@@ -244,8 +278,8 @@ class ModelRunner:
         target = self.model.greedy_tokens(padded_hidden[:n * q], captured=True).view(n, q)
         index, rows = self.tree_index[:n], self.tree_rows[:n]
         outcome = verify_tree(target, b.input_ids, index, self.tree_num_drafts[:n], self.tree_tables, b.slot_mapping,
-                              self.spare_slot, rows, out.accepted, out.tokens)
-        move_kv(self.kv_stack, *outcome.moves)
+                              self.kv.spare_slot, rows, out.accepted, out.tokens)
+        move_kv(self.kv.stack, *outcome.moves)
         self._gather_draft_inputs(desc, max_rows=n)
         spec = self.speculator
         follow_tree_paths(outcome.path_tokens, outcome.accepted, outcome.tokens, rows, b.positions, spec.next_ids,
@@ -273,7 +307,7 @@ class ModelRunner:
         return (len(batch_rows) == len(sched.scheduled) and self.greedy_graphs is not None
                 and self.greedy_graphs.has_graph(desc))
 
-    def _dispatch(self, num_tokens: int, query_lens: list[int]) -> BatchDescriptor:
+    def dispatch(self, num_tokens: int, query_lens: list[int]) -> BatchDescriptor:
         """How this step's target forward runs: the graph descriptor where graphs are recorded."""
         uniform = query_lens[0] if all(q == query_lens[0] for q in query_lens) else None
         if self.graphs is None:
@@ -291,7 +325,8 @@ class ModelRunner:
                                slot_mapping=self.buffers.slot_mapping[: desc.num_tokens])
         return self.graphs.run(desc, self._target_forward, metadata), metadata
 
-    def _release_rows(self, request_ids: list[str]) -> None:
+    def forget_requests(self, request_ids: list[str]) -> None:
+        """Release the rows of requests that finished or were preempted."""
         for rid in request_ids:
             row = self.rows.pop(rid, None)
             if row is not None:
@@ -314,7 +349,7 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput) -> StepHandle:
         """Enqueue the whole step on the device (inputs, forward, sampling, drafts, the copy of the results to
         the host) without waiting for it; resolve() reads the results."""
-        self._release_rows(sched.finished + sched.preempted)
+        self.forget_requests(sched.finished + sched.preempted)
         ids, qlens, slens, rows, sampling, inflight = [], [], [], [], [], []
         # Per scheduled request, for the drafter: (first token, count, drafting index or -1, drafts verified,
         # the prompt's next token for a chunk that does not sample)
@@ -349,7 +384,7 @@ class ModelRunner:
                                         np.array(slens, dtype=np.int64), self.host_block_table.gather(rows),
                                         self.block_size, plan.extras, *self._tree_layout(sched, offset))
         b = self.buffers
-        desc = self._dispatch(offset, qlens)
+        desc = self.dispatch(offset, qlens)
         handle = StepHandle(sched, sampling)
         self._previous = {sched.scheduled[i].request.request_id: (i, len(sched.scheduled[i].spec_token_ids))
                           for i in sampling}
@@ -525,9 +560,9 @@ class ModelRunner:
                                             self.sampler.default_generator)
                 target = torch.where(expanded.greedy, target, sampled)
             target = target.view(n, width)
-        outcome = verify_tree(target, b.input_ids, index, num, tables, b.slot_mapping, self.spare_slot, where,
-                              self.outputs.accepted, self.outputs.tokens)
-        move_kv(self.kv_stack, *outcome.moves)
+        outcome = verify_tree(target, b.input_ids, index, num, tables, b.slot_mapping, self.kv.spare_slot,
+                              where, self.outputs.accepted, self.outputs.tokens)
+        move_kv(self.kv.stack, *outcome.moves)
         self._tree_step = outcome
         if batch.max_logprobs is not None:
             path_tokens = outcome.path_tokens
@@ -592,50 +627,3 @@ def _samples_argmax(batch: SamplingBatch, reqs) -> bool:
 def _verifies_all_drafts(desc: BatchDescriptor, scheduled) -> bool:
     """A uniform batch's query is the last token and k drafts: every request must verify all k."""
     return all(len(s.spec_token_ids) == desc.query_len - 1 for s in scheduled)
-
-
-@dataclass
-class StepPlan:
-    """The host's index lists for sampling, verification and drafting, staged with the step's inputs."""
-
-    sample_rows: list[int]  # batch rows sampled without drafts
-    verify_rows: list[int]  # batch rows whose drafts are verified
-    extras: dict[str, np.ndarray]
-
-    @classmethod
-    def build(cls, sched: SchedulerOutput, sampling: list[int], draft_requests: list[tuple], inflight: list[tuple],
-              drafts_on_device: bool, row_of, trees: bool = False) -> StepPlan:
-        extras: dict[str, np.ndarray] = {}
-        if inflight:
-            extras["inflight"] = np.array(inflight, dtype=np.int64)
-        # A sampling request's last token is its row's end; its drafts are the tokens before it.
-        ends = {i: first + count for i, (first, count, *_) in enumerate(draft_requests)}
-        sample_rows = [i for i in sampling if not sched.scheduled[i].spec_token_ids]
-        verify_rows = [i for i in sampling if sched.scheduled[i].spec_token_ids]
-        if sample_rows:
-            extras["sample_index"] = np.array([ends[i] - 1 for i in sample_rows], dtype=np.int64)
-            extras["sample_rows"] = np.array(sample_rows, dtype=np.int64)
-        if verify_rows:
-            num = np.array([len(sched.scheduled[i].spec_token_ids) for i in verify_rows], dtype=np.int64)
-            last = np.array([ends[i] - 1 for i in verify_rows], dtype=np.int64)
-            # Row j of request i is the target's prediction after its j-th draft (clamped for padding);
-            # its draft j sits at token end - n + j.
-            j = np.arange(int(num.max()) + 1)
-            extras["verify_index"] = last[:, None] - num[:, None] + np.minimum(j[None, :], num[:, None])
-            extras["verify_drafts"] = num
-            extras["verify_rows"] = np.array(verify_rows, dtype=np.int64)
-            if drafts_on_device:
-                # Where the drafter kept each verified request's draft probabilities (sampled verification).
-                extras["verify_draft_rows"] = np.array([row_of(sched.scheduled[i].request.request_id)
-                                                        for i in verify_rows], dtype=np.int64)
-        if drafts_on_device and sampling:
-            extras["draft_requests"] = np.array(draft_requests, dtype=np.int64)
-            # Each drafting request's row of the drafter's per-request state (row_of: request id -> row).
-            extras["draft_rows"] = np.array([row_of(sched.scheduled[i].request.request_id) for i in sampling],
-                                            dtype=np.int64)
-            extras["sampling_rows"] = np.array(sampling, dtype=np.int64)
-            if trees:
-                # Each verified request's drafting index (draft_inputs.follow_tree_paths).
-                drafting = {row: i for i, row in enumerate(sampling)}
-                extras["verify_slots"] = np.array([drafting[i] for i in verify_rows], dtype=np.int64)
-        return cls(sample_rows, verify_rows, extras)

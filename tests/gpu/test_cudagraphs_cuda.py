@@ -16,6 +16,8 @@ from specserve.worker.cudagraph_mode import CUDAGraphMode as M
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_float32")]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 MODES = [m.name for m in M]
+# The tiny model's engines get a small cache: sized by a share of the GPU, its 8 KiB blocks would number millions.
+SMALL_KV = {"kv_cache_memory_bytes": 256 << 20}
 
 
 
@@ -33,7 +35,7 @@ def case(tiny_llama, tmp_path_factory):
 def make_llm(case, mode: str, spec: bool, debug: bool = True) -> LLM:
     path, _, _, head = case
     cfg = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3} if spec else None
-    return LLM(str(path), max_model_len=256, device="cuda", dtype="float32", cudagraph_mode=mode,
+    return LLM(str(path), max_model_len=256, device="cuda", **SMALL_KV, dtype="float32", cudagraph_mode=mode,
                debug_cudagraph=debug, max_num_seqs=16, max_num_batched_tokens=128,
                cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64, 128], speculative_config=cfg)
 
@@ -145,7 +147,7 @@ def test_trees_of_drafts_are_lossless_under_graphs(case, mode, debug):
     path, prompts, ref, head = case
 
     def tree_llm():
-        return LLM(str(path), max_model_len=256, device="cuda", dtype="float32", cudagraph_mode=mode,
+        return LLM(str(path), max_model_len=256, device="cuda", **SMALL_KV, dtype="float32", cudagraph_mode=mode,
                    debug_cudagraph=debug, max_num_seqs=16, max_num_batched_tokens=128,
                    cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64, 128],
                    speculative_config={"method": "eagle3", "model": str(head), "speculative_token_tree": TREE})

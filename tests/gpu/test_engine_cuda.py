@@ -11,6 +11,8 @@ from specserve import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_float32")]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+# The tiny model's engines get a small cache: sized by a share of the GPU, its 8 KiB blocks would number millions.
+SMALL_KV = {"kv_cache_memory_bytes": 256 << 20}
 
 
 
@@ -27,7 +29,7 @@ def case(tiny_llama):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_cuda_float32_equals_cpu(case, backend):
     path, _, prompts, ref = case
-    llm = LLM(str(path), max_model_len=256, device="cuda", dtype="float32", attention_backend=backend,
+    llm = LLM(str(path), max_model_len=256, device="cuda", **SMALL_KV, dtype="float32", attention_backend=backend,
               max_num_batched_tokens=64)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
 
@@ -37,7 +39,7 @@ def test_cuda_eagle_greedy_equals_no_speculation(case, tmp_path, method, widen):
     """widen: the head's MLP that many times the target's (the shipped SmolLM2 head's is 4x)."""
     path, hf, prompts, ref = case
     head = save_eagle_head(tmp_path / method, hf.config, method, intermediate=widen * hf.config.intermediate_size)
-    llm = LLM(str(path), max_model_len=256, device="cuda", dtype="float32", attention_backend="triton",
+    llm = LLM(str(path), max_model_len=256, device="cuda", **SMALL_KV, dtype="float32", attention_backend="triton",
               speculative_config={"method": method, "model": str(head), "num_speculative_tokens": 3})
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
     assert llm.engine.spec_stats.num_drafted > 0
@@ -45,7 +47,7 @@ def test_cuda_eagle_greedy_equals_no_speculation(case, tmp_path, method, widen):
 
 def test_cuda_bf16_agrees_mostly(case):
     path, _, prompts, ref = case
-    llm = LLM(str(path), max_model_len=256, device="cuda", dtype="bfloat16")
+    llm = LLM(str(path), max_model_len=256, device="cuda", **SMALL_KV, dtype="bfloat16")
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     # bf16 rounding may flip near-ties; most first tokens must still agree with float32.
     assert sum(o[0] == r[0] for o, r in zip(outs, ref)) >= len(ref) * 3 // 4
@@ -89,7 +91,7 @@ def test_launching_a_step_never_syncs_the_host(case, tmp_path, spec):
     if spec:
         head = save_eagle_head(tmp_path / "eagle3", hf.config, "eagle3")
         cfg = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
-    llm = LLM(str(path), max_model_len=256, device="cuda", dtype="float32", speculative_config=cfg,
+    llm = LLM(str(path), max_model_len=256, device="cuda", **SMALL_KV, dtype="float32", speculative_config=cfg,
               max_num_batched_tokens=64, cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64])
     sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=24, ignore_eos=True)
     llm.generate(prompts[:3], [GREEDY, sampled, GREEDY], use_tqdm=False)  # compiles kernels, allocates

@@ -142,8 +142,8 @@ def test_split_holds_out_a_seeded_share():
 
 
 def test_the_data_engine_covers_large_batches_with_graphs_on_cuda():
-    cfg = TrainConfig(target="smollm2-135m", out="/tmp/head", max_num_seqs=512, kv_cache_memory_gb=16)
-    assert data_engine_options(cfg) == {"kv_cache_memory_gb": 16}  # on the CPU: no graphs, default budget
+    cfg = TrainConfig(target="smollm2-135m", out="/tmp/head", max_num_seqs=512, kv_cache_memory=16 << 30)
+    assert data_engine_options(cfg) == {"kv_cache_memory_bytes": 16 << 30}  # on the CPU: no graphs, default budget
     cfg.device = "cuda"  # as the config would read on a GPU machine
     options = data_engine_options(cfg)
     assert options["max_num_batched_tokens"] == 1024

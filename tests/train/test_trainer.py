@@ -53,7 +53,7 @@ def prompt_file(tmp_path_factory):
 def config(target, out, **kw) -> TrainConfig:
     # Follow-ups only where a test asks for them: at max_seq_len 96 few would fit, and counts would blur.
     base = dict(target=str(target), out=str(out), num_prompts=18, max_new_tokens=24, max_seq_len=96,
-                follow_up_fraction=0.0, max_num_seqs=32, kv_cache_memory_gb=0.01, data_seconds=None,
+                follow_up_fraction=0.0, max_num_seqs=32, kv_cache_memory=10 << 20, data_seconds=None,
                 draft_vocab_size=200, epochs=12, batch_size=4, lr=5e-3, ttt_steps=3, val_fraction=0.2,
                 train_seconds=None, save_every=5, device="cpu", progress=False, soft_labels=False)
     return TrainConfig(**{**base, **kw})

@@ -11,16 +11,21 @@ import torch
 
 from specserve.spec_decode.model_drafter import ModelDrafter
 from specserve.spec_decode.tree_verify import move_kv
+from specserve.worker.kv_layout import KVCacheLayout
 
 
 class EagleSpeculator(ModelDrafter):
     uses_hidden_states = True
 
-    def __init__(self, head: torch.nn.Module, kv_cache: torch.Tensor, **kw):
-        super().__init__(feedback_size=head.cfg.hidden_size, dtype=kv_cache.dtype, **kw)
+    def __init__(self, head: torch.nn.Module, **kw):
+        super().__init__(feedback_size=head.cfg.hidden_size, **kw)
         self.head = head
-        self.kv_cache = kv_cache
+        self.kv_layout = KVCacheLayout.of(head.cfg, num_layers=1)
+        self.kv_cache: torch.Tensor | None = None
         self.aux_hidden_layers = head.aux_hidden_layers
+
+    def bind_kv_cache(self, stack: torch.Tensor | None) -> None:
+        self.kv_cache = None if stack is None else stack[0]
 
     def models(self) -> list[torch.nn.Module]:
         return [self.head]
