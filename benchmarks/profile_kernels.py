@@ -80,7 +80,7 @@ def profile_model(name: str, batch: int, top: int, host_profile: int, spec: Spec
     engine = LLMEngine(EngineConfig(model=model.path, load_format=model.load_format, device="cuda", dtype="bfloat16",
                                     max_model_len=1024 * tokens_per_step, max_num_seqs=8, enable_prefix_caching=False,
                                     cudagraph_capture_sizes=[1, 2, 4, 8], speculative_config=speculative))
-    prompts = make_prompts(batch, 64, engine.arch.vocab_size, 0)
+    prompts = make_prompts(batch, 64, engine.core.arch.vocab_size, 0)
     t = time_engine(engine, prompts, 64)
     label = f" {spec.label}" if spec else ""
     per_step = t.accept_len or 1.0

@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30)
     a = ap.parse_args()
     engine = build_engine(a.model, a.batch, a.spec)
-    prompts = make_prompts(a.batch, 32, engine.arch.vocab_size, 0)
+    prompts = make_prompts(a.batch, 32, engine.core.arch.vocab_size, 0)
     time_engine(engine, prompts, 16)
     t = time_engine(engine, prompts, a.new_tokens)
     steps = (t.tokens / a.batch) / (t.accept_len or 1.0)

@@ -35,7 +35,7 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=model.path, load_format=model.load_format, device="cuda", dtype="bfloat16",
                                     max_model_len=2048, max_num_seqs=8, enable_prefix_caching=False,
                                     cudagraph_capture_sizes=[1, 2, 4, 8], speculative_config=spec))
-    prompts = make_prompts(1, 64, engine.arch.vocab_size, 0)
+    prompts = make_prompts(1, 64, engine.core.arch.vocab_size, 0)
     time_engine(engine, prompts, 64)  # warm-up
     ms, per_step = [], 1.0
     for _ in range(a.runs):

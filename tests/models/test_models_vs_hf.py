@@ -50,7 +50,7 @@ def test_logits_match_transformers(variant):
         sched.scheduled.append(ScheduledRequest(req, len(t), [], engine.kv.block_ids(req.request_id), samples=True,
                                                 start=0))
     hidden = capture_hidden(engine, sched)
-    ours = engine.model.compute_logits(hidden)
+    ours = engine.core.model.compute_logits(hidden)
     offset = 0
     for t in ids:
         with torch.no_grad():
@@ -64,7 +64,7 @@ def test_logits_match_transformers(variant):
 def capture_hidden(engine, sched):
     """Run the runner's forward for a hand-made schedule and return every position's hidden state."""
     captured = {}
-    handle = engine.model.model.norm.register_forward_hook(lambda m, i, o: captured.setdefault("h", o))
+    handle = engine.core.model.model.norm.register_forward_hook(lambda m, i, o: captured.setdefault("h", o))
     try:
         engine.runner.execute_model(sched)
     finally:

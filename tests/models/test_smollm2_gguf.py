@@ -35,5 +35,5 @@ def test_first_32_greedy_tokens_equal_transformers(smollm2):
 def test_eos_ends_the_reply(smollm2):
     out = smollm2.chat(CHATS[0], SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "stop"
-    assert out.outputs[0].token_ids[-1] in smollm2.engine.eos_token_ids
+    assert out.outputs[0].token_ids[-1] in smollm2.engine.core.eos_token_ids
     assert "<|im_end|>" not in out.outputs[0].text
