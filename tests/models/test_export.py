@@ -31,7 +31,7 @@ def exported(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gguf_replies():
     """(prompt ids, greedy token ids) of each chat, from specserve on the GGUF."""
-    llm = LLM("smollm2-135m", dtype="float32", device="cpu", max_model_len=512, kv_cache_memory_gb=0.1)
+    llm = LLM("smollm2-135m", dtype="float32", device="cpu", max_model_len=512, kv_cache_memory_bytes=2**27)
     prompts = [llm.apply_chat_template(c) for c in CHATS]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     return prompts, [o.outputs[0].token_ids for o in outs]
@@ -67,7 +67,7 @@ def test_transformers_runs_the_export_as_specserve_runs_the_gguf(exported, gguf_
 
 def test_specserve_runs_the_export_as_the_gguf(exported, gguf_replies):
     prompts, replies = gguf_replies
-    llm = LLM(str(exported), device="cpu", max_model_len=512, kv_cache_memory_gb=0.1)
+    llm = LLM(str(exported), device="cpu", max_model_len=512, kv_cache_memory_bytes=2**27)
     assert llm.engine.config.torch_dtype == torch.float32
     assert [llm.apply_chat_template(c) for c in CHATS] == prompts
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
