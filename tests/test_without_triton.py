@@ -41,7 +41,7 @@ def test_llm_and_cli_generate_on_cpu():
     out = run_without_triton(
         "from specserve import LLM, SamplingParams\n"
         "from specserve.entrypoints.cli import main\n"
-        "llm = LLM('smollm2-135m', device='cpu', kv_cache_memory_bytes=2**27)\n"
+        "llm = LLM('smollm2-135m', device='cpu', kv_cache_memory_bytes=2**30)\n"
         "out = llm.generate(['The capital of France is'], SamplingParams(temperature=0, max_tokens=8),\n"
         "                   use_tqdm=False)[0].outputs[0]\n"
         "print('LLM', len(out.token_ids), repr(out.text))\n"
