@@ -41,10 +41,11 @@ def eos_token_ids(source: ModelSource, arch, tokenizer) -> set[int]:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, tokenizer=None):
-        """`tokenizer` is the front end's when it shares this process; the core reads only its EOS id."""
+    def __init__(self, config: EngineConfig, tokenizer=None, source: ModelSource | None = None):
+        """`tokenizer` and `source` are the front end's when it shares this process (the core reads only the
+        tokenizer's EOS id), so the model's files are opened once."""
         self.config = config
-        source = open_model_source(config.model, config.revision)
+        source = source if source is not None else open_model_source(config.model, config.revision)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source, config.tokenizer)
         backend = get_attention_backend(config.attention_backend)
         self.model, self.arch = build_model(source, config.torch_dtype, config.device, backend,

@@ -16,10 +16,11 @@ from specserve.spec_decode.metrics import SpecDecodeStats
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, core_factory=EngineCore):
-        """`core_factory(config, tokenizer)` builds the core; tests pass a subclass of EngineCore."""
+        """`core_factory(config, tokenizer, source)` builds the core; tests pass a subclass of EngineCore."""
         self.config = config
-        self.tokenizer = load_tokenizer(open_model_source(config.model, config.revision), config.tokenizer)
-        self.core = core_factory(config, self.tokenizer)
+        source = open_model_source(config.model, config.revision)
+        self.tokenizer = load_tokenizer(source, config.tokenizer)
+        self.core = core_factory(config, self.tokenizer, source)
         self.processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
 
