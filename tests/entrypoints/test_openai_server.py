@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import re
 
 import httpx
@@ -252,9 +253,27 @@ def test_bench_serve_cli(spec, tmp_path, capsys):
     common = ["bench", "serve", "--base-url", spec.url, "--dataset", str(dataset), "--max-tokens", "12"]
     assert main(common + ["--num-prompts", "6", "--concurrency", "3"]) == 0
     assert main(common + ["--num-prompts", "4", "--request-rate", "50", "--endpoint", "completions"]) == 0
+    # The streams shared among client processes: every request is counted once, each process's load adds up.
+    assert main(common + ["--num-prompts", "5", "--concurrency", "4", "--client-processes", "2"]) == 0
     reports = capsys.readouterr().out.split("Serving Benchmark Result")[1:]
-    assert len(reports) == 2
-    for report, n in zip(reports, (6, 4)):
+    assert len(reports) == 3
+    for report, n in zip(reports, (6, 4, 5)):
         assert re.search(rf"Successful requests: +{n}\n", report) and re.search(r"Failed requests: +0\n", report)
         for row in ("Output token throughput", "P50 TTFT", "P99 TTFT", "P90 TPOT", "P99 E2EL", "Acceptance rate"):
             assert re.search(rf"{re.escape(row)} \((ms|tok/s|%)\): +\d+\.\d\d\n", report), row
+
+
+def test_bench_serve_shares_streams_and_prompts_among_processes():
+    from specserve.entrypoints.openai.bench_serve import BenchConfig, _shares
+
+    cfg = BenchConfig("http://x", concurrency=5, request_rate=30.0)
+    prompts = [f"p{i}" for i in range(11)]
+    assert cfg.num_processes(len(prompts)) == 1  # 5 streams: one process carries them
+    shares = _shares(cfg, prompts, 2)
+    assert [s.concurrency for s, _ in shares] == [3, 2]
+    assert [s.request_rate for s, _ in shares] == [15.0, 15.0]
+    assert sorted(p for _, ps in shares for p in ps) == sorted(prompts)
+    assert BenchConfig("http://x", concurrency=64).num_processes(1000) == min(4, os.cpu_count())
+    assert BenchConfig("http://x", concurrency=64, client_processes=8).num_processes(3) == 3
+    with pytest.raises(ValueError, match="client_processes"):
+        BenchConfig("http://x", client_processes=0)

@@ -5,20 +5,28 @@ arrives and time per output token (TPOT) is the rest of the latency over the
 remaining tokens; token counts come from the server's usage chunk. Against a
 specserve server it also reports speculative decoding's acceptance over the
 run, from the difference of two /metrics scrapes.
+
+The streams are shared among client processes (`STREAMS_PER_PROCESS` each by
+default): one Python process reads some tens of thousands of events a second,
+and a load generator that saturates first measures itself, not the server.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import math
+import multiprocessing
+import os
+import queue
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+STREAMS_PER_PROCESS = 16
 _SPEC_COUNTERS = {"specserve:spec_decode_num_drafted_tokens": "drafted",
                   "specserve:spec_decode_num_accepted_tokens": "accepted"}
 
@@ -35,6 +43,19 @@ class BenchConfig:
     seed: int = 0
     timeout: float = 600.0
     ignore_eos: bool = False  # every request generates max_tokens (servers that accept it: specserve, vLLM)
+    client_processes: int | None = None  # None: one per STREAMS_PER_PROCESS streams, at most the CPU count
+
+    def __post_init__(self):
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
+        if self.client_processes is not None and self.client_processes < 1:
+            raise ValueError(f"client_processes must be at least 1, got {self.client_processes}")
+
+    def num_processes(self, num_prompts: int) -> int:
+        """Client processes for a run of num_prompts: never more than there are streams or prompts."""
+        streams = min(self.concurrency or num_prompts, num_prompts)
+        wanted = self.client_processes or min(math.ceil(streams / STREAMS_PER_PROCESS), os.cpu_count() or 1)
+        return max(1, min(wanted, streams))
 
 
 @dataclass
@@ -105,10 +126,10 @@ def _has_text(event: dict) -> bool:
     return False
 
 
-async def _spec_counters(client: httpx.AsyncClient, base_url: str) -> dict[str, float]:
+def _spec_counters(client: httpx.Client, base_url: str) -> dict[str, float]:
     """Speculative decoding counters from /metrics; empty for servers that do not export them."""
     try:
-        r = await client.get(base_url + "/metrics")
+        r = client.get(base_url + "/metrics")
     except httpx.HTTPError:
         return {}
     if r.status_code != 200:
@@ -117,10 +138,12 @@ async def _spec_counters(client: httpx.AsyncClient, base_url: str) -> dict[str, 
             if f.name in _SPEC_COUNTERS and f.samples}
 
 
-async def run_benchmark(cfg: BenchConfig, prompts: list[str]) -> dict:
+async def _run_share(cfg: BenchConfig, model: str, prompts: list[str]) -> tuple[list[RequestResult], float, float]:
+    """One process's share of the run: its prompts, at most cfg.concurrency in flight, arriving at
+    cfg.request_rate. Returns the results and the share's start and end (time.perf_counter, which is
+    the system's monotonic clock and so comparable across processes)."""
     limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
     async with httpx.AsyncClient(timeout=cfg.timeout, limits=limits) as client:
-        model = cfg.model or (await client.get(cfg.base_url + "/v1/models")).json()["data"][0]["id"]
         slots = asyncio.Semaphore(cfg.concurrency or len(prompts))
         rng = random.Random(cfg.seed)
 
@@ -128,7 +151,6 @@ async def run_benchmark(cfg: BenchConfig, prompts: list[str]) -> dict:
             async with slots:
                 return await _send(client, cfg, model, prompt)
 
-        before = await _spec_counters(client, cfg.base_url)
         start = time.perf_counter()
         tasks = []
         for i, prompt in enumerate(prompts):
@@ -136,10 +158,62 @@ async def run_benchmark(cfg: BenchConfig, prompts: list[str]) -> dict:
             if math.isfinite(cfg.request_rate) and i + 1 < len(prompts):
                 await asyncio.sleep(rng.expovariate(cfg.request_rate))
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-        after = await _spec_counters(client, cfg.base_url)
+    return list(results), start, time.perf_counter()
+
+
+def _client_process(cfg: BenchConfig, model: str, prompts: list[str], index: int, barrier, results) -> None:
+    barrier.wait()  # every process has imported its modules: the first wave of requests leaves together
+    results.put((index, *asyncio.run(_run_share(cfg, model, prompts))))
+
+
+def _shares(cfg: BenchConfig, prompts: list[str], processes: int) -> list[tuple[BenchConfig, list[str]]]:
+    """Process p sends prompts p, p + P, ...; the concurrency splits as evenly as it can and the arrival
+    rate splits evenly (P Poisson processes of rate r / P merge into one of rate r)."""
+    streams = cfg.concurrency or len(prompts)
+    return [(replace(cfg, concurrency=streams // processes + (p < streams % processes),
+                     request_rate=cfg.request_rate / processes, seed=cfg.seed + p), prompts[p::processes])
+            for p in range(processes)]
+
+
+def _run_processes(cfg: BenchConfig, model: str, prompts: list[str], processes: int):
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(processes), ctx.Queue()
+    workers = [ctx.Process(target=_client_process, args=(share, model, share_prompts, p, barrier, results),
+                           daemon=True) for p, (share, share_prompts) in enumerate(_shares(cfg, prompts, processes))]
+    for w in workers:
+        w.start()
+    shares = {}
+    try:
+        while len(shares) < processes:
+            try:
+                index, *share = results.get(timeout=1.0)
+                shares[index] = share
+            except queue.Empty:
+                dead = [w for p, w in enumerate(workers) if p not in shares and not w.is_alive()]
+                if dead:
+                    raise RuntimeError(f"a client process exited with code {dead[0].exitcode} before reporting; "
+                                       "its error is printed above") from None
+    finally:
+        for w in workers:
+            w.join(timeout=5)
+            if w.is_alive():
+                w.kill()
+    return ([r for p in range(processes) for r in shares[p][0]], min(s[1] for s in shares.values()),
+            max(s[2] for s in shares.values()))
+
+
+def run_benchmark(cfg: BenchConfig, prompts: list[str]) -> dict:
+    with httpx.Client(timeout=cfg.timeout) as client:
+        model = cfg.model or client.get(cfg.base_url + "/v1/models").json()["data"][0]["id"]
+        before = _spec_counters(client, cfg.base_url)
+        processes = cfg.num_processes(len(prompts))
+        if processes == 1:
+            results, start, end = asyncio.run(_run_share(cfg, model, prompts))
+        else:
+            results, start, end = _run_processes(cfg, model, prompts, processes)
+        after = _spec_counters(client, cfg.base_url)
     spec = {k: after[k] - before.get(k, 0.0) for k in after}
-    return summarize(results, duration, spec)
+    return summarize(results, end - start, spec)
 
 
 def summarize(results: list[RequestResult], duration: float, spec: dict[str, float]) -> dict:

@@ -6,7 +6,6 @@ stays fast.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 
 from specserve.bench.cli import add_decode_parser
@@ -81,6 +80,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
     p.add_argument("--ignore-eos", action="store_true", help="make every request generate --max-tokens tokens")
     p.add_argument("--timeout", type=_positive(float), default=600.0, help="seconds per request")
+    p.add_argument("--client-processes", type=_positive(int),
+                   help="processes sharing the streams (default: one per 16 streams, at most the CPU count)")
     p.set_defaults(func=cmd_bench_serve)
     add_decode_parser(bench_sub)
     p = bench_sub.add_parser("offline", help="the engine's throughput on a prompt set in this process, the "
@@ -118,5 +119,5 @@ def cmd_bench_serve(a: argparse.Namespace) -> None:
     except (OSError, ValueError, KeyError) as e:
         raise SystemExit(f"error: cannot read prompts from {a.dataset}: {e!r}") from e
     config = BenchConfig(a.base_url.rstrip("/"), a.model, a.endpoint, a.max_tokens, a.temperature, a.concurrency,
-                         a.request_rate, a.seed, a.timeout, a.ignore_eos)
-    print_report(asyncio.run(run_benchmark(config, prompts)))
+                         a.request_rate, a.seed, a.timeout, a.ignore_eos, a.client_processes)
+    print_report(run_benchmark(config, prompts))
