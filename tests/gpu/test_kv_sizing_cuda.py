@@ -43,7 +43,11 @@ def test_the_profiled_cache_fits_the_share(smollm2_shape, spec):
     torch.cuda.synchronize()
     free, _ = torch.cuda.mem_get_info()
     used = total - free - before
-    assert used <= util * total, f"the engine holds {used / 2**30:.2f} GiB, over {util} of {total / 2**30:.2f} GiB"
+    assert used <= util * total, (
+        f"the engine holds {used / 2**30:.2f} GiB, over {util} of {total / 2**30:.2f} GiB; profile: "
+        f"{profile.describe()}; KV cache {plan.bytes / 2**30:.2f} GiB; torch allocated "
+        f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB, reserved {torch.cuda.memory_reserved() / 2**30:.2f} GiB "
+        f"(peak {torch.cuda.max_memory_reserved() / 2**30:.2f}); graphs kept {runner.graph_memory_bytes / 2**30:.2f} GiB")
     # The share went to the cache rather than lying idle.
     assert used >= 0.8 * util * total
     del llm, runner
