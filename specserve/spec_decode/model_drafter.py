@@ -33,6 +33,7 @@ from specserve.spec_decode.tree_drafting import draft_tree
 from specserve.spec_decode.tree_verify import TreeTables
 from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager
 from specserve.worker.cudagraph_mode import CUDAGraphMode
+from specserve.worker.step_path import Drafting
 
 
 class ModelDrafter(Speculator):
@@ -173,6 +174,11 @@ class ModelDrafter(Speculator):
             self.greedy_loop_graphs.capture(self._greedy_loop, loop_prepare)
         self._rows_in_use = -1  # the captures wrote the buffers' every row
 
+    def has_drafting_graph(self, num_reqs: int) -> bool:
+        """Whether the drafts of num_reqs requests can replay one graph: a tree's passes, or a greedy chain."""
+        graphs = self.greedy_loop_graphs if self.tree_tables is None else self.tree_graphs
+        return graphs is not None and graphs.has_graph(graphs.dispatch(num_reqs, num_reqs, 1))
+
     def release_graphs(self) -> None:
         self.prefill_graphs = self.decode_graphs = self.greedy_loop_graphs = self.tree_graphs = None
         self._loop_inputs = None
@@ -248,9 +254,9 @@ class ModelDrafter(Speculator):
 
     @torch.inference_mode()
     def propose(self, inp: DraftInput) -> torch.Tensor:
+        """[n, k] drafts (a chain) or [n, N] (a tree): the prefill, then the drafts as inp.drafting says."""
         n, k = len(inp.requests), self.num_speculative_tokens
         desc = inp.descriptor
-        greedy = inp.sampling.all_greedy
 
         def prefill(d: BatchDescriptor, metadata: AttentionMetadata):
             return self._prefill(d, metadata, inp.target_out)
@@ -264,20 +270,23 @@ class ModelDrafter(Speculator):
             for rows in self._request_rows:
                 rows[n:].zero_()
             self._rows_in_use = n
-        if self.tree_tables is not None:
-            return self._propose_tree(n, for_logits, fed_back, inp)
+        if inp.drafting is Drafting.TREE_PASSES:
+            return self._draft_tree(for_logits, fed_back, last, inp.kv_moves, inp.base_positions, inp.block_table)
+        if inp.drafting is Drafting.TREE_GRAPH:
+            if inp.kv_moves is not None:
+                self.move_kv(*inp.kv_moves)
+            self._keep_feedback(n, fed_back, last)
+            self._seed_greedy_loop(n, for_logits, last, inp.last_tokens)
+            return self._replay_for(self.tree_graphs, n, self._tree_in_graph)
         drafts: list[torch.Tensor] = []
         current = inp.last_tokens
         self._keep_feedback(n, fed_back, last)
-        loop = self.greedy_loop_graphs
-        loop_desc = loop.dispatch(n, n, 1) if loop is not None and greedy else None
-        if loop_desc is not None and loop.has_graph(loop_desc):
+        if inp.drafting is Drafting.GREEDY_LOOP_GRAPH:
             self._seed_greedy_loop(n, for_logits, last, current)
-            self.step_buffers.num_reqs.fill_(n)
-            return loop.run(loop_desc, self._greedy_loop, loop.metadata[loop_desc.key])[:n]
+            return self._replay_for(self.greedy_loop_graphs, n, self._greedy_loop)
         if for_logits is not None:
             h = for_logits.index_select(0, last)
-            current = self.greedy_tokens(h) if greedy else self._pick(self.compute_logits(h), inp, 0)
+            current = self.greedy_tokens(h) if inp.sampling.all_greedy else self._pick(self.compute_logits(h), inp, 0)
             drafts.append(current)
         step = 1
         while len(drafts) < k:
@@ -292,20 +301,12 @@ class ModelDrafter(Speculator):
             step += 1
         return torch.stack(drafts, dim=1)
 
-    def _propose_tree(self, n: int, for_logits: torch.Tensor, fed_back: torch.Tensor, inp: DraftInput) -> torch.Tensor:
-        """propose() for a tree after the prefill: the tree graph for n where there is one, else the passes
-        eagerly."""
-        trees = self.tree_graphs
-        tree_desc = trees.dispatch(n, n, 1) if trees is not None else None
-        if tree_desc is None or not trees.has_graph(tree_desc):
-            return self._draft_tree(for_logits, fed_back, inp.last_token_indices, inp.kv_moves, inp.base_positions,
-                                    inp.block_table)
-        if inp.kv_moves is not None:
-            self.move_kv(*inp.kv_moves)
-        self._keep_feedback(n, fed_back, inp.last_token_indices)
-        self._seed_greedy_loop(n, for_logits, inp.last_token_indices, inp.last_tokens)
+    def _replay_for(self, graphs: CUDAGraphManager, n: int, forward) -> torch.Tensor:
+        """The drafts of n requests from the graph of graphs for n (a loop or a tree), which reads n from the
+        device."""
         self.step_buffers.num_reqs.fill_(n)
-        return trees.run(tree_desc, self._tree_in_graph, trees.metadata[tree_desc.key])[:n]
+        desc = graphs.dispatch(n, n, 1)
+        return graphs.run(desc, forward, graphs.metadata[desc.key])[:n]
 
     def propose_greedy_in_graph(self, desc: BatchDescriptor, target_out: tuple, metadata: AttentionMetadata,
                                 num_reqs: torch.Tensor, last_token_indices: torch.Tensor,

@@ -34,6 +34,8 @@ from specserve.worker.kv_sizing import CudaMemory, KVCachePlan, plan_kv_cache
 from specserve.worker.staged_inputs import NUM_REQS
 from specserve.worker.step_handle import PendingLogprobs, StepHandle
 from specserve.worker.step_outputs import StepOutputs
+from specserve.worker.step_path import (Drafting, GraphsReady, Sampling, SpeculatorKind, StepPath, StepRows,
+                                        Verification, WholeStep, choose_step_path)
 from specserve.worker.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -288,24 +290,20 @@ class ModelRunner:
                                    b.staged[NUM_REQS:NUM_REQS + 1], self.draft_last_indices, self.draft_base_positions,
                                    self.draft_block_table, out.drafts[:n])
 
-    def _runs_whole(self, desc: BatchDescriptor, sched: SchedulerOutput, sampling: list[int]) -> bool:
-        """Whether the step replays its whole-step graph: a uniform batch with one, where every request samples
-        greedily without logprobs and, verifying, has exactly the drafts the graph verifies. These are the
-        conditions under which each part would run its own graph (_sample, _verify, the drafter's greedy loop)."""
-        whole = self.whole_step_graphs
-        if whole is None or self.graphs.debug or not whole.has_graph(desc) or len(sampling) != len(sched.scheduled):
-            return False
-        reqs = [s.request for s in sched.scheduled]
-        batch = SamplingBatch.build(reqs, self.device)
-        if desc.query_len == 1:
-            return _samples_argmax(batch, reqs)
-        return _argmax_only(batch) and _verifies_all_drafts(desc, sched.scheduled)
-
-    def _greedy_in_graph(self, desc: BatchDescriptor, sched: SchedulerOutput, batch_rows: list[int]) -> bool:
-        """Whether a greedy batch's sampling or verification runs as its greedy graph: every scheduled request
-        takes part and the target ran a full graph of a uniform batch that has one."""
-        return (len(batch_rows) == len(sched.scheduled) and self.greedy_graphs is not None
-                and self.greedy_graphs.has_graph(desc))
+    def _choose_path(self, desc: BatchDescriptor, sched: SchedulerOutput) -> StepPath:
+        """The step's path (step_path.py), from its descriptor, its requests and the graphs recorded."""
+        rows = StepRows.of(sched)
+        spec = self.speculator
+        kind = (SpeculatorKind.NONE if spec is None else
+                SpeculatorKind.ON_DEVICE if spec.on_device else SpeculatorKind.ON_HOST)
+        whole, greedy = self.whole_step_graphs, self.greedy_graphs
+        graphs = GraphsReady(
+            whole_step=whole is not None and not self.graphs.debug and whole.has_graph(desc),
+            # Greedy verification graphs read the uniform batch's fixed inputs.
+            greedy=greedy is not None and greedy.has_graph(desc) and (
+                desc.query_len == 1 or self.uniform_verify is not None),
+            drafting=kind is SpeculatorKind.ON_DEVICE and spec.has_drafting_graph(rows.num_sampling))
+        return choose_step_path(desc, rows, graphs, kind, self.tree is not None)
 
     def dispatch(self, num_tokens: int, query_lens: list[int]) -> BatchDescriptor:
         """How this step's target forward runs: the graph descriptor where graphs are recorded."""
@@ -385,12 +383,14 @@ class ModelRunner:
                                         self.block_size, plan.extras, *self._tree_layout(sched, offset))
         b = self.buffers
         desc = self.dispatch(offset, qlens)
-        handle = StepHandle(sched, sampling)
+        path = self._choose_path(desc, sched)
+        handle = StepHandle(sched, sampling, path)
         self._previous = {sched.scheduled[i].request.request_id: (i, len(sched.scheduled[i].spec_token_ids))
                           for i in sampling}
-        if self._runs_whole(desc, sched, sampling):
+        if path.whole is not WholeStep.NONE:
             self._forced_draws(desc, len(sampling))
-            self.whole_step_graphs.run(desc, self._whole_step if self.tree is None else self._whole_tree_step, None)
+            self.whole_step_graphs.run(desc, self._whole_step if path.whole is WholeStep.CHAIN else self._whole_tree_step,
+                                       None)
             handle.host, handle.event = self.outputs.copy_to_host(len(sched.scheduled))
             return handle
         b.spread()
@@ -402,14 +402,14 @@ class ModelRunner:
         hidden = padded_hidden[:offset]
         if not sampling:
             return handle
-        # Requests without drafts take the plain sampler, which also applies penalties and min_tokens.
-        if plan.sample_rows:
-            self._sample(hidden, sched, plan.sample_rows, handle, desc)
-        if plan.verify_rows:
-            verify = self._verify if self.tree is None else self._verify_tree
-            verify(hidden, sched, plan.verify_rows, handle, desc)
-        if self.speculator is not None and self.speculator.on_device:
-            self._propose(sched, sampling, desc, (padded_hidden, padded_aux), metadata)
+        if path.sampling is not Sampling.NONE:
+            self._sample(hidden, sched, plan.sample_rows, handle, desc, path.sampling)
+        if path.verification in (Verification.TREE_ARGMAX, Verification.TREE_LOGITS):
+            self._verify_tree(hidden, sched, plan.verify_rows, handle, path.verification)
+        elif path.verification is not Verification.NONE:
+            self._verify(hidden, sched, plan.verify_rows, handle, desc, path.verification)
+        if path.drafts_on_device:
+            self._propose(sched, sampling, desc, (padded_hidden, padded_aux), metadata, path.drafting)
         handle.host, handle.event = self.outputs.copy_to_host(len(sched.scheduled))
         return handle
 
@@ -450,11 +450,11 @@ class ModelRunner:
             row = table[i]
             rid = scheduled[i].request.request_id
             out.sampled[rid] = row[1:row[0] + 2]
-            if self.speculator is not None and self.speculator.on_device:
+            if handle.path.drafts_on_device:
                 out.drafts[rid] = row[k + 2:]
         for logprobs in handle.logprobs:
             logprobs.collect(table, handle.sched, out.logprobs)
-        if self.speculator is not None and not self.speculator.on_device:
+        if handle.path.drafting is Drafting.ON_HOST:
             reqs = [scheduled[i].request for i in handle.sampling]
             contexts = [r.all_token_ids + out.sampled[r.request_id] for r in reqs]
             for req, d in zip(reqs, self.speculator.propose_from_contexts(contexts)):
@@ -462,19 +462,17 @@ class ModelRunner:
         return out
 
     def _sample(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
-                desc: BatchDescriptor) -> None:
-        reqs = [sched.scheduled[i].request for i in batch_rows]
-        batch = SamplingBatch.build(reqs, self.device)
-        greedy = _samples_argmax(batch, reqs)
-        # A decode batch in a full graph where every request samples: its sampling is recorded too. A uniform
-        # batch of k + 1 query tokens here is a prefill with nothing to verify, so it runs eagerly.
-        if greedy and desc.query_len == 1 and self._greedy_in_graph(desc, sched, batch_rows):
+                desc: BatchDescriptor, how: Sampling) -> None:
+        """The token of each request that samples without drafts. Only the sampler applies penalties and
+        min_tokens."""
+        if how is Sampling.GREEDY_GRAPH:
             self.greedy_graphs.run(desc, self._greedy_outputs, None)
             return
         h = hidden.index_select(0, self.buffers.staged_extra("sample_index"))
-        if greedy:
+        if how is Sampling.ARGMAX:
             result = SamplerOutput(self.model.greedy_tokens(h))
         else:
+            batch = SamplingBatch.build([sched.scheduled[i].request for i in batch_rows], self.device)
             result = self.sampler(self.model.compute_logits(h), batch)
         where = self.buffers.staged_extra("sample_rows")
         self.outputs.accepted.index_fill_(0, where, 0)
@@ -483,32 +481,28 @@ class ModelRunner:
             handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=1))
 
     def _verify(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
-                desc: BatchDescriptor) -> None:
-        """Rejection-sample each request's drafts against the target's logits at the verified positions.
-        The drafts are read from the step's input ids on the device, where the host or the previous
-        step (asynchronous scheduling) put them."""
-        scheduled = [sched.scheduled[i] for i in batch_rows]
-        reqs = [s.request for s in scheduled]
-        batch = SamplingBatch.build(reqs, self.device)
+                desc: BatchDescriptor, how: Verification) -> None:
+        """Verify each request's chain of drafts against the target's argmax (greedy) or its logits (rejection
+        sampling) at the verified positions. The drafts are read from the step's input ids on the device,
+        where the host or the previous step (asynchronous scheduling) put them."""
         forced = self.forced_acceptance_prob
-        greedy = _argmax_only(batch)
-        v = self.uniform_verify
-        if greedy and v is not None and self._greedy_in_graph(desc, sched, batch_rows) \
-                and _verifies_all_drafts(desc, scheduled):
-            self._forced_draws(desc, len(reqs))
+        if how is Verification.GREEDY_GRAPH:
+            self._forced_draws(desc, len(batch_rows))
             self.greedy_graphs.run(desc, self._greedy_outputs, None)
             return
         b = self.buffers
         index, num, where = b.staged_extra("verify_index"), b.staged_extra("verify_drafts"), b.staged_extra("verify_rows")
         n, k = index.shape[0], index.shape[1] - 1
         verified = hidden.index_select(0, index.view(-1))
-        if greedy:
+        if how is Verification.GREEDY:
             target = self.model.greedy_tokens(verified).view(n, k + 1)
             uniform = None if forced is None else torch.rand(n, k, device=self.device,
                                                              generator=self.sampler.default_generator)
             greedy_verify(target, b.input_ids, index, num, where, self.outputs.accepted, self.outputs.tokens,
                           uniform, forced)
             return
+        reqs = [sched.scheduled[i].request for i in batch_rows]
+        batch = SamplingBatch.build(reqs, self.device)
         logits = self.model.compute_logits(verified).view(n, k + 1, -1)
         if batch.all_greedy:
             target_probs = logits
@@ -538,20 +532,20 @@ class ModelRunner:
             handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=k + 1))
 
     def _verify_tree(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
-                     desc: BatchDescriptor) -> None:
+                     how: Verification) -> None:
         """Verify each request's tree of drafts (tree_verify.py): the target's token at every node, argmax or
         sampled, then the walk from the root; then move the accepted nodes' keys and values to their
         positions' slots. Keeps the accepted paths and the moves for the drafter (self._tree_step)."""
-        reqs = [sched.scheduled[i].request for i in batch_rows]
-        batch = SamplingBatch.build(reqs, self.device)
         b, tables = self.buffers, self.tree_tables
         index, num, where = b.staged_extra("verify_index"), b.staged_extra("verify_drafts"), b.staged_extra("verify_rows")
         n, width = index.shape[0], index.shape[1]
         verified = hidden.index_select(0, index.view(-1))
-        logits = None
-        if _argmax_only(batch):
+        batch = None
+        if how is Verification.TREE_ARGMAX:
             target = self.model.greedy_tokens(verified).view(n, width)
         else:
+            reqs = [sched.scheduled[i].request for i in batch_rows]
+            batch = SamplingBatch.build(reqs, self.device)
             logits = self.model.compute_logits(verified)
             target = greedy_argmax(logits)
             if not batch.all_greedy:
@@ -564,7 +558,7 @@ class ModelRunner:
                               where, self.outputs.accepted, self.outputs.tokens)
         move_kv(self.kv.stack, *outcome.moves)
         self._tree_step = outcome
-        if batch.max_logprobs is not None:
+        if batch is not None and batch.max_logprobs is not None:
             path_tokens = outcome.path_tokens
             raw = self.model.compute_logits(hidden.index_select(0, path_tokens.view(-1))).log_softmax(dim=-1)
             result = token_logprobs(raw, outcome.tokens.flatten().clamp(min=0), batch.max_logprobs)
@@ -578,7 +572,7 @@ class ModelRunner:
                             self.draft_last_indices, self.draft_last_tokens, self.draft_base_positions,
                             self.draft_block_table, max_rows)
 
-    def _propose(self, sched, sampling, desc, target_out, metadata) -> None:
+    def _propose(self, sched, sampling, desc, target_out, metadata, drafting: Drafting) -> None:
         """Draft the next tokens of every request that produced tokens this step, on the device: each
         request's last accepted token and its position follow from the accepted counts just written."""
         spec, b = self.speculator, self.buffers
@@ -591,19 +585,20 @@ class ModelRunner:
             moves = outcome.moves
             follow_tree_paths(outcome.path_tokens, outcome.accepted, outcome.tokens, b.staged_extra("verify_slots"),
                               b.positions, spec.next_ids, self.draft_last_indices, self.draft_base_positions)
-        drafting = [s.request for s in scheduled]
+        requests = [s.request for s in scheduled]
         inp = DraftInput(
             target_out=target_out,
             descriptor=desc,
             metadata=metadata,
-            requests=drafting,
+            requests=requests,
             last_token_indices=self.draft_last_indices[:n],
             base_positions=self.draft_base_positions,
             max_base_position=max(s.start + s.num_new_tokens - 1 for s in scheduled),
             last_tokens=self.draft_last_tokens[:n],
             block_table=self.draft_block_table,
             rows=b.staged_extra("draft_rows"),
-            sampling=SamplingBatch.build(drafting, self.device),
+            sampling=SamplingBatch.build(requests, self.device),
+            drafting=drafting,
             kv_moves=moves,
         )
         drafts = spec.propose(inp)
@@ -612,18 +607,3 @@ class ModelRunner:
         else:
             self.outputs.drafts.index_copy_(0, b.staged_extra("sampling_rows"), drafts)
 
-
-def _argmax_only(batch: SamplingBatch) -> bool:
-    """Every request takes the argmax and asks for no logprobs: the step needs the tokens alone."""
-    return batch.all_greedy and batch.max_logprobs is None
-
-
-def _samples_argmax(batch: SamplingBatch, reqs) -> bool:
-    """Sampling without drafts is the argmax alone: _argmax_only, and no request needs the host's tokens
-    (penalties, min_tokens), which only the plain sampler applies."""
-    return _argmax_only(batch) and not any(r.needs_host_tokens for r in reqs)
-
-
-def _verifies_all_drafts(desc: BatchDescriptor, scheduled) -> bool:
-    """A uniform batch's query is the last token and k drafts: every request must verify all k."""
-    return all(len(s.spec_token_ids) == desc.query_len - 1 for s in scheduled)
