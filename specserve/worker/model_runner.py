@@ -1,9 +1,15 @@
-"""Runs one scheduled step: inputs into persistent buffers, target forward, sampling."""
+"""Runs one scheduled step: inputs into persistent buffers, target forward, sampling or verification,
+drafting (docs/design.md, 'One engine step').
+
+ModelRunner owns the step's state and its order: launch() stages the inputs, chooses the step's path
+once (step_path.py), and runs the parts that path names; resolve() reads the results. The parts live in
+modules of their own, mixed into ModelRunner: the graphs (target_graphs.py), sampling and verification
+(sample_and_verify.py), and the drafter's inputs and proposal (draft_proposal.py).
+"""
 from __future__ import annotations
 
 import gc
 import logging
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -12,31 +18,29 @@ import torch
 
 from specserve.config import EngineConfig
 from specserve.engine.scheduler import SchedulerOutput
-from specserve.sample.argmax import greedy_argmax
 from specserve.models.arch_config import ArchConfig
 from specserve.outputs import Logprob
-from specserve.sample.sampler import (Sampler, SamplerOutput, SamplingBatch, filtered_probs, sample_from_probs,
-                                      token_logprobs)
+from specserve.sample.sampler import Sampler
 from specserve.spec_decode.config import MAX_DRAFT_TOKENS
-from specserve.spec_decode.draft_inputs import follow_tree_paths, gather_draft_inputs
-from specserve.spec_decode.greedy_verify import UniformVerifyInputs, greedy_verify
-from specserve.spec_decode.rejection_sampler import draw_randomness, rejection_sample
-from specserve.spec_decode.speculator import DraftInput, Speculator
-from specserve.spec_decode.tree_verify import TreeOutcome, TreeTables, move_kv, verify_tree
-from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager, default_capture_sizes
+from specserve.spec_decode.greedy_verify import UniformVerifyInputs
+from specserve.spec_decode.speculator import Speculator
+from specserve.spec_decode.tree_verify import TreeOutcome, TreeTables
+from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager
 from specserve.worker.cudagraph_mode import CUDAGraphMode
-from specserve.worker.graph_recorder import AttentionSplitter, CudaGraphRecorder
+from specserve.worker.draft_proposal import DraftProposal
+from specserve.worker.graph_recorder import CudaGraphRecorder
 from specserve.worker.host_block_table import HostBlockTable
 from specserve.worker.inflight_inputs import take_inflight_inputs
 from specserve.worker.input_buffers import InputBuffers
 from specserve.worker.kv_layout import KVCacheLayout, KVCaches
 from specserve.worker.kv_sizing import CudaMemory, KVCachePlan, plan_kv_cache
-from specserve.worker.staged_inputs import NUM_REQS
-from specserve.worker.step_handle import PendingLogprobs, StepHandle
+from specserve.worker.sample_and_verify import SampleAndVerify
+from specserve.worker.step_handle import StepHandle
 from specserve.worker.step_outputs import StepOutputs
 from specserve.worker.step_path import (Drafting, GraphsReady, Sampling, SpeculatorKind, StepPath, StepRows,
                                         Verification, WholeStep, choose_step_path)
 from specserve.worker.step_plan import StepPlan
+from specserve.worker.target_graphs import TargetGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +55,7 @@ class RunnerOutput:
     drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
-class ModelRunner:
+class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
     def __init__(self, model: torch.nn.Module, arch: ArchConfig, config: EngineConfig):
         self.model = model
         self.arch = arch
@@ -96,6 +100,12 @@ class ModelRunner:
         self.sampler = Sampler(generator)
         self.speculator: Speculator | None = None
         self.forced_acceptance_prob: float | None = None
+        # A device drafter's inputs gathered from each step (draft_proposal.py), one row per drafting request;
+        # allocated by set_speculator.
+        self.draft_base_positions: torch.Tensor | None = None
+        self.draft_block_table: torch.Tensor | None = None
+        self.draft_last_indices: torch.Tensor | None = None
+        self.draft_last_tokens: torch.Tensor | None = None
         # Each running request owns one row of per-request persistent state: its block ids on the host, and
         # with a drafter its draft probabilities.
         self.rows: dict[str, int] = {}
@@ -105,8 +115,9 @@ class ModelRunner:
         # Greedy sampling of a decode batch and greedy verification of a uniform one, one graph per full graph
         # of the target for them (see _greedy_outputs), and the verification's fixed inputs.
         self.greedy_graphs: CUDAGraphManager | None = None
-        # The whole step of a greedy uniform batch in one graph (see _whole_step).
+        # The whole step of a greedy uniform batch in one graph (see _whole_step, _whole_tree_step).
         self.whole_step_graphs: CUDAGraphManager | None = None
+        # The fixed inputs of a uniform batch's greedy verification, chain or tree, for their graphs.
         self.uniform_verify: UniformVerifyInputs | None = None
         self.capture_seconds: float | None = None
         self.graph_memory_bytes: int | None = None
@@ -136,63 +147,6 @@ class ModelRunner:
         self.draft_last_indices = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.draft_last_tokens = torch.zeros(n, dtype=torch.int64, device=self.device)
 
-    def capture_graphs(self, mode: CUDAGraphMode, recorder, backend) -> None:
-        """Record the target's graphs for `mode`, then the speculator's, all through `recorder`
-        (one memory pool). `backend` is the attention backend the models were built with."""
-        cfg = self.config
-        splitter = AttentionSplitter(backend)
-        splitter.install(self.model)
-        k = self.outputs.num_drafts
-        sizes = cfg.cudagraph_capture_sizes or default_capture_sizes(min(256, cfg.max_num_batched_tokens))
-        self.graphs = CUDAGraphManager(
-            "target", mode, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-            uniform_query_lens=(1, 1 + k) if k else (1,), recorder=recorder, debug=cfg.debug_cudagraph,
-            splitter=splitter, single_request_query_lens=range(2, self.block_size + 1))
-        start, used_before = time.perf_counter(), recorder.memory_in_use()
-        self.graphs.capture(self._target_forward, self._prepare_capture)
-        query_lens = (1, 1 + k) if k else (1,)
-        uniform = [d for d in self.graphs.capture_descriptors()
-                   if d.mode is CUDAGraphMode.FULL and d.query_len in query_lens]
-        if k and self.tree is None:
-            self.uniform_verify = UniformVerifyInputs.allocate(cfg.max_num_seqs, k, self.device,
-                                                               forced=self.forced_acceptance_prob is not None)
-        # Greedy sampling of a decode batch, and greedy verification of a chain of drafts.
-        greedy_lens = (1,) if self.tree is not None else query_lens
-        self.greedy_graphs = CUDAGraphManager(
-            "greedy sampling", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-            uniform_query_lens=greedy_lens, recorder=recorder, debug=cfg.debug_cudagraph)
-        self.greedy_graphs.capture(self._greedy_outputs, self._prepare_capture,
-                                   [d for d in uniform if d.query_len in greedy_lens])
-        drafter = self.speculator if self.speculator is not None and self.speculator.on_device else None
-        if drafter is not None and hasattr(drafter, "capture_graphs"):
-            drafter.capture_graphs(self.graphs, splitter, recorder, sizes, cfg.debug_cudagraph, self._prepare_capture,
-                                   self.draft_base_positions, self.draft_block_table)
-        # The debug check re-runs a graph's forward after its replay, but a whole step reads the outputs of the
-        # step before, which its replay overwrote: under debug each part runs (and is checked) in its own graph.
-        if self.tree is not None and not cfg.debug_cudagraph:
-            # A tree's whole step, for batches where every request verifies the whole tree.
-            self.tree_index = torch.arange(cfg.max_num_seqs * (1 + k), device=self.device).view(-1, 1 + k)
-            # Request i's output row and drafting index.
-            self.tree_rows = torch.arange(cfg.max_num_seqs, device=self.device)
-            self.tree_num_drafts = torch.full((cfg.max_num_seqs,), k, device=self.device)
-            self.whole_step_graphs = CUDAGraphManager(
-                "whole tree step", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs,
-                cfg.max_num_batched_tokens, uniform_query_lens=(1 + k,), recorder=recorder)
-            self.whole_step_graphs.capture(self._whole_tree_step, self._prepare_capture,
-                                           [d for d in uniform if d.query_len == 1 + k])
-        elif not cfg.debug_cudagraph and (drafter is None or getattr(drafter, "greedy_loop_graphs", None)):
-            self.whole_step_graphs = CUDAGraphManager(
-                "whole step", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                uniform_query_lens=query_lens, recorder=recorder)
-            self.whole_step_graphs.capture(self._whole_step, self._prepare_capture, uniform)
-        self.buffers.reset()
-        # The greedy graphs' warm-up runs wrote outputs for rows no step has had yet.
-        self.outputs.packed.zero_()
-        self.capture_seconds = time.perf_counter() - start
-        self.graph_memory_bytes = recorder.memory_in_use() - used_before
-        logger.info("CUDA graphs (%s): captured in %.1f s, %.0f MiB of GPU memory", mode.name, self.capture_seconds,
-                    self.graph_memory_bytes / 2**20)
-
     def release_graphs(self) -> None:
         """Drop every recorded graph, the runner's and the drafter's, so that their memory pool can be freed;
         steps run eagerly until capture_graphs records them again."""
@@ -218,77 +172,6 @@ class ModelRunner:
             if self.speculator is not None:
                 self.speculator.reset()
             generator.set_state(state)
-
-    def _prepare_capture(self, desc: BatchDescriptor):
-        # Recording executes nothing but the warm-up run, which must write no cache slot: every row is empty.
-        self.buffers.reset()
-        max_query_len = desc.query_len or desc.num_tokens
-        return self.buffers.padded_metadata(desc.num_reqs, desc.num_tokens, max_query_len, self.config.max_model_len)
-
-    def _target_forward(self, desc: BatchDescriptor, metadata):
-        n = desc.num_tokens
-        return self.model(self.buffers.input_ids[:n], self.buffers.positions[:n], self.kv.layers, metadata)
-
-    def _greedy_outputs(self, desc: BatchDescriptor, metadata):
-        """_greedy_outputs_of the target graph's hidden states for the same descriptor."""
-        return self._greedy_outputs_of(desc, self.graphs.graphs[desc.key].outputs[0])
-
-    def _greedy_outputs_of(self, desc: BatchDescriptor, padded_hidden: torch.Tensor) -> torch.Tensor:
-        """The step outputs of a greedy uniform batch: a decode batch's tokens, or what a batch verifying k
-        drafts per request accepts and emits. The batch's request i owns its tokens i * q .. i * q + q - 1 and
-        output row i, so every index is the identity, and one recording serves every batch padded to
-        desc.num_reqs (padded rows write rows of outputs that no request reads)."""
-        n, q = desc.num_reqs, desc.query_len
-        tokens = self.model.greedy_tokens(padded_hidden[: n * q], captured=True)
-        if q == 1:
-            self.outputs.accepted[:n].zero_()
-            self.outputs.tokens[:n, 0].copy_(tokens)
-            return tokens
-        v, forced = self.uniform_verify, self.forced_acceptance_prob
-        greedy_verify(tokens.view(n, q), self.buffers.input_ids, v.index[:n], v.num_drafts[:n], v.rows[:n],
-                      self.outputs.accepted, self.outputs.tokens, None if forced is None else v.uniform[:n], forced)
-        return tokens
-
-    def _whole_step(self, desc: BatchDescriptor, metadata):
-        """Everything a greedy uniform batch does on the device, for one graph: the inputs spread from the
-        staged copy, the in-flight requests' inputs, the target, its greedy outputs, and with a device drafter
-        the next drafts. Every launch reads its sizes from the staged header or from desc, so one recording
-        serves every batch padded to desc.num_reqs; what it computes is what the parts compute on their own."""
-        b, out, n = self.buffers, self.outputs, desc.num_reqs
-        b.spread()
-        take_inflight_inputs(b.staged, out.accepted, out.tokens, out.drafts, b.input_ids, b.positions, b.seq_lens,
-                             b.slot_mapping, b.block_table, self.block_size, max_rows=n)
-        padded_hidden, padded_aux = self._target_forward(desc, metadata)
-        self._greedy_outputs_of(desc, padded_hidden)
-        spec = self.speculator
-        if spec is not None and spec.on_device:
-            self._gather_draft_inputs(desc, max_rows=n)
-            drafts = spec.propose_greedy_in_graph(desc, (padded_hidden, padded_aux), metadata,
-                                                  b.staged[NUM_REQS:NUM_REQS + 1], self.draft_last_indices,
-                                                  self.draft_last_tokens)
-            out.drafts[:n].copy_(drafts)
-
-    def _whole_tree_step(self, desc: BatchDescriptor, metadata):
-        """_whole_step for trees of drafts: every request verifies the whole tree greedily, so its tokens are
-        rows i * (N + 1) .. of the step, and every index is fixed (self.tree_index). Padded rows move cache
-        slots only in the spare slot and draft nothing (tree_drafting.py)."""
-        b, out, n, q = self.buffers, self.outputs, desc.num_reqs, desc.query_len
-        b.spread()
-        take_inflight_inputs(b.staged, out.accepted, out.tokens, out.drafts, b.input_ids, b.positions, b.seq_lens,
-                             b.slot_mapping, b.block_table, self.block_size, max_rows=n)
-        padded_hidden, padded_aux = self._target_forward(desc, metadata)
-        target = self.model.greedy_tokens(padded_hidden[:n * q], captured=True).view(n, q)
-        index, rows = self.tree_index[:n], self.tree_rows[:n]
-        outcome = verify_tree(target, b.input_ids, index, self.tree_num_drafts[:n], self.tree_tables, b.slot_mapping,
-                              self.kv.spare_slot, rows, out.accepted, out.tokens)
-        move_kv(self.kv.stack, *outcome.moves)
-        self._gather_draft_inputs(desc, max_rows=n)
-        spec = self.speculator
-        follow_tree_paths(outcome.path_tokens, outcome.accepted, outcome.tokens, rows, b.positions, spec.next_ids,
-                          self.draft_last_indices, self.draft_base_positions)
-        spec.propose_tree_in_graph(desc, (padded_hidden, padded_aux), metadata, outcome.moves,
-                                   b.staged[NUM_REQS:NUM_REQS + 1], self.draft_last_indices, self.draft_base_positions,
-                                   self.draft_block_table, out.drafts[:n])
 
     def _choose_path(self, desc: BatchDescriptor, sched: SchedulerOutput) -> StepPath:
         """The step's path (step_path.py), from its descriptor, its requests and the graphs recorded."""
@@ -429,13 +312,6 @@ class ModelRunner:
                 bits[end - n:end] = self._tree_bits[:n]
         return shift, bits
 
-    def _forced_draws(self, desc: BatchDescriptor, n: int) -> None:
-        """Under forced acceptance, the uniform draws a verification graph reads, from the generator the eager
-        verification draws them from."""
-        if self.forced_acceptance_prob is not None and desc.query_len > 1:
-            torch.rand(n, desc.query_len - 1, generator=self.sampler.default_generator,
-                       out=self.uniform_verify.uniform[:n])
-
     def resolve(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step and return its tokens (and drafts) on the host."""
         out = RunnerOutput()
@@ -460,150 +336,4 @@ class ModelRunner:
             for req, d in zip(reqs, self.speculator.propose_from_contexts(contexts)):
                 out.drafts[req.request_id] = d
         return out
-
-    def _sample(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
-                desc: BatchDescriptor, how: Sampling) -> None:
-        """The token of each request that samples without drafts. Only the sampler applies penalties and
-        min_tokens."""
-        if how is Sampling.GREEDY_GRAPH:
-            self.greedy_graphs.run(desc, self._greedy_outputs, None)
-            return
-        h = hidden.index_select(0, self.buffers.staged_extra("sample_index"))
-        if how is Sampling.ARGMAX:
-            result = SamplerOutput(self.model.greedy_tokens(h))
-        else:
-            batch = SamplingBatch.build([sched.scheduled[i].request for i in batch_rows], self.device)
-            result = self.sampler(self.model.compute_logits(h), batch)
-        where = self.buffers.staged_extra("sample_rows")
-        self.outputs.accepted.index_fill_(0, where, 0)
-        self.outputs.tokens[:, 0].index_copy_(0, where, result.token_ids)
-        if result.sampled_logprobs is not None:
-            handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=1))
-
-    def _verify(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
-                desc: BatchDescriptor, how: Verification) -> None:
-        """Verify each request's chain of drafts against the target's argmax (greedy) or its logits (rejection
-        sampling) at the verified positions. The drafts are read from the step's input ids on the device,
-        where the host or the previous step (asynchronous scheduling) put them."""
-        forced = self.forced_acceptance_prob
-        if how is Verification.GREEDY_GRAPH:
-            self._forced_draws(desc, len(batch_rows))
-            self.greedy_graphs.run(desc, self._greedy_outputs, None)
-            return
-        b = self.buffers
-        index, num, where = b.staged_extra("verify_index"), b.staged_extra("verify_drafts"), b.staged_extra("verify_rows")
-        n, k = index.shape[0], index.shape[1] - 1
-        verified = hidden.index_select(0, index.view(-1))
-        if how is Verification.GREEDY:
-            target = self.model.greedy_tokens(verified).view(n, k + 1)
-            uniform = None if forced is None else torch.rand(n, k, device=self.device,
-                                                             generator=self.sampler.default_generator)
-            greedy_verify(target, b.input_ids, index, num, where, self.outputs.accepted, self.outputs.tokens,
-                          uniform, forced)
-            return
-        reqs = [sched.scheduled[i].request for i in batch_rows]
-        batch = SamplingBatch.build(reqs, self.device)
-        logits = self.model.compute_logits(verified).view(n, k + 1, -1)
-        if batch.all_greedy:
-            target_probs = logits
-        else:
-            expanded = SamplingBatch.build([r for r in reqs for _ in range(k + 1)], self.device)
-            target_probs = filtered_probs(logits.flatten(0, 1), expanded).view_as(logits)
-        slots = torch.arange(k, device=self.device)
-        drafts = torch.where(slots < num[:, None], b.input_ids[index[:, 1:]], -1)
-        draft_probs = None
-        if self.speculator.draft_probs is not None and not batch.all_greedy:
-            draft_probs = self.speculator.draft_probs[b.staged_extra("verify_draft_rows"), :k]
-        if batch.all_greedy and forced is None:
-            # Greedy rows read no randomness: skip drawing [N, V] exponentials (an expanded view of one
-            # value costs no memory).
-            uniform = torch.zeros(n, k, device=self.device)
-            noise = torch.ones(1, 1, device=self.device).expand(n, logits.shape[-1])
-        else:
-            uniform, noise = draw_randomness(n, k, logits.shape[-1], batch.generators, self.device,
-                                             self.sampler.default_generator)
-        tokens, accepted = rejection_sample(drafts, num, draft_probs, target_probs, batch.greedy,
-                                            greedy_argmax(logits.flatten(0, 1)).view(n, k + 1), uniform, noise, forced)
-        self.outputs.accepted.index_copy_(0, where, accepted)
-        self.outputs.tokens[:, :k + 1].index_copy_(0, where, tokens)
-        if batch.max_logprobs is not None:
-            raw = logits.flatten(0, 1).log_softmax(dim=-1)
-            result = token_logprobs(raw, tokens.flatten().clamp(min=0), batch.max_logprobs)
-            handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=k + 1))
-
-    def _verify_tree(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
-                     how: Verification) -> None:
-        """Verify each request's tree of drafts (tree_verify.py): the target's token at every node, argmax or
-        sampled, then the walk from the root; then move the accepted nodes' keys and values to their
-        positions' slots. Keeps the accepted paths and the moves for the drafter (self._tree_step)."""
-        b, tables = self.buffers, self.tree_tables
-        index, num, where = b.staged_extra("verify_index"), b.staged_extra("verify_drafts"), b.staged_extra("verify_rows")
-        n, width = index.shape[0], index.shape[1]
-        verified = hidden.index_select(0, index.view(-1))
-        batch = None
-        if how is Verification.TREE_ARGMAX:
-            target = self.model.greedy_tokens(verified).view(n, width)
-        else:
-            reqs = [sched.scheduled[i].request for i in batch_rows]
-            batch = SamplingBatch.build(reqs, self.device)
-            logits = self.model.compute_logits(verified)
-            target = greedy_argmax(logits)
-            if not batch.all_greedy:
-                expanded = SamplingBatch.build([r for r in reqs for _ in range(width)], self.device)
-                sampled = sample_from_probs(filtered_probs(logits, expanded), expanded.generators,
-                                            self.sampler.default_generator)
-                target = torch.where(expanded.greedy, target, sampled)
-            target = target.view(n, width)
-        outcome = verify_tree(target, b.input_ids, index, num, tables, b.slot_mapping, self.kv.spare_slot,
-                              where, self.outputs.accepted, self.outputs.tokens)
-        move_kv(self.kv.stack, *outcome.moves)
-        self._tree_step = outcome
-        if batch is not None and batch.max_logprobs is not None:
-            path_tokens = outcome.path_tokens
-            raw = self.model.compute_logits(hidden.index_select(0, path_tokens.view(-1))).log_softmax(dim=-1)
-            result = token_logprobs(raw, outcome.tokens.flatten().clamp(min=0), batch.max_logprobs)
-            handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=path_tokens.shape[1]))
-
-    def _gather_draft_inputs(self, desc: BatchDescriptor, max_rows: int) -> None:
-        """The drafter's inputs from this step's outputs (draft_inputs.py), padded to desc."""
-        b = self.buffers
-        gather_draft_inputs(b.staged, self.outputs.accepted, self.outputs.tokens, b.input_ids, b.positions,
-                            b.block_table, desc.num_tokens, desc.num_reqs, self.speculator.next_ids,
-                            self.draft_last_indices, self.draft_last_tokens, self.draft_base_positions,
-                            self.draft_block_table, max_rows)
-
-    def _propose(self, sched, sampling, desc, target_out, metadata, drafting: Drafting) -> None:
-        """Draft the next tokens of every request that produced tokens this step, on the device: each
-        request's last accepted token and its position follow from the accepted counts just written."""
-        spec, b = self.speculator, self.buffers
-        n = len(sampling)
-        scheduled = [sched.scheduled[i] for i in sampling]
-        self._gather_draft_inputs(desc, max_rows=len(sched.scheduled))
-        moves = None
-        if self.tree is not None and self._tree_step is not None:
-            outcome = self._tree_step
-            moves = outcome.moves
-            follow_tree_paths(outcome.path_tokens, outcome.accepted, outcome.tokens, b.staged_extra("verify_slots"),
-                              b.positions, spec.next_ids, self.draft_last_indices, self.draft_base_positions)
-        requests = [s.request for s in scheduled]
-        inp = DraftInput(
-            target_out=target_out,
-            descriptor=desc,
-            metadata=metadata,
-            requests=requests,
-            last_token_indices=self.draft_last_indices[:n],
-            base_positions=self.draft_base_positions,
-            max_base_position=max(s.start + s.num_new_tokens - 1 for s in scheduled),
-            last_tokens=self.draft_last_tokens[:n],
-            block_table=self.draft_block_table,
-            rows=b.staged_extra("draft_rows"),
-            sampling=SamplingBatch.build(requests, self.device),
-            drafting=drafting,
-            kv_moves=moves,
-        )
-        drafts = spec.propose(inp)
-        if sampling[-1] == n - 1:  # rows 0..n-1: every scheduled request drafts
-            self.outputs.drafts[:n].copy_(drafts)
-        else:
-            self.outputs.drafts.index_copy_(0, b.staged_extra("sampling_rows"), drafts)
 
