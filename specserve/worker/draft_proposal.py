@@ -14,6 +14,7 @@ from specserve.sample.sampler import SamplingBatch
 from specserve.spec_decode.draft_inputs import follow_tree_paths, gather_draft_inputs
 from specserve.spec_decode.speculator import DraftInput
 from specserve.worker.cudagraph import BatchDescriptor
+from specserve.worker.staged_inputs import StagedExtra
 from specserve.worker.step_path import Drafting
 
 
@@ -40,8 +41,9 @@ class DraftProposal:
         if self.tree is not None and self._tree_step is not None:
             outcome = self._tree_step
             moves = outcome.moves
-            follow_tree_paths(outcome.path_tokens, outcome.accepted, outcome.tokens, b.staged_extra("verify_slots"),
-                              b.positions, spec.next_ids, self.draft_last_indices, self.draft_base_positions)
+            follow_tree_paths(outcome.path_tokens, outcome.accepted, outcome.tokens,
+                              b.staged_extra(StagedExtra.VERIFY_SLOTS), b.positions, spec.next_ids,
+                              self.draft_last_indices, self.draft_base_positions)
         requests = [s.request for s in scheduled]
         inp = DraftInput(
             target_out=target_out,
@@ -53,7 +55,7 @@ class DraftProposal:
             max_base_position=max(s.start + s.num_new_tokens - 1 for s in scheduled),
             last_tokens=self.draft_last_tokens[:n],
             block_table=self.draft_block_table,
-            rows=b.staged_extra("draft_rows"),
+            rows=b.staged_extra(StagedExtra.DRAFT_ROWS),
             sampling=SamplingBatch.build(requests, self.device),
             drafting=drafting,
             kv_moves=moves,
@@ -62,4 +64,4 @@ class DraftProposal:
         if sampling[-1] == n - 1:  # rows 0..n-1: every scheduled request drafts
             self.outputs.drafts[:n].copy_(drafts)
         else:
-            self.outputs.drafts.index_copy_(0, b.staged_extra("sampling_rows"), drafts)
+            self.outputs.drafts.index_copy_(0, b.staged_extra(StagedExtra.SAMPLING_ROWS), drafts)

@@ -22,6 +22,7 @@ from specserve.models.arch_config import ArchConfig
 from specserve.outputs import Logprob
 from specserve.sample.sampler import Sampler
 from specserve.spec_decode.config import MAX_DRAFT_TOKENS
+from specserve.spec_decode.draft_inputs import DraftRequest
 from specserve.spec_decode.greedy_verify import UniformVerifyInputs
 from specserve.spec_decode.speculator import Speculator
 from specserve.spec_decode.tree_verify import TreeOutcome, TreeTables
@@ -30,7 +31,7 @@ from specserve.worker.cudagraph_mode import CUDAGraphMode
 from specserve.worker.draft_proposal import DraftProposal
 from specserve.worker.graph_recorder import CudaGraphRecorder
 from specserve.worker.host_block_table import HostBlockTable
-from specserve.worker.inflight_inputs import take_inflight_inputs
+from specserve.worker.inflight_inputs import InflightRequest, PreviousRow, take_inflight_inputs
 from specserve.worker.input_buffers import InputBuffers
 from specserve.worker.kv_layout import KVCacheLayout, KVCaches
 from specserve.worker.kv_sizing import CudaMemory, KVCachePlan, plan_kv_cache
@@ -92,9 +93,9 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
                                     extra_capacity=extras, trees=self.tree is not None)
         self.outputs = StepOutputs(config.max_num_seqs, spec.num_draft_tokens if spec else 0, self.device,
                                    max_accepted=spec.num_speculative_tokens if spec else 0)
-        # Request id -> (its batch row, drafts verified) in the last launched step, for a step scheduled
-        # before that one's results were back.
-        self._previous: dict[str, tuple[int, int]] = {}
+        # Request id -> its row in the last launched step, for a step scheduled before that one's results
+        # were back.
+        self._previous: dict[str, PreviousRow] = {}
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
@@ -231,16 +232,14 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         """Enqueue the whole step on the device (inputs, forward, sampling, drafts, the copy of the results to
         the host) without waiting for it; resolve() reads the results."""
         self.forget_requests(sched.finished + sched.preempted)
-        ids, qlens, slens, rows, sampling, inflight = [], [], [], [], [], []
-        # Per scheduled request, for the drafter: (first token, count, drafting index or -1, drafts verified,
-        # the prompt's next token for a chunk that does not sample)
-        draft_requests = []
+        ids, qlens, slens, rows, sampling = [], [], [], [], []
+        inflight: list[InflightRequest] = []
+        draft_requests: list[DraftRequest] = []  # per scheduled request, for the drafter
         offset = 0
         for i, s in enumerate(sched.scheduled):
             req, start, n = s.request, s.start, s.num_new_tokens
             if s.from_device:
-                prev_row, prev_drafts = self._previous[req.request_id]
-                inflight.append((i, prev_row, offset, n, prev_drafts))
+                inflight.append(InflightRequest.of(i, self._previous[req.request_id], offset, n))
                 ids.extend([0] * n)
             else:
                 known = req.all_token_ids
@@ -252,10 +251,10 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
             self.host_block_table.sync(row, s.block_ids)
             rows.append(row)
             if s.samples:
-                draft_requests.append((offset, n, len(sampling), len(s.spec_token_ids), 0))
+                draft_requests.append(DraftRequest(offset, n, len(sampling), len(s.spec_token_ids), 0))
                 sampling.append(i)
             else:
-                draft_requests.append((offset, n, -1, 0, req.all_token_ids[start + n]))
+                draft_requests.append(DraftRequest(offset, n, -1, 0, req.all_token_ids[start + n]))
             offset += n
         drafts_on_device = self.speculator is not None and self.speculator.on_device
         plan = StepPlan.build(sched, sampling, draft_requests, inflight, drafts_on_device, self._row,
@@ -268,12 +267,12 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         desc = self.dispatch(offset, qlens)
         path = self._choose_path(desc, sched)
         handle = StepHandle(sched, sampling, path)
-        self._previous = {sched.scheduled[i].request.request_id: (i, len(sched.scheduled[i].spec_token_ids))
-                          for i in sampling}
+        self._previous = {sched.scheduled[i].request.request_id:
+                          PreviousRow(i, len(sched.scheduled[i].spec_token_ids)) for i in sampling}
         if path.whole is not WholeStep.NONE:
             self._forced_draws(desc, len(sampling))
-            self.whole_step_graphs.run(desc, self._whole_step if path.whole is WholeStep.CHAIN else self._whole_tree_step,
-                                       None)
+            whole_step = self._whole_step if path.whole is WholeStep.CHAIN else self._whole_tree_step
+            self.whole_step_graphs.run(desc, whole_step, None)
             handle.host, handle.event = self.outputs.copy_to_host(len(sched.scheduled))
             return handle
         b.spread()

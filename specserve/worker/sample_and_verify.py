@@ -17,6 +17,7 @@ from specserve.spec_decode.greedy_verify import greedy_verify
 from specserve.spec_decode.rejection_sampler import draw_randomness, rejection_sample
 from specserve.spec_decode.tree_verify import move_kv, verify_tree
 from specserve.worker.cudagraph import BatchDescriptor
+from specserve.worker.staged_inputs import StagedExtra
 from specserve.worker.step_handle import PendingLogprobs, StepHandle
 from specserve.worker.step_path import Sampling, Verification
 
@@ -31,6 +32,12 @@ class SampleAndVerify:
             torch.rand(n, desc.query_len - 1, generator=self.sampler.default_generator,
                        out=self.uniform_verify.uniform[:n])
 
+    def _verified_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The verifying requests' staged (token indices [n, max drafts + 1], drafts, batch rows)."""
+        b = self.buffers
+        return (b.staged_extra(StagedExtra.VERIFY_INDEX), b.staged_extra(StagedExtra.VERIFY_DRAFTS),
+                b.staged_extra(StagedExtra.VERIFY_ROWS))
+
     def _sample(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
                 desc: BatchDescriptor, how: Sampling) -> None:
         """The token of each request that samples without drafts. Only the sampler applies penalties and
@@ -38,13 +45,13 @@ class SampleAndVerify:
         if how is Sampling.GREEDY_GRAPH:
             self.greedy_graphs.run(desc, self._greedy_outputs, None)
             return
-        h = hidden.index_select(0, self.buffers.staged_extra("sample_index"))
+        h = hidden.index_select(0, self.buffers.staged_extra(StagedExtra.SAMPLE_INDEX))
         if how is Sampling.ARGMAX:
             result = SamplerOutput(self.model.greedy_tokens(h))
         else:
             batch = SamplingBatch.build([sched.scheduled[i].request for i in batch_rows], self.device)
             result = self.sampler(self.model.compute_logits(h), batch)
-        where = self.buffers.staged_extra("sample_rows")
+        where = self.buffers.staged_extra(StagedExtra.SAMPLE_ROWS)
         self.outputs.accepted.index_fill_(0, where, 0)
         self.outputs.tokens[:, 0].index_copy_(0, where, result.token_ids)
         if result.sampled_logprobs is not None:
@@ -61,7 +68,7 @@ class SampleAndVerify:
             self.greedy_graphs.run(desc, self._greedy_outputs, None)
             return
         b = self.buffers
-        index, num, where = b.staged_extra("verify_index"), b.staged_extra("verify_drafts"), b.staged_extra("verify_rows")
+        index, num, where = self._verified_tokens()
         n, k = index.shape[0], index.shape[1] - 1
         verified = hidden.index_select(0, index.view(-1))
         if how is Verification.GREEDY:
@@ -83,7 +90,7 @@ class SampleAndVerify:
         drafts = torch.where(slots < num[:, None], b.input_ids[index[:, 1:]], -1)
         draft_probs = None
         if self.speculator.draft_probs is not None and not batch.all_greedy:
-            draft_probs = self.speculator.draft_probs[b.staged_extra("verify_draft_rows"), :k]
+            draft_probs = self.speculator.draft_probs[b.staged_extra(StagedExtra.VERIFY_DRAFT_ROWS), :k]
         if batch.all_greedy and forced is None:
             # Greedy rows read no randomness: skip drawing [N, V] exponentials (an expanded view of one
             # value costs no memory).
@@ -107,7 +114,7 @@ class SampleAndVerify:
         sampled, then the walk from the root; then move the accepted nodes' keys and values to their
         positions' slots. Keeps the accepted paths and the moves for the drafter (self._tree_step)."""
         b, tables = self.buffers, self.tree_tables
-        index, num, where = b.staged_extra("verify_index"), b.staged_extra("verify_drafts"), b.staged_extra("verify_rows")
+        index, num, where = self._verified_tokens()
         n, width = index.shape[0], index.shape[1]
         verified = hidden.index_select(0, index.view(-1))
         batch = None
