@@ -137,7 +137,7 @@ def wrap_timed(owner, attr: str, name: str, spent: dict, calls: dict | None = No
 
 def launch_parts(runner) -> list[tuple[object, str]]:
     """The parts of runner.launch worth timing: (owner, method name)."""
-    parts = [(runner, "_runs_whole"), (runner, "_run_target"), (runner, "_verify"), (runner, "_sample"),
+    parts = [(runner, "_choose_path"), (runner, "_run_target"), (runner, "_verify"), (runner, "_sample"),
              (runner, "_propose"), (runner.buffers, "prepare"), (runner.buffers, "spread"),
              (runner.outputs, "copy_to_host")]
     if runner.whole_step_graphs is not None:

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.worker.staged_inputs import HEADER_EXTRAS, NUM_TOKENS
+from specserve.worker.staged_inputs import HEADER_EXTRAS, NUM_TOKENS, StagedExtra
 
 _TOKENS_PER_LOOP = 128
 _TABLE_COLUMNS = 64
@@ -71,7 +71,7 @@ def gather_draft_inputs_triton(staged: torch.Tensor, accepted: torch.Tensor, tok
     """gather_draft_inputs (spec_decode/draft_inputs.py) as one launch of max_rows + 1 programs."""
     assert staged.is_contiguous() and staged.dtype == torch.int64 and block_table.stride(1) == 1
     assert draft_block_table.stride(1) == 1 and tokens.stride(1) == 1
-    at_slot, rows_slot = HEADER_EXTRAS["draft_requests"]
+    at_slot, rows_slot = HEADER_EXTRAS[StagedExtra.DRAFT_REQUESTS]
     _gather_draft_inputs_kernel[(max_rows + 1,)](
         staged, accepted, accepted.stride(0), tokens, tokens.stride(0), input_ids, positions,
         block_table, block_table.stride(0), pad_to, pad_reqs,

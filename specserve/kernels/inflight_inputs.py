@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.worker.staged_inputs import HEADER_EXTRAS
+from specserve.worker.staged_inputs import HEADER_EXTRAS, StagedExtra
 
 
 @triton.jit
@@ -53,7 +53,7 @@ def take_inflight_inputs_triton(staged: torch.Tensor, accepted: torch.Tensor, to
     assert staged.dtype == torch.int64 and staged.is_contiguous()
     assert tokens.stride(1) == 1 and block_table.stride(1) == 1 and seq_lens.dtype == torch.int32
     k = drafts.shape[1]
-    at_slot, rows_slot = HEADER_EXTRAS["inflight"]
+    at_slot, rows_slot = HEADER_EXTRAS[StagedExtra.INFLIGHT]
     _take_inflight_inputs_kernel[(max_rows,)](
         staged, accepted, accepted.stride(0), tokens, tokens.stride(0), drafts, drafts.stride(0) if k else 0,
         input_ids, positions, seq_lens, slot_mapping, block_table, block_table.stride(0), block_size,

@@ -17,20 +17,42 @@ and per token t of the step the token after it, for the draft prefill:
     last[i] = last_tokens[i] = 0                    R <= i < pad_reqs: a padded graph's rows
 
 Each scheduled request is one program, which owns its tokens, so the overrides
-need no ordering between programs. The host stages one row per scheduled
-request as extra "draft_requests", which the kernel finds through the staged
-array's header (staged_inputs.py), with T: (first token, token count, drafting
-index i or -1, drafts verified, the prompt's next token for a chunk that does
-not sample); base[i] is first + count - 1 - drafts verified. So the launch is
-the same every step, and a graph can hold it.
+need no ordering between programs. The host stages one DraftRequest row per
+scheduled request as StagedExtra.DRAFT_REQUESTS, which the kernel finds through
+the staged array's header (staged_inputs.py), with T; base[i] is
+first + count - 1 - drafts_verified. So the launch is the same every step, and
+a graph can hold it.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
-from specserve.worker.staged_inputs import NUM_TOKENS, header_extra
+from specserve.worker.staged_inputs import NUM_TOKENS, StagedExtra, header_extra
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """What the drafter's gather needs of one scheduled request; its fields, in order, are the columns of its
+    staged row (draft_request_rows), which the kernels read by position."""
+
+    first: int  # its first token in the step
+    count: int  # its tokens in the step
+    drafting_index: int  # its row among the requests that draft, or -1: a prompt chunk that does not sample
+    drafts_verified: int
+    next_prompt_token: int  # a chunk that does not sample: the prompt's token after it; else 0
+
 
 REQUEST_COLUMNS = 5
+
+
+def draft_request_rows(requests: Sequence[DraftRequest]) -> np.ndarray:
+    """The staged form of requests: int64 [len(requests), REQUEST_COLUMNS]."""
+    return np.array([(r.first, r.count, r.drafting_index, r.drafts_verified, r.next_prompt_token)
+                     for r in requests], dtype=np.int64).reshape(-1, REQUEST_COLUMNS)
 
 
 def gather_draft_inputs_torch(staged: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
@@ -39,7 +61,7 @@ def gather_draft_inputs_torch(staged: torch.Tensor, accepted: torch.Tensor, toke
                               last_tokens: torch.Tensor, base_positions: torch.Tensor,
                               draft_block_table: torch.Tensor) -> None:
     """The gather in torch ops (the CPU path and the kernel's reference)."""
-    requests = header_extra(staged, "draft_requests", REQUEST_COLUMNS)
+    requests = header_extra(staged, StagedExtra.DRAFT_REQUESTS, REQUEST_COLUMNS)
     num_tokens = int(staged[NUM_TOKENS])
     first, count, slot, drafts, next_prompt = requests.unbind(1)
     batch_rows = torch.arange(requests.shape[0], device=requests.device)

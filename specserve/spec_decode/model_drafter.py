@@ -7,19 +7,10 @@ metadata, rebuilt on the device by prepare_draft_step (positions and seq_lens
 advance, a fresh slot per request; padded rows as in docs/invariants.md,
 'Padded rows'). Draft probabilities are kept in one persistent float32 buffer,
 one row per running request, for the rejection sampler of the next step
-(docs/invariants.md, 'Draft logits').
-
-Under CUDA graphs two managers serve the drafter, on the engine's one pool:
-the prefill's, recorded for every descriptor the target records and in the
-same mode, reading the target's static outputs and, for full graphs, the very
-metadata the target's graph was recorded with; and the decode steps', which is
-FULL_DECODE_ONLY or NONE, never piecewise (docs/invariants.md, 'Draft decode is
-never piecewise'). Both read only the persistent buffers below, and a decode
-graph writes its float32 draft logits during replay.
+(docs/invariants.md, 'Draft logits'). The drafter's CUDA graphs, and the
+bodies of those that draft every token at once, are in drafter_graphs.py.
 """
 from __future__ import annotations
-
-from collections.abc import Callable, Sequence
 
 import torch
 
@@ -28,14 +19,16 @@ from specserve.sample.argmax import greedy_argmax
 from specserve.spec_decode.pick_scatter import PickScatter
 from specserve.sample.sampler import filtered_probs, sample_from_probs
 from specserve.spec_decode.eagle_inputs import DraftStepBuffers, prepare_draft_step
+from specserve.spec_decode.drafter_graphs import DrafterGraphs
 from specserve.spec_decode.speculator import DraftInput, Speculator
 from specserve.spec_decode.tree_drafting import draft_tree
 from specserve.spec_decode.tree_verify import TreeTables
 from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager
 from specserve.worker.cudagraph_mode import CUDAGraphMode
+from specserve.worker.step_path import Drafting
 
 
-class ModelDrafter(Speculator):
+class ModelDrafter(DrafterGraphs, Speculator):
     # Whether the prefill yields draft 1 (EAGLE heads); a draft model's prefill only fills its cache.
     first_draft_from_prefill = True
 
@@ -118,64 +111,7 @@ class ModelDrafter(Speculator):
         hidden, feedback = self.decode_hidden(tokens, feedback, positions, metadata)
         return self.greedy_tokens(hidden, captured=True), feedback
 
-    # ---- graphs -------------------------------------------------------------------------------
-
-    def capture_graphs(self, target_graphs: CUDAGraphManager, splitter, recorder, sizes: Sequence[int], debug: bool,
-                       target_prepare: Callable[[BatchDescriptor], AttentionMetadata],
-                       base_positions: torch.Tensor, block_table: torch.Tensor) -> None:
-        for model in self.models():
-            splitter.install(model)
-        max_reqs = self.step_buffers.max_num_reqs
-        self.prefill_graphs = CUDAGraphManager(
-            "draft prefill", target_graphs.mode, sizes, max_reqs, self.next_ids.shape[0],
-            target_graphs.uniform_query_lens, recorder, debug, splitter, target_graphs.single_request_query_lens)
-
-        def prefill_prepare(desc: BatchDescriptor) -> AttentionMetadata:
-            self.next_ids.zero_()
-            metadata = target_prepare(desc)
-            # A full graph reads the attention state the target's graph was recorded with, not a rebuilt one
-            # (docs/invariants.md, 'Draft step metadata').
-            return target_graphs.metadata.get(desc.key, metadata)
-
-        def prefill(desc: BatchDescriptor, metadata: AttentionMetadata):
-            return self._prefill(desc, metadata, target_graphs.graphs[desc.key].outputs)
-
-        self.prefill_graphs.capture(prefill, prefill_prepare, target_graphs.capture_descriptors())
-        self._loop_inputs = (base_positions, block_table)
-        decode_mode = target_graphs.mode.for_draft_decode()
-
-        def decode_prepare(desc: BatchDescriptor) -> AttentionMetadata:
-            for rows in self._request_rows:
-                rows.zero_()
-            prepare_draft_step(1, 0, base_positions, block_table, self.block_size, self.max_position,
-                               self.step_buffers)
-            return self._decode_metadata(desc, block_table, self.max_position)
-
-        def loop_prepare(desc: BatchDescriptor) -> AttentionMetadata:
-            # No request is real while recording: nothing is written to the cache.
-            self.step_buffers.num_reqs.zero_()
-            return decode_prepare(desc)
-
-        if self.tree_tables is not None:
-            # A tree drafts in passes of its own (tree_drafting.py), all of them one graph a batch size: eager,
-            # the passes' forty-odd launches would cost the host several decode steps' time at each prefill.
-            self.tree_graphs = CUDAGraphManager("draft tree", decode_mode, sizes, max_reqs, max_reqs, (1,),
-                                                recorder, debug)
-            self.tree_graphs.capture(self._tree_in_graph, loop_prepare)
-            self._rows_in_use = -1
-            return
-        self.decode_graphs = CUDAGraphManager("draft decode", decode_mode, sizes, max_reqs, max_reqs, (1,), recorder,
-                                              debug)
-        self.decode_graphs.capture(self._decode, decode_prepare)
-        if self.num_loop_steps > 0 or self.first_hidden is not None:
-            self.greedy_loop_graphs = CUDAGraphManager(
-                "draft greedy loop", self.decode_graphs.mode, sizes, max_reqs, max_reqs, (1,), recorder, debug)
-            self.greedy_loop_graphs.capture(self._greedy_loop, loop_prepare)
-        self._rows_in_use = -1  # the captures wrote the buffers' every row
-
-    def release_graphs(self) -> None:
-        self.prefill_graphs = self.decode_graphs = self.greedy_loop_graphs = self.tree_graphs = None
-        self._loop_inputs = None
+    # ---- state and forwards -------------------------------------------------------------------
 
     def reset(self) -> None:
         for rows in self._request_rows:
@@ -187,37 +123,6 @@ class ModelDrafter(Speculator):
     def num_loop_steps(self) -> int:
         """Decode steps after the prefill: k - 1 when the prefill drafts, else k."""
         return self.num_speculative_tokens - int(self.first_draft_from_prefill)
-
-    def _greedy_loop(self, desc: BatchDescriptor, metadata: AttentionMetadata) -> torch.Tensor:
-        """Every draft of a greedy batch: [n, k]. Draft 1 from first_hidden where the prefill drafts (else
-        the loop starts from decode_tokens), then each decode step, metadata rebuilt on the device before
-        each (docs/invariants.md, 'Draft step metadata'). Reads num_reqs from its device buffer, so one
-        recording serves every batch padded to desc.num_reqs."""
-        n = desc.num_reqs
-        base_positions, block_table = self._loop_inputs
-        feedback = self.feedback[:n] if self.feedback is not None else None
-        drafts = []
-        if self.first_hidden is not None:
-            drafts.append(self.greedy_tokens(self.first_hidden[:n], captured=True))
-        tokens = drafts[0] if drafts else self.decode_tokens[:n]
-        for step in range(1, self.num_loop_steps + 1):
-            prepare_draft_step(step, self.step_buffers.num_reqs, base_positions, block_table, self.block_size,
-                               self.max_position, self.step_buffers)
-            # Whatever a backend derived from the metadata belongs to the step before (the graph manager
-            # clears it once per replay, and this loop runs several steps in one).
-            metadata.backend_state.clear()
-            tokens, feedback = self.greedy_decode_step(tokens, feedback, self.step_buffers.positions[:n], metadata)
-            drafts.append(tokens)
-        return torch.stack(drafts, dim=1)
-
-    def _tree_in_graph(self, desc: BatchDescriptor, metadata: AttentionMetadata) -> torch.Tensor:
-        """A tree of drafts for each request, [n, N], from first_hidden and feedback (the prefill's states at
-        each last accepted token); each depth builds its own metadata on the device, so the recorded one is
-        not read. num_reqs is read from its device buffer: one recording serves every batch padded to n."""
-        n = desc.num_reqs
-        base_positions, block_table = self._loop_inputs
-        return draft_tree(self, self.tree_tables, self.first_hidden[:n], self.feedback[:n], base_positions,
-                          block_table, self.step_buffers.num_reqs)
 
     def models(self) -> list[torch.nn.Module]:
         raise NotImplementedError
@@ -248,9 +153,9 @@ class ModelDrafter(Speculator):
 
     @torch.inference_mode()
     def propose(self, inp: DraftInput) -> torch.Tensor:
+        """[n, k] drafts (a chain) or [n, N] (a tree): the prefill, then the drafts as inp.drafting says."""
         n, k = len(inp.requests), self.num_speculative_tokens
         desc = inp.descriptor
-        greedy = inp.sampling.all_greedy
 
         def prefill(d: BatchDescriptor, metadata: AttentionMetadata):
             return self._prefill(d, metadata, inp.target_out)
@@ -264,20 +169,23 @@ class ModelDrafter(Speculator):
             for rows in self._request_rows:
                 rows[n:].zero_()
             self._rows_in_use = n
-        if self.tree_tables is not None:
-            return self._propose_tree(n, for_logits, fed_back, inp)
+        if inp.drafting is Drafting.TREE_PASSES:
+            return self._draft_tree(for_logits, fed_back, last, inp.kv_moves, inp.base_positions, inp.block_table)
+        if inp.drafting is Drafting.TREE_GRAPH:
+            if inp.kv_moves is not None:
+                self.move_kv(*inp.kv_moves)
+            self._keep_feedback(n, fed_back, last)
+            self._seed_greedy_loop(n, for_logits, last, inp.last_tokens)
+            return self._replay_for(self.tree_graphs, n, self._tree_in_graph)
         drafts: list[torch.Tensor] = []
         current = inp.last_tokens
         self._keep_feedback(n, fed_back, last)
-        loop = self.greedy_loop_graphs
-        loop_desc = loop.dispatch(n, n, 1) if loop is not None and greedy else None
-        if loop_desc is not None and loop.has_graph(loop_desc):
+        if inp.drafting is Drafting.GREEDY_LOOP_GRAPH:
             self._seed_greedy_loop(n, for_logits, last, current)
-            self.step_buffers.num_reqs.fill_(n)
-            return loop.run(loop_desc, self._greedy_loop, loop.metadata[loop_desc.key])[:n]
+            return self._replay_for(self.greedy_loop_graphs, n, self._greedy_loop)
         if for_logits is not None:
             h = for_logits.index_select(0, last)
-            current = self.greedy_tokens(h) if greedy else self._pick(self.compute_logits(h), inp, 0)
+            current = self.greedy_tokens(h) if inp.sampling.all_greedy else self._pick(self.compute_logits(h), inp, 0)
             drafts.append(current)
         step = 1
         while len(drafts) < k:
@@ -291,21 +199,6 @@ class ModelDrafter(Speculator):
             drafts.append(current)
             step += 1
         return torch.stack(drafts, dim=1)
-
-    def _propose_tree(self, n: int, for_logits: torch.Tensor, fed_back: torch.Tensor, inp: DraftInput) -> torch.Tensor:
-        """propose() for a tree after the prefill: the tree graph for n where there is one, else the passes
-        eagerly."""
-        trees = self.tree_graphs
-        tree_desc = trees.dispatch(n, n, 1) if trees is not None else None
-        if tree_desc is None or not trees.has_graph(tree_desc):
-            return self._draft_tree(for_logits, fed_back, inp.last_token_indices, inp.kv_moves, inp.base_positions,
-                                    inp.block_table)
-        if inp.kv_moves is not None:
-            self.move_kv(*inp.kv_moves)
-        self._keep_feedback(n, fed_back, inp.last_token_indices)
-        self._seed_greedy_loop(n, for_logits, inp.last_token_indices, inp.last_tokens)
-        self.step_buffers.num_reqs.fill_(n)
-        return trees.run(tree_desc, self._tree_in_graph, trees.metadata[tree_desc.key])[:n]
 
     def propose_greedy_in_graph(self, desc: BatchDescriptor, target_out: tuple, metadata: AttentionMetadata,
                                 num_reqs: torch.Tensor, last_token_indices: torch.Tensor,

@@ -9,6 +9,7 @@ from specserve.attention.metadata import AttentionMetadata
 from specserve.engine.request import Request
 from specserve.sample.sampler import SamplingBatch
 from specserve.worker.kv_layout import KVCacheLayout
+from specserve.worker.step_path import Drafting
 
 
 @dataclass
@@ -40,6 +41,8 @@ class DraftInput:
     block_table: torch.Tensor
     rows: torch.Tensor  # [n] each request's row in the draft-probability buffer
     sampling: SamplingBatch
+    # How the drafts are made (worker/step_path.py): in one of the drafter's graphs, or pass by pass.
+    drafting: Drafting
     # Trees of drafts: the cache moves of the accepted nodes (tree_verify.kv_moves), which the drafter applies
     # to its own cache after its prefill wrote the tree's slots.
     kv_moves: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -73,6 +76,10 @@ class Speculator:
 
     def reset(self) -> None:
         """Every request forgotten: the per-request state of a speculator just built (and its graphs captured)."""
+
+    def has_drafting_graph(self, num_reqs: int) -> bool:
+        """Whether a device speculator drafts for num_reqs requests in one recorded graph."""
+        return False
 
     def release_graphs(self) -> None:
         """Drop any recorded CUDA graphs (ModelRunner.release_graphs)."""

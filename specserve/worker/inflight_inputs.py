@@ -13,19 +13,52 @@ the previous step's outputs, each such request gets:
 
 Rows and tokens of other requests are left alone, so this runs after the
 ordinary upload and before the forward, all on one stream, without a host
-sync. Per in-flight request the host stages one row of extra "inflight", which
-the kernel finds through the staged array's header (staged_inputs.py), so its
-launch is the same every step:
-(row in this batch, row in the previous step's outputs, index of its first token, number of
-tokens, drafts the previous step verified for it).
+sync. Per in-flight request the host stages one InflightRequest row as
+StagedExtra.INFLIGHT, which the kernel finds through the staged array's header
+(staged_inputs.py), so its launch is the same every step.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
-from specserve.worker.staged_inputs import header_extra
+from specserve.worker.staged_inputs import StagedExtra, header_extra
+
+
+@dataclass(frozen=True)
+class PreviousRow:
+    """Where a request's tokens are in the outputs of the step launched last."""
+
+    batch_row: int
+    drafts_verified: int
+
+
+@dataclass(frozen=True)
+class InflightRequest:
+    """One in-flight request of the step; its fields, in order, are the columns of its staged row
+    (inflight_rows), which the kernels read by position."""
+
+    batch_row: int  # its row in this step's batch
+    previous_row: int  # its row in the previous step's outputs
+    first: int  # its first token in this step
+    count: int  # its tokens in this step
+    drafts_verified: int  # the drafts the previous step verified for it
+
+    @classmethod
+    def of(cls, batch_row: int, previous: PreviousRow, first: int, count: int) -> InflightRequest:
+        return cls(batch_row, previous.batch_row, first, count, previous.drafts_verified)
+
 
 META_COLUMNS = 5
+
+
+def inflight_rows(requests: Sequence[InflightRequest]) -> np.ndarray:
+    """The staged form of requests: int64 [len(requests), META_COLUMNS]."""
+    return np.array([(r.batch_row, r.previous_row, r.first, r.count, r.drafts_verified) for r in requests],
+                    dtype=np.int64).reshape(-1, META_COLUMNS)
 
 
 def take_inflight_inputs_torch(staged: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
@@ -33,7 +66,7 @@ def take_inflight_inputs_torch(staged: torch.Tensor, accepted: torch.Tensor, tok
                                seq_lens: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
                                block_size: int) -> None:
     """The update in torch ops (the CPU path and the kernel's reference)."""
-    meta = header_extra(staged, "inflight", META_COLUMNS)
+    meta = header_extra(staged, StagedExtra.INFLIGHT, META_COLUMNS)
     if meta.shape[0] == 0:
         return
     row, prev, first, count, verified = meta.unbind(1)

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from specserve.attention.metadata import PAD_SLOT_ID, AttentionMetadata
-from specserve.worker.staged_inputs import HEADER_SLOTS, StagedLayout, pack_step_inputs, scatter_staged_inputs
+from specserve.worker.staged_inputs import (HEADER_SLOTS, StagedExtra, StagedLayout, pack_step_inputs,
+                                            scatter_staged_inputs)
 
 
 class InputBuffers:
@@ -51,7 +52,7 @@ class InputBuffers:
         seq_lens: np.ndarray,
         table: np.ndarray,
         block_size: int,
-        extras: dict[str, np.ndarray] | None = None,
+        extras: dict[StagedExtra, np.ndarray] | None = None,
         tree_shift: np.ndarray | None = None,
         tree_bits: np.ndarray | None = None,
     ) -> AttentionMetadata:
@@ -91,9 +92,9 @@ class InputBuffers:
         scatter_staged_inputs(self.staged, self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
                               self.query_start_loc, self.block_table, tree_bits=self.tree_bits if self.trees else None)
 
-    def staged_extra(self, name: str) -> torch.Tensor:
-        """The device copy of extra array `name` of the last prepare(), in its shape (int64)."""
-        offset, shape, size = self._layout.extras[name]
+    def staged_extra(self, extra: StagedExtra) -> torch.Tensor:
+        """The device copy of `extra` as the last prepare() staged it, in its shape (int64)."""
+        offset, shape, size = self._layout.extras[extra]
         return self.staged[offset:offset + size].view(shape)
 
     def reset(self) -> None:

@@ -1,9 +1,15 @@
-"""Runs one scheduled step: inputs into persistent buffers, target forward, sampling."""
+"""Runs one scheduled step: inputs into persistent buffers, target forward, sampling or verification,
+drafting (docs/design.md, 'One engine step').
+
+ModelRunner owns the step's state and its order: launch() stages the inputs, chooses the step's path
+once (step_path.py), and runs the parts that path names; resolve() reads the results. The parts live in
+modules of their own, mixed into ModelRunner: the graphs (target_graphs.py), sampling and verification
+(sample_and_verify.py), and the drafter's inputs and proposal (draft_proposal.py).
+"""
 from __future__ import annotations
 
 import gc
 import logging
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -12,29 +18,30 @@ import torch
 
 from specserve.config import EngineConfig
 from specserve.engine.scheduler import SchedulerOutput
-from specserve.sample.argmax import greedy_argmax
 from specserve.models.arch_config import ArchConfig
 from specserve.outputs import Logprob
-from specserve.sample.sampler import (Sampler, SamplerOutput, SamplingBatch, filtered_probs, sample_from_probs,
-                                      token_logprobs)
+from specserve.sample.sampler import Sampler
 from specserve.spec_decode.config import MAX_DRAFT_TOKENS
-from specserve.spec_decode.draft_inputs import follow_tree_paths, gather_draft_inputs
-from specserve.spec_decode.greedy_verify import UniformVerifyInputs, greedy_verify
-from specserve.spec_decode.rejection_sampler import draw_randomness, rejection_sample
-from specserve.spec_decode.speculator import DraftInput, Speculator
-from specserve.spec_decode.tree_verify import TreeOutcome, TreeTables, move_kv, verify_tree
-from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager, default_capture_sizes
+from specserve.spec_decode.draft_inputs import DraftRequest
+from specserve.spec_decode.greedy_verify import UniformVerifyInputs
+from specserve.spec_decode.speculator import Speculator
+from specserve.spec_decode.tree_verify import TreeOutcome, TreeTables
+from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager
 from specserve.worker.cudagraph_mode import CUDAGraphMode
-from specserve.worker.graph_recorder import AttentionSplitter, CudaGraphRecorder
+from specserve.worker.draft_proposal import DraftProposal
+from specserve.worker.graph_recorder import CudaGraphRecorder
 from specserve.worker.host_block_table import HostBlockTable
-from specserve.worker.inflight_inputs import take_inflight_inputs
+from specserve.worker.inflight_inputs import InflightRequest, PreviousRow, take_inflight_inputs
 from specserve.worker.input_buffers import InputBuffers
 from specserve.worker.kv_layout import KVCacheLayout, KVCaches
 from specserve.worker.kv_sizing import CudaMemory, KVCachePlan, plan_kv_cache
-from specserve.worker.staged_inputs import NUM_REQS
-from specserve.worker.step_handle import PendingLogprobs, StepHandle
+from specserve.worker.sample_and_verify import SampleAndVerify
+from specserve.worker.step_handle import StepHandle
 from specserve.worker.step_outputs import StepOutputs
+from specserve.worker.step_path import (Drafting, GraphsReady, Sampling, SpeculatorKind, StepPath, StepRows,
+                                        Verification, WholeStep, choose_step_path)
 from specserve.worker.step_plan import StepPlan
+from specserve.worker.target_graphs import TargetGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +56,7 @@ class RunnerOutput:
     drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
-class ModelRunner:
+class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
     def __init__(self, model: torch.nn.Module, arch: ArchConfig, config: EngineConfig):
         self.model = model
         self.arch = arch
@@ -86,14 +93,20 @@ class ModelRunner:
                                     extra_capacity=extras, trees=self.tree is not None)
         self.outputs = StepOutputs(config.max_num_seqs, spec.num_draft_tokens if spec else 0, self.device,
                                    max_accepted=spec.num_speculative_tokens if spec else 0)
-        # Request id -> (its batch row, drafts verified) in the last launched step, for a step scheduled
-        # before that one's results were back.
-        self._previous: dict[str, tuple[int, int]] = {}
+        # Request id -> its row in the last launched step, for a step scheduled before that one's results
+        # were back.
+        self._previous: dict[str, PreviousRow] = {}
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
         self.speculator: Speculator | None = None
         self.forced_acceptance_prob: float | None = None
+        # A device drafter's inputs gathered from each step (draft_proposal.py), one row per drafting request;
+        # allocated by set_speculator.
+        self.draft_base_positions: torch.Tensor | None = None
+        self.draft_block_table: torch.Tensor | None = None
+        self.draft_last_indices: torch.Tensor | None = None
+        self.draft_last_tokens: torch.Tensor | None = None
         # Each running request owns one row of per-request persistent state: its block ids on the host, and
         # with a drafter its draft probabilities.
         self.rows: dict[str, int] = {}
@@ -103,8 +116,9 @@ class ModelRunner:
         # Greedy sampling of a decode batch and greedy verification of a uniform one, one graph per full graph
         # of the target for them (see _greedy_outputs), and the verification's fixed inputs.
         self.greedy_graphs: CUDAGraphManager | None = None
-        # The whole step of a greedy uniform batch in one graph (see _whole_step).
+        # The whole step of a greedy uniform batch in one graph (see _whole_step, _whole_tree_step).
         self.whole_step_graphs: CUDAGraphManager | None = None
+        # The fixed inputs of a uniform batch's greedy verification, chain or tree, for their graphs.
         self.uniform_verify: UniformVerifyInputs | None = None
         self.capture_seconds: float | None = None
         self.graph_memory_bytes: int | None = None
@@ -134,63 +148,6 @@ class ModelRunner:
         self.draft_last_indices = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.draft_last_tokens = torch.zeros(n, dtype=torch.int64, device=self.device)
 
-    def capture_graphs(self, mode: CUDAGraphMode, recorder, backend) -> None:
-        """Record the target's graphs for `mode`, then the speculator's, all through `recorder`
-        (one memory pool). `backend` is the attention backend the models were built with."""
-        cfg = self.config
-        splitter = AttentionSplitter(backend)
-        splitter.install(self.model)
-        k = self.outputs.num_drafts
-        sizes = cfg.cudagraph_capture_sizes or default_capture_sizes(min(256, cfg.max_num_batched_tokens))
-        self.graphs = CUDAGraphManager(
-            "target", mode, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-            uniform_query_lens=(1, 1 + k) if k else (1,), recorder=recorder, debug=cfg.debug_cudagraph,
-            splitter=splitter, single_request_query_lens=range(2, self.block_size + 1))
-        start, used_before = time.perf_counter(), recorder.memory_in_use()
-        self.graphs.capture(self._target_forward, self._prepare_capture)
-        query_lens = (1, 1 + k) if k else (1,)
-        uniform = [d for d in self.graphs.capture_descriptors()
-                   if d.mode is CUDAGraphMode.FULL and d.query_len in query_lens]
-        if k and self.tree is None:
-            self.uniform_verify = UniformVerifyInputs.allocate(cfg.max_num_seqs, k, self.device,
-                                                               forced=self.forced_acceptance_prob is not None)
-        # Greedy sampling of a decode batch, and greedy verification of a chain of drafts.
-        greedy_lens = (1,) if self.tree is not None else query_lens
-        self.greedy_graphs = CUDAGraphManager(
-            "greedy sampling", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-            uniform_query_lens=greedy_lens, recorder=recorder, debug=cfg.debug_cudagraph)
-        self.greedy_graphs.capture(self._greedy_outputs, self._prepare_capture,
-                                   [d for d in uniform if d.query_len in greedy_lens])
-        drafter = self.speculator if self.speculator is not None and self.speculator.on_device else None
-        if drafter is not None and hasattr(drafter, "capture_graphs"):
-            drafter.capture_graphs(self.graphs, splitter, recorder, sizes, cfg.debug_cudagraph, self._prepare_capture,
-                                   self.draft_base_positions, self.draft_block_table)
-        # The debug check re-runs a graph's forward after its replay, but a whole step reads the outputs of the
-        # step before, which its replay overwrote: under debug each part runs (and is checked) in its own graph.
-        if self.tree is not None and not cfg.debug_cudagraph:
-            # A tree's whole step, for batches where every request verifies the whole tree.
-            self.tree_index = torch.arange(cfg.max_num_seqs * (1 + k), device=self.device).view(-1, 1 + k)
-            # Request i's output row and drafting index.
-            self.tree_rows = torch.arange(cfg.max_num_seqs, device=self.device)
-            self.tree_num_drafts = torch.full((cfg.max_num_seqs,), k, device=self.device)
-            self.whole_step_graphs = CUDAGraphManager(
-                "whole tree step", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs,
-                cfg.max_num_batched_tokens, uniform_query_lens=(1 + k,), recorder=recorder)
-            self.whole_step_graphs.capture(self._whole_tree_step, self._prepare_capture,
-                                           [d for d in uniform if d.query_len == 1 + k])
-        elif not cfg.debug_cudagraph and (drafter is None or getattr(drafter, "greedy_loop_graphs", None)):
-            self.whole_step_graphs = CUDAGraphManager(
-                "whole step", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                uniform_query_lens=query_lens, recorder=recorder)
-            self.whole_step_graphs.capture(self._whole_step, self._prepare_capture, uniform)
-        self.buffers.reset()
-        # The greedy graphs' warm-up runs wrote outputs for rows no step has had yet.
-        self.outputs.packed.zero_()
-        self.capture_seconds = time.perf_counter() - start
-        self.graph_memory_bytes = recorder.memory_in_use() - used_before
-        logger.info("CUDA graphs (%s): captured in %.1f s, %.0f MiB of GPU memory", mode.name, self.capture_seconds,
-                    self.graph_memory_bytes / 2**20)
-
     def release_graphs(self) -> None:
         """Drop every recorded graph, the runner's and the drafter's, so that their memory pool can be freed;
         steps run eagerly until capture_graphs records them again."""
@@ -217,95 +174,20 @@ class ModelRunner:
                 self.speculator.reset()
             generator.set_state(state)
 
-    def _prepare_capture(self, desc: BatchDescriptor):
-        # Recording executes nothing but the warm-up run, which must write no cache slot: every row is empty.
-        self.buffers.reset()
-        max_query_len = desc.query_len or desc.num_tokens
-        return self.buffers.padded_metadata(desc.num_reqs, desc.num_tokens, max_query_len, self.config.max_model_len)
-
-    def _target_forward(self, desc: BatchDescriptor, metadata):
-        n = desc.num_tokens
-        return self.model(self.buffers.input_ids[:n], self.buffers.positions[:n], self.kv.layers, metadata)
-
-    def _greedy_outputs(self, desc: BatchDescriptor, metadata):
-        """_greedy_outputs_of the target graph's hidden states for the same descriptor."""
-        return self._greedy_outputs_of(desc, self.graphs.graphs[desc.key].outputs[0])
-
-    def _greedy_outputs_of(self, desc: BatchDescriptor, padded_hidden: torch.Tensor) -> torch.Tensor:
-        """The step outputs of a greedy uniform batch: a decode batch's tokens, or what a batch verifying k
-        drafts per request accepts and emits. The batch's request i owns its tokens i * q .. i * q + q - 1 and
-        output row i, so every index is the identity, and one recording serves every batch padded to
-        desc.num_reqs (padded rows write rows of outputs that no request reads)."""
-        n, q = desc.num_reqs, desc.query_len
-        tokens = self.model.greedy_tokens(padded_hidden[: n * q], captured=True)
-        if q == 1:
-            self.outputs.accepted[:n].zero_()
-            self.outputs.tokens[:n, 0].copy_(tokens)
-            return tokens
-        v, forced = self.uniform_verify, self.forced_acceptance_prob
-        greedy_verify(tokens.view(n, q), self.buffers.input_ids, v.index[:n], v.num_drafts[:n], v.rows[:n],
-                      self.outputs.accepted, self.outputs.tokens, None if forced is None else v.uniform[:n], forced)
-        return tokens
-
-    def _whole_step(self, desc: BatchDescriptor, metadata):
-        """Everything a greedy uniform batch does on the device, for one graph: the inputs spread from the
-        staged copy, the in-flight requests' inputs, the target, its greedy outputs, and with a device drafter
-        the next drafts. Every launch reads its sizes from the staged header or from desc, so one recording
-        serves every batch padded to desc.num_reqs; what it computes is what the parts compute on their own."""
-        b, out, n = self.buffers, self.outputs, desc.num_reqs
-        b.spread()
-        take_inflight_inputs(b.staged, out.accepted, out.tokens, out.drafts, b.input_ids, b.positions, b.seq_lens,
-                             b.slot_mapping, b.block_table, self.block_size, max_rows=n)
-        padded_hidden, padded_aux = self._target_forward(desc, metadata)
-        self._greedy_outputs_of(desc, padded_hidden)
+    def _choose_path(self, desc: BatchDescriptor, sched: SchedulerOutput) -> StepPath:
+        """The step's path (step_path.py), from its descriptor, its requests and the graphs recorded."""
+        rows = StepRows.of(sched)
         spec = self.speculator
-        if spec is not None and spec.on_device:
-            self._gather_draft_inputs(desc, max_rows=n)
-            drafts = spec.propose_greedy_in_graph(desc, (padded_hidden, padded_aux), metadata,
-                                                  b.staged[NUM_REQS:NUM_REQS + 1], self.draft_last_indices,
-                                                  self.draft_last_tokens)
-            out.drafts[:n].copy_(drafts)
-
-    def _whole_tree_step(self, desc: BatchDescriptor, metadata):
-        """_whole_step for trees of drafts: every request verifies the whole tree greedily, so its tokens are
-        rows i * (N + 1) .. of the step, and every index is fixed (self.tree_index). Padded rows move cache
-        slots only in the spare slot and draft nothing (tree_drafting.py)."""
-        b, out, n, q = self.buffers, self.outputs, desc.num_reqs, desc.query_len
-        b.spread()
-        take_inflight_inputs(b.staged, out.accepted, out.tokens, out.drafts, b.input_ids, b.positions, b.seq_lens,
-                             b.slot_mapping, b.block_table, self.block_size, max_rows=n)
-        padded_hidden, padded_aux = self._target_forward(desc, metadata)
-        target = self.model.greedy_tokens(padded_hidden[:n * q], captured=True).view(n, q)
-        index, rows = self.tree_index[:n], self.tree_rows[:n]
-        outcome = verify_tree(target, b.input_ids, index, self.tree_num_drafts[:n], self.tree_tables, b.slot_mapping,
-                              self.kv.spare_slot, rows, out.accepted, out.tokens)
-        move_kv(self.kv.stack, *outcome.moves)
-        self._gather_draft_inputs(desc, max_rows=n)
-        spec = self.speculator
-        follow_tree_paths(outcome.path_tokens, outcome.accepted, outcome.tokens, rows, b.positions, spec.next_ids,
-                          self.draft_last_indices, self.draft_base_positions)
-        spec.propose_tree_in_graph(desc, (padded_hidden, padded_aux), metadata, outcome.moves,
-                                   b.staged[NUM_REQS:NUM_REQS + 1], self.draft_last_indices, self.draft_base_positions,
-                                   self.draft_block_table, out.drafts[:n])
-
-    def _runs_whole(self, desc: BatchDescriptor, sched: SchedulerOutput, sampling: list[int]) -> bool:
-        """Whether the step replays its whole-step graph: a uniform batch with one, where every request samples
-        greedily without logprobs and, verifying, has exactly the drafts the graph verifies. These are the
-        conditions under which each part would run its own graph (_sample, _verify, the drafter's greedy loop)."""
-        whole = self.whole_step_graphs
-        if whole is None or self.graphs.debug or not whole.has_graph(desc) or len(sampling) != len(sched.scheduled):
-            return False
-        reqs = [s.request for s in sched.scheduled]
-        batch = SamplingBatch.build(reqs, self.device)
-        if desc.query_len == 1:
-            return _samples_argmax(batch, reqs)
-        return _argmax_only(batch) and _verifies_all_drafts(desc, sched.scheduled)
-
-    def _greedy_in_graph(self, desc: BatchDescriptor, sched: SchedulerOutput, batch_rows: list[int]) -> bool:
-        """Whether a greedy batch's sampling or verification runs as its greedy graph: every scheduled request
-        takes part and the target ran a full graph of a uniform batch that has one."""
-        return (len(batch_rows) == len(sched.scheduled) and self.greedy_graphs is not None
-                and self.greedy_graphs.has_graph(desc))
+        kind = (SpeculatorKind.NONE if spec is None else
+                SpeculatorKind.ON_DEVICE if spec.on_device else SpeculatorKind.ON_HOST)
+        whole, greedy = self.whole_step_graphs, self.greedy_graphs
+        graphs = GraphsReady(
+            whole_step=whole is not None and not self.graphs.debug and whole.has_graph(desc),
+            # Greedy verification graphs read the uniform batch's fixed inputs.
+            greedy=greedy is not None and greedy.has_graph(desc) and (
+                desc.query_len == 1 or self.uniform_verify is not None),
+            drafting=kind is SpeculatorKind.ON_DEVICE and spec.has_drafting_graph(rows.num_sampling))
+        return choose_step_path(desc, rows, graphs, kind, self.tree is not None)
 
     def dispatch(self, num_tokens: int, query_lens: list[int]) -> BatchDescriptor:
         """How this step's target forward runs: the graph descriptor where graphs are recorded."""
@@ -350,16 +232,14 @@ class ModelRunner:
         """Enqueue the whole step on the device (inputs, forward, sampling, drafts, the copy of the results to
         the host) without waiting for it; resolve() reads the results."""
         self.forget_requests(sched.finished + sched.preempted)
-        ids, qlens, slens, rows, sampling, inflight = [], [], [], [], [], []
-        # Per scheduled request, for the drafter: (first token, count, drafting index or -1, drafts verified,
-        # the prompt's next token for a chunk that does not sample)
-        draft_requests = []
+        ids, qlens, slens, rows, sampling = [], [], [], [], []
+        inflight: list[InflightRequest] = []
+        draft_requests: list[DraftRequest] = []  # per scheduled request, for the drafter
         offset = 0
         for i, s in enumerate(sched.scheduled):
             req, start, n = s.request, s.start, s.num_new_tokens
             if s.from_device:
-                prev_row, prev_drafts = self._previous[req.request_id]
-                inflight.append((i, prev_row, offset, n, prev_drafts))
+                inflight.append(InflightRequest.of(i, self._previous[req.request_id], offset, n))
                 ids.extend([0] * n)
             else:
                 known = req.all_token_ids
@@ -371,10 +251,10 @@ class ModelRunner:
             self.host_block_table.sync(row, s.block_ids)
             rows.append(row)
             if s.samples:
-                draft_requests.append((offset, n, len(sampling), len(s.spec_token_ids), 0))
+                draft_requests.append(DraftRequest(offset, n, len(sampling), len(s.spec_token_ids), 0))
                 sampling.append(i)
             else:
-                draft_requests.append((offset, n, -1, 0, req.all_token_ids[start + n]))
+                draft_requests.append(DraftRequest(offset, n, -1, 0, req.all_token_ids[start + n]))
             offset += n
         drafts_on_device = self.speculator is not None and self.speculator.on_device
         plan = StepPlan.build(sched, sampling, draft_requests, inflight, drafts_on_device, self._row,
@@ -385,12 +265,14 @@ class ModelRunner:
                                         self.block_size, plan.extras, *self._tree_layout(sched, offset))
         b = self.buffers
         desc = self.dispatch(offset, qlens)
-        handle = StepHandle(sched, sampling)
-        self._previous = {sched.scheduled[i].request.request_id: (i, len(sched.scheduled[i].spec_token_ids))
-                          for i in sampling}
-        if self._runs_whole(desc, sched, sampling):
+        path = self._choose_path(desc, sched)
+        handle = StepHandle(sched, sampling, path)
+        self._previous = {sched.scheduled[i].request.request_id:
+                          PreviousRow(i, len(sched.scheduled[i].spec_token_ids)) for i in sampling}
+        if path.whole is not WholeStep.NONE:
             self._forced_draws(desc, len(sampling))
-            self.whole_step_graphs.run(desc, self._whole_step if self.tree is None else self._whole_tree_step, None)
+            whole_step = self._whole_step if path.whole is WholeStep.CHAIN else self._whole_tree_step
+            self.whole_step_graphs.run(desc, whole_step, None)
             handle.host, handle.event = self.outputs.copy_to_host(len(sched.scheduled))
             return handle
         b.spread()
@@ -402,14 +284,14 @@ class ModelRunner:
         hidden = padded_hidden[:offset]
         if not sampling:
             return handle
-        # Requests without drafts take the plain sampler, which also applies penalties and min_tokens.
-        if plan.sample_rows:
-            self._sample(hidden, sched, plan.sample_rows, handle, desc)
-        if plan.verify_rows:
-            verify = self._verify if self.tree is None else self._verify_tree
-            verify(hidden, sched, plan.verify_rows, handle, desc)
-        if self.speculator is not None and self.speculator.on_device:
-            self._propose(sched, sampling, desc, (padded_hidden, padded_aux), metadata)
+        if path.sampling is not Sampling.NONE:
+            self._sample(hidden, sched, plan.sample_rows, handle, desc, path.sampling)
+        if path.verification in (Verification.TREE_ARGMAX, Verification.TREE_LOGITS):
+            self._verify_tree(hidden, sched, plan.verify_rows, handle, path.verification)
+        elif path.verification is not Verification.NONE:
+            self._verify(hidden, sched, plan.verify_rows, handle, desc, path.verification)
+        if path.drafts_on_device:
+            self._propose(sched, sampling, desc, (padded_hidden, padded_aux), metadata, path.drafting)
         handle.host, handle.event = self.outputs.copy_to_host(len(sched.scheduled))
         return handle
 
@@ -429,13 +311,6 @@ class ModelRunner:
                 bits[end - n:end] = self._tree_bits[:n]
         return shift, bits
 
-    def _forced_draws(self, desc: BatchDescriptor, n: int) -> None:
-        """Under forced acceptance, the uniform draws a verification graph reads, from the generator the eager
-        verification draws them from."""
-        if self.forced_acceptance_prob is not None and desc.query_len > 1:
-            torch.rand(n, desc.query_len - 1, generator=self.sampler.default_generator,
-                       out=self.uniform_verify.uniform[:n])
-
     def resolve(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step and return its tokens (and drafts) on the host."""
         out = RunnerOutput()
@@ -450,180 +325,14 @@ class ModelRunner:
             row = table[i]
             rid = scheduled[i].request.request_id
             out.sampled[rid] = row[1:row[0] + 2]
-            if self.speculator is not None and self.speculator.on_device:
+            if handle.path.drafts_on_device:
                 out.drafts[rid] = row[k + 2:]
         for logprobs in handle.logprobs:
             logprobs.collect(table, handle.sched, out.logprobs)
-        if self.speculator is not None and not self.speculator.on_device:
+        if handle.path.drafting is Drafting.ON_HOST:
             reqs = [scheduled[i].request for i in handle.sampling]
             contexts = [r.all_token_ids + out.sampled[r.request_id] for r in reqs]
             for req, d in zip(reqs, self.speculator.propose_from_contexts(contexts)):
                 out.drafts[req.request_id] = d
         return out
 
-    def _sample(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
-                desc: BatchDescriptor) -> None:
-        reqs = [sched.scheduled[i].request for i in batch_rows]
-        batch = SamplingBatch.build(reqs, self.device)
-        greedy = _samples_argmax(batch, reqs)
-        # A decode batch in a full graph where every request samples: its sampling is recorded too. A uniform
-        # batch of k + 1 query tokens here is a prefill with nothing to verify, so it runs eagerly.
-        if greedy and desc.query_len == 1 and self._greedy_in_graph(desc, sched, batch_rows):
-            self.greedy_graphs.run(desc, self._greedy_outputs, None)
-            return
-        h = hidden.index_select(0, self.buffers.staged_extra("sample_index"))
-        if greedy:
-            result = SamplerOutput(self.model.greedy_tokens(h))
-        else:
-            result = self.sampler(self.model.compute_logits(h), batch)
-        where = self.buffers.staged_extra("sample_rows")
-        self.outputs.accepted.index_fill_(0, where, 0)
-        self.outputs.tokens[:, 0].index_copy_(0, where, result.token_ids)
-        if result.sampled_logprobs is not None:
-            handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=1))
-
-    def _verify(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
-                desc: BatchDescriptor) -> None:
-        """Rejection-sample each request's drafts against the target's logits at the verified positions.
-        The drafts are read from the step's input ids on the device, where the host or the previous
-        step (asynchronous scheduling) put them."""
-        scheduled = [sched.scheduled[i] for i in batch_rows]
-        reqs = [s.request for s in scheduled]
-        batch = SamplingBatch.build(reqs, self.device)
-        forced = self.forced_acceptance_prob
-        greedy = _argmax_only(batch)
-        v = self.uniform_verify
-        if greedy and v is not None and self._greedy_in_graph(desc, sched, batch_rows) \
-                and _verifies_all_drafts(desc, scheduled):
-            self._forced_draws(desc, len(reqs))
-            self.greedy_graphs.run(desc, self._greedy_outputs, None)
-            return
-        b = self.buffers
-        index, num, where = b.staged_extra("verify_index"), b.staged_extra("verify_drafts"), b.staged_extra("verify_rows")
-        n, k = index.shape[0], index.shape[1] - 1
-        verified = hidden.index_select(0, index.view(-1))
-        if greedy:
-            target = self.model.greedy_tokens(verified).view(n, k + 1)
-            uniform = None if forced is None else torch.rand(n, k, device=self.device,
-                                                             generator=self.sampler.default_generator)
-            greedy_verify(target, b.input_ids, index, num, where, self.outputs.accepted, self.outputs.tokens,
-                          uniform, forced)
-            return
-        logits = self.model.compute_logits(verified).view(n, k + 1, -1)
-        if batch.all_greedy:
-            target_probs = logits
-        else:
-            expanded = SamplingBatch.build([r for r in reqs for _ in range(k + 1)], self.device)
-            target_probs = filtered_probs(logits.flatten(0, 1), expanded).view_as(logits)
-        slots = torch.arange(k, device=self.device)
-        drafts = torch.where(slots < num[:, None], b.input_ids[index[:, 1:]], -1)
-        draft_probs = None
-        if self.speculator.draft_probs is not None and not batch.all_greedy:
-            draft_probs = self.speculator.draft_probs[b.staged_extra("verify_draft_rows"), :k]
-        if batch.all_greedy and forced is None:
-            # Greedy rows read no randomness: skip drawing [N, V] exponentials (an expanded view of one
-            # value costs no memory).
-            uniform = torch.zeros(n, k, device=self.device)
-            noise = torch.ones(1, 1, device=self.device).expand(n, logits.shape[-1])
-        else:
-            uniform, noise = draw_randomness(n, k, logits.shape[-1], batch.generators, self.device,
-                                             self.sampler.default_generator)
-        tokens, accepted = rejection_sample(drafts, num, draft_probs, target_probs, batch.greedy,
-                                            greedy_argmax(logits.flatten(0, 1)).view(n, k + 1), uniform, noise, forced)
-        self.outputs.accepted.index_copy_(0, where, accepted)
-        self.outputs.tokens[:, :k + 1].index_copy_(0, where, tokens)
-        if batch.max_logprobs is not None:
-            raw = logits.flatten(0, 1).log_softmax(dim=-1)
-            result = token_logprobs(raw, tokens.flatten().clamp(min=0), batch.max_logprobs)
-            handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=k + 1))
-
-    def _verify_tree(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
-                     desc: BatchDescriptor) -> None:
-        """Verify each request's tree of drafts (tree_verify.py): the target's token at every node, argmax or
-        sampled, then the walk from the root; then move the accepted nodes' keys and values to their
-        positions' slots. Keeps the accepted paths and the moves for the drafter (self._tree_step)."""
-        reqs = [sched.scheduled[i].request for i in batch_rows]
-        batch = SamplingBatch.build(reqs, self.device)
-        b, tables = self.buffers, self.tree_tables
-        index, num, where = b.staged_extra("verify_index"), b.staged_extra("verify_drafts"), b.staged_extra("verify_rows")
-        n, width = index.shape[0], index.shape[1]
-        verified = hidden.index_select(0, index.view(-1))
-        logits = None
-        if _argmax_only(batch):
-            target = self.model.greedy_tokens(verified).view(n, width)
-        else:
-            logits = self.model.compute_logits(verified)
-            target = greedy_argmax(logits)
-            if not batch.all_greedy:
-                expanded = SamplingBatch.build([r for r in reqs for _ in range(width)], self.device)
-                sampled = sample_from_probs(filtered_probs(logits, expanded), expanded.generators,
-                                            self.sampler.default_generator)
-                target = torch.where(expanded.greedy, target, sampled)
-            target = target.view(n, width)
-        outcome = verify_tree(target, b.input_ids, index, num, tables, b.slot_mapping, self.kv.spare_slot,
-                              where, self.outputs.accepted, self.outputs.tokens)
-        move_kv(self.kv.stack, *outcome.moves)
-        self._tree_step = outcome
-        if batch.max_logprobs is not None:
-            path_tokens = outcome.path_tokens
-            raw = self.model.compute_logits(hidden.index_select(0, path_tokens.view(-1))).log_softmax(dim=-1)
-            result = token_logprobs(raw, outcome.tokens.flatten().clamp(min=0), batch.max_logprobs)
-            handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=path_tokens.shape[1]))
-
-    def _gather_draft_inputs(self, desc: BatchDescriptor, max_rows: int) -> None:
-        """The drafter's inputs from this step's outputs (draft_inputs.py), padded to desc."""
-        b = self.buffers
-        gather_draft_inputs(b.staged, self.outputs.accepted, self.outputs.tokens, b.input_ids, b.positions,
-                            b.block_table, desc.num_tokens, desc.num_reqs, self.speculator.next_ids,
-                            self.draft_last_indices, self.draft_last_tokens, self.draft_base_positions,
-                            self.draft_block_table, max_rows)
-
-    def _propose(self, sched, sampling, desc, target_out, metadata) -> None:
-        """Draft the next tokens of every request that produced tokens this step, on the device: each
-        request's last accepted token and its position follow from the accepted counts just written."""
-        spec, b = self.speculator, self.buffers
-        n = len(sampling)
-        scheduled = [sched.scheduled[i] for i in sampling]
-        self._gather_draft_inputs(desc, max_rows=len(sched.scheduled))
-        moves = None
-        if self.tree is not None and self._tree_step is not None:
-            outcome = self._tree_step
-            moves = outcome.moves
-            follow_tree_paths(outcome.path_tokens, outcome.accepted, outcome.tokens, b.staged_extra("verify_slots"),
-                              b.positions, spec.next_ids, self.draft_last_indices, self.draft_base_positions)
-        drafting = [s.request for s in scheduled]
-        inp = DraftInput(
-            target_out=target_out,
-            descriptor=desc,
-            metadata=metadata,
-            requests=drafting,
-            last_token_indices=self.draft_last_indices[:n],
-            base_positions=self.draft_base_positions,
-            max_base_position=max(s.start + s.num_new_tokens - 1 for s in scheduled),
-            last_tokens=self.draft_last_tokens[:n],
-            block_table=self.draft_block_table,
-            rows=b.staged_extra("draft_rows"),
-            sampling=SamplingBatch.build(drafting, self.device),
-            kv_moves=moves,
-        )
-        drafts = spec.propose(inp)
-        if sampling[-1] == n - 1:  # rows 0..n-1: every scheduled request drafts
-            self.outputs.drafts[:n].copy_(drafts)
-        else:
-            self.outputs.drafts.index_copy_(0, b.staged_extra("sampling_rows"), drafts)
-
-
-def _argmax_only(batch: SamplingBatch) -> bool:
-    """Every request takes the argmax and asks for no logprobs: the step needs the tokens alone."""
-    return batch.all_greedy and batch.max_logprobs is None
-
-
-def _samples_argmax(batch: SamplingBatch, reqs) -> bool:
-    """Sampling without drafts is the argmax alone: _argmax_only, and no request needs the host's tokens
-    (penalties, min_tokens), which only the plain sampler applies."""
-    return _argmax_only(batch) and not any(r.needs_host_tokens for r in reqs)
-
-
-def _verifies_all_drafts(desc: BatchDescriptor, scheduled) -> bool:
-    """A uniform batch's query is the last token and k drafts: every request must verify all k."""
-    return all(len(s.spec_token_ids) == desc.query_len - 1 for s in scheduled)

@@ -15,8 +15,9 @@ buffers, padding included:
     requests R <= r < max_reqs   seq_lens 0, query_start_loc[r + 1] = T (empty requests)
 
 The rest of the staged array (`extras`: index lists for sampling,
-verification and drafting) is read in place by later kernels of the step: the
-next step's copy is queued behind them on the same stream.
+verification and drafting, each named by a StagedExtra) is read in place by
+later kernels of the step: the next step's copy is queued behind them on the
+same stream.
 
 A header of HEADER_SLOTS values opens the array: the step's sizes, and where
 the extras that kernels read (HEADER_EXTRAS) start and how many rows they
@@ -26,17 +27,37 @@ launches and replay them for any step (the runner's whole-step graphs).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from enum import Enum
 
 import numpy as np
 import torch
 
 from specserve.attention.metadata import PAD_SLOT_ID
 
+
+
+class StagedExtra(Enum):
+    """The int64 arrays a step may stage after its inputs (worker/step_plan.py), each [rows] or [rows, columns]."""
+
+    INFLIGHT = "inflight"  # a row per in-flight request (worker/inflight_inputs.py)
+    DRAFT_REQUESTS = "draft requests"  # a row per scheduled request, for the drafter (spec_decode/draft_inputs.py)
+    SAMPLE_INDEX = "sample index"  # the token each request sampling without drafts samples at
+    SAMPLE_ROWS = "sample rows"  # those requests' batch rows
+    VERIFY_INDEX = "verify index"  # [rows, max drafts + 1]: the tokens each verifying request is verified at
+    VERIFY_DRAFTS = "verify drafts"  # the drafts each verifies
+    VERIFY_ROWS = "verify rows"  # their batch rows
+    VERIFY_DRAFT_ROWS = "verify draft rows"  # their rows of the drafter's draft probabilities
+    DRAFT_ROWS = "draft rows"  # each drafting request's row of the drafter's per-request state
+    SAMPLING_ROWS = "sampling rows"  # each drafting request's batch row
+    VERIFY_SLOTS = "verify slots"  # each verifying request's drafting index (trees of drafts)
+
+
 # The header's slots. Its size keeps the arrays after it 16-byte aligned (see pack_step_inputs).
 NUM_TOKENS, NUM_REQS, TABLE_WIDTH, INFLIGHT_AT, INFLIGHT_ROWS, DRAFT_REQUESTS_AT, DRAFT_REQUESTS_ROWS = range(7)
 HEADER_SLOTS = 8
-# Extras that kernels find through the header: name -> (slot of its offset, slot of its row count).
-HEADER_EXTRAS = {"inflight": (INFLIGHT_AT, INFLIGHT_ROWS), "draft_requests": (DRAFT_REQUESTS_AT, DRAFT_REQUESTS_ROWS)}
+# Extras that kernels find through the header: extra -> (slot of its offset, slot of its row count).
+HEADER_EXTRAS = {StagedExtra.INFLIGHT: (INFLIGHT_AT, INFLIGHT_ROWS),
+                 StagedExtra.DRAFT_REQUESTS: (DRAFT_REQUESTS_AT, DRAFT_REQUESTS_ROWS)}
 
 
 @dataclass(frozen=True)
@@ -46,7 +67,7 @@ class StagedLayout:
     num_tokens: int
     num_reqs: int
     table_width: int  # staged block-table columns per request (the longest row this step)
-    extras: dict[str, tuple[int, tuple[int, ...], int]]  # name -> (offset, shape, number of values)
+    extras: dict[StagedExtra, tuple[int, tuple[int, ...], int]]  # extra -> (offset, shape, number of values)
     size: int  # values staged in all
 
     @property
@@ -84,17 +105,17 @@ class StagedLayout:
 
 def pack_step_inputs(host: np.ndarray, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                      seq_lens: np.ndarray, query_ends: np.ndarray, table: np.ndarray,
-                     extras: dict[str, np.ndarray], tree_bits: np.ndarray | None = None) -> StagedLayout:
+                     extras: dict[StagedExtra, np.ndarray], tree_bits: np.ndarray | None = None) -> StagedLayout:
     """Write the step's arrays into host (an int64 staging array) and return where they are. tree_bits: each
     token's (AttentionMetadata.tree_bits); None: -1 for all."""
     num_tokens, num_reqs, width = len(input_ids), len(seq_lens), table.shape[1]
     offset = StagedLayout(num_tokens, num_reqs, width, {}, 0).end
     placed = {}
-    for name, values in extras.items():
+    for extra, values in extras.items():
         # 16-byte aligned, as Triton specializes a kernel on its pointers' alignment: a view at an odd
         # offset would compile another variant of the kernel reading it, in the middle of a run.
         offset += offset % 2
-        placed[name] = (offset, values.shape, values.size)
+        placed[extra] = (offset, values.shape, values.size)
         offset += values.size
     layout = StagedLayout(num_tokens, num_reqs, width, placed, offset)
     if layout.size > host.shape[0]:
@@ -102,9 +123,9 @@ def pack_step_inputs(host: np.ndarray, input_ids: np.ndarray, positions: np.ndar
                            "raise max_num_batched_tokens or lower max_num_seqs")
     header = [0] * HEADER_SLOTS
     header[NUM_TOKENS], header[NUM_REQS], header[TABLE_WIDTH] = num_tokens, num_reqs, width
-    for name, (at_slot, rows_slot) in HEADER_EXTRAS.items():
-        if name in placed:
-            header[at_slot], header[rows_slot] = placed[name][0], placed[name][1][0]
+    for extra, (at_slot, rows_slot) in HEADER_EXTRAS.items():
+        if extra in placed:
+            header[at_slot], header[rows_slot] = placed[extra][0], placed[extra][1][0]
     host[:HEADER_SLOTS] = header
     if tree_bits is None:
         host[layout.tree_bits:layout.tree_bits + num_tokens] = -1
@@ -113,16 +134,16 @@ def pack_step_inputs(host: np.ndarray, input_ids: np.ndarray, positions: np.ndar
     for start, values in ((layout.ids, input_ids), (layout.positions, positions), (layout.slots, slots),
                           (layout.seq_lens, seq_lens), (layout.query_ends, query_ends), (layout.table, table)):
         host[start:start + values.size] = values.reshape(-1)
-    for name, values in extras.items():
-        start = placed[name][0]
+    for extra, values in extras.items():
+        start = placed[extra][0]
         host[start:start + values.size] = values.reshape(-1)
     return layout
 
 
-def header_extra(staged: torch.Tensor, name: str, columns: int) -> torch.Tensor:
-    """Extra `name` ([rows, columns]) where the header of a staged array says it is, read on the host (the
-    torch paths of the kernels that read it)."""
-    at_slot, rows_slot = HEADER_EXTRAS[name]
+def header_extra(staged: torch.Tensor, extra: StagedExtra, columns: int) -> torch.Tensor:
+    """`extra` ([rows, columns]) where the header of a staged array says it is, read on the host (the torch
+    paths of the kernels that read it)."""
+    at_slot, rows_slot = HEADER_EXTRAS[extra]
     header = staged[:HEADER_SLOTS].tolist()
     at, rows = header[at_slot], header[rows_slot]
     return staged[at:at + rows * columns].view(rows, columns)

@@ -8,6 +8,7 @@ import torch
 from specserve.engine.scheduler import SchedulerOutput
 from specserve.outputs import Logprob
 from specserve.sample.sampler import SamplerOutput
+from specserve.worker.step_path import StepPath
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -59,6 +60,7 @@ class StepHandle:
     sched: SchedulerOutput
     # Rows of sched.scheduled that yield tokens this step.
     sampling: list[int]
+    path: StepPath
     # The step's outputs on the host once `event` completes (StepOutputs columns).
     host: torch.Tensor | None = None
     event: torch.cuda.Event | None = None

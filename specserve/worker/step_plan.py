@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from specserve.engine.scheduler import SchedulerOutput
+from specserve.spec_decode.draft_inputs import DraftRequest, draft_request_rows
+from specserve.worker.inflight_inputs import InflightRequest, inflight_rows
+from specserve.worker.staged_inputs import StagedExtra
 
 
 @dataclass
@@ -15,42 +18,42 @@ class StepPlan:
 
     sample_rows: list[int]  # batch rows sampled without drafts
     verify_rows: list[int]  # batch rows whose drafts are verified
-    extras: dict[str, np.ndarray]
+    extras: dict[StagedExtra, np.ndarray]
 
     @classmethod
-    def build(cls, sched: SchedulerOutput, sampling: list[int], draft_requests: list[tuple], inflight: list[tuple],
-              drafts_on_device: bool, row_of, trees: bool = False) -> StepPlan:
-        extras: dict[str, np.ndarray] = {}
+    def build(cls, sched: SchedulerOutput, sampling: list[int], draft_requests: list[DraftRequest],
+              inflight: list[InflightRequest], drafts_on_device: bool, row_of, trees: bool = False) -> StepPlan:
+        extras: dict[StagedExtra, np.ndarray] = {}
         if inflight:
-            extras["inflight"] = np.array(inflight, dtype=np.int64)
+            extras[StagedExtra.INFLIGHT] = inflight_rows(inflight)
         # A sampling request's last token is its row's end; its drafts are the tokens before it.
-        ends = {i: first + count for i, (first, count, *_) in enumerate(draft_requests)}
+        ends = {i: r.first + r.count for i, r in enumerate(draft_requests)}
         sample_rows = [i for i in sampling if not sched.scheduled[i].spec_token_ids]
         verify_rows = [i for i in sampling if sched.scheduled[i].spec_token_ids]
         if sample_rows:
-            extras["sample_index"] = np.array([ends[i] - 1 for i in sample_rows], dtype=np.int64)
-            extras["sample_rows"] = np.array(sample_rows, dtype=np.int64)
+            extras[StagedExtra.SAMPLE_INDEX] = np.array([ends[i] - 1 for i in sample_rows], dtype=np.int64)
+            extras[StagedExtra.SAMPLE_ROWS] = np.array(sample_rows, dtype=np.int64)
         if verify_rows:
             num = np.array([len(sched.scheduled[i].spec_token_ids) for i in verify_rows], dtype=np.int64)
             last = np.array([ends[i] - 1 for i in verify_rows], dtype=np.int64)
             # Row j of request i is the target's prediction after its j-th draft (clamped for padding);
             # its draft j sits at token end - n + j.
             j = np.arange(int(num.max()) + 1)
-            extras["verify_index"] = last[:, None] - num[:, None] + np.minimum(j[None, :], num[:, None])
-            extras["verify_drafts"] = num
-            extras["verify_rows"] = np.array(verify_rows, dtype=np.int64)
+            extras[StagedExtra.VERIFY_INDEX] = last[:, None] - num[:, None] + np.minimum(j[None, :], num[:, None])
+            extras[StagedExtra.VERIFY_DRAFTS] = num
+            extras[StagedExtra.VERIFY_ROWS] = np.array(verify_rows, dtype=np.int64)
             if drafts_on_device:
                 # Where the drafter kept each verified request's draft probabilities (sampled verification).
-                extras["verify_draft_rows"] = np.array([row_of(sched.scheduled[i].request.request_id)
-                                                        for i in verify_rows], dtype=np.int64)
+                extras[StagedExtra.VERIFY_DRAFT_ROWS] = np.array(
+                    [row_of(sched.scheduled[i].request.request_id) for i in verify_rows], dtype=np.int64)
         if drafts_on_device and sampling:
-            extras["draft_requests"] = np.array(draft_requests, dtype=np.int64)
+            extras[StagedExtra.DRAFT_REQUESTS] = draft_request_rows(draft_requests)
             # Each drafting request's row of the drafter's per-request state (row_of: request id -> row).
-            extras["draft_rows"] = np.array([row_of(sched.scheduled[i].request.request_id) for i in sampling],
-                                            dtype=np.int64)
-            extras["sampling_rows"] = np.array(sampling, dtype=np.int64)
+            extras[StagedExtra.DRAFT_ROWS] = np.array(
+                [row_of(sched.scheduled[i].request.request_id) for i in sampling], dtype=np.int64)
+            extras[StagedExtra.SAMPLING_ROWS] = np.array(sampling, dtype=np.int64)
             if trees:
                 # Each verified request's drafting index (draft_inputs.follow_tree_paths).
                 drafting = {row: i for i, row in enumerate(sampling)}
-                extras["verify_slots"] = np.array([drafting[i] for i in verify_rows], dtype=np.int64)
+                extras[StagedExtra.VERIFY_SLOTS] = np.array([drafting[i] for i in verify_rows], dtype=np.int64)
         return cls(sample_rows, verify_rows, extras)

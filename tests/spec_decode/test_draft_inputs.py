@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specserve.spec_decode.draft_inputs import gather_draft_inputs
+from specserve.worker.staged_inputs import StagedExtra
 from staging import staged_extras
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -58,7 +59,7 @@ def test_gathers_what_the_reference_says(use_triton, seed):
                 base_positions=torch.full((9,), -5), draft_block_table=torch.full((9, 70), -5, dtype=torch.int32))
     to = lambda x: x.to(DEVICE)  # noqa: E731
     outs = {name: to(x) for name, x in outs.items()}
-    staged = staged_extras({"draft_requests": requests.numpy()}, num_tokens=t, device=DEVICE)
+    staged = staged_extras({StagedExtra.DRAFT_REQUESTS: requests.numpy()}, num_tokens=t, device=DEVICE)
     # A bound past the requests, as a graph recorded for a larger batch launches: the header's count rules.
     gather_draft_inputs(staged, to(accepted), to(tokens), to(input_ids), to(positions), to(block_table), pad_to,
                         pad_reqs, **outs, max_rows=num_sched + seed, use_triton=use_triton)

@@ -10,6 +10,7 @@ import torch
 
 from specserve.spec_decode.tree import DraftTree
 from specserve.worker.inflight_inputs import take_inflight_inputs
+from specserve.worker.staged_inputs import StagedExtra
 from staging import staged_extras
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -60,7 +61,7 @@ def scenario(k: int, seed: int, tree: DraftTree | None = None):
     packed = torch.cat([accepted[:, None], tokens, drafts], dim=1)
     outputs = (packed[:, 0], packed[:, 1:k + 2], packed[:, k + 2:])
     to = lambda t: t.to(DEVICE)  # noqa: E731
-    staged = staged_extras({"inflight": np.array(meta, dtype=np.int64)}, device=DEVICE)
+    staged = staged_extras({StagedExtra.INFLIGHT: np.array(meta, dtype=np.int64)}, device=DEVICE)
     return staged, tuple(map(to, outputs)), {n: to(t) for n, t in buffers.items()}, expected, to(block_table)
 
 

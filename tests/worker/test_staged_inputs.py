@@ -11,7 +11,7 @@ import torch
 from specserve.attention.metadata import PAD_SLOT_ID
 from specserve.worker.host_block_table import HostBlockTable
 from specserve.worker.input_buffers import InputBuffers
-from specserve.worker.staged_inputs import pack_step_inputs, scatter_staged_inputs
+from specserve.worker.staged_inputs import StagedExtra, pack_step_inputs, scatter_staged_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MAX_TOKENS, MAX_REQS, MAX_BLOCKS, BLOCK_SIZE = 80, 9, 70, 4
@@ -61,7 +61,7 @@ def test_scatter_writes_every_buffer_with_padding(use_triton, num_reqs):
         extra = np.arange(7, dtype=np.int64).reshape(7)
         host = np.full(2000, -3, dtype=np.int64)
         layout = pack_step_inputs(host, np.array(input_ids), np.array(positions), slots, np.array(seq_lens),
-                                  np.cumsum(qlens), table, {"extra": extra})
+                                  np.cumsum(qlens), table, {StagedExtra.SAMPLE_ROWS: extra})
         staged = torch.from_numpy(host).to(DEVICE)
         bufs = dict(input_ids=torch.full((MAX_TOKENS,), -7, dtype=torch.int64),
                     positions=torch.full((MAX_TOKENS,), -7, dtype=torch.int64),
@@ -78,20 +78,20 @@ def test_scatter_writes_every_buffer_with_padding(use_triton, num_reqs):
                 got = got[:num_reqs]
                 assert (bufs[name][num_reqs:].cpu() == -7).all(), "rows past the batch are not the step's to write"
             assert got.tolist() == expected, name
-        offset, _, _ = layout.extras["extra"]
+        offset, _, _ = layout.extras[StagedExtra.SAMPLE_ROWS]
         assert staged[offset:offset + 7].cpu().tolist() == extra.tolist()
 
 
 def test_input_buffers_stage_extras_and_refuse_overflow():
     bufs = InputBuffers(4, 16, 5, torch.device(DEVICE), extra_capacity=8)
     meta = bufs.prepare(np.array([5, 6, 7]), np.array([3]), np.array([3]), np.array([[2]]), BLOCK_SIZE,
-                        {"rows": np.array([[1, 2], [3, 4]])})
+                        {StagedExtra.VERIFY_INDEX: np.array([[1, 2], [3, 4]])})
     bufs.spread()
     assert meta.num_tokens == 3 and bufs.slot_mapping[:3].tolist() == [8, 9, 10]
-    assert bufs.staged_extra("rows").tolist() == [[1, 2], [3, 4]]
+    assert bufs.staged_extra(StagedExtra.VERIFY_INDEX).tolist() == [[1, 2], [3, 4]]
     with pytest.raises(RuntimeError, match="max_num_batched_tokens"):
         bufs.prepare(np.array([5]), np.array([1]), np.array([1]), np.array([[2]]), BLOCK_SIZE,
-                     {"big": np.zeros(100, dtype=np.int64)})
+                     {StagedExtra.SAMPLE_INDEX: np.zeros(100, dtype=np.int64)})
 
 
 def test_prepare_places_each_query_after_its_cached_tokens():

@@ -1,0 +1,67 @@
+"""The glue between the runner's step and a device drafter: the drafter's inputs, gathered on the device
+from the step just run, then its proposal of the next drafts (spec_decode/speculator.py, DraftInput).
+
+The accepted counts exist only on the device, so each drafting request's last accepted token, its
+position and its block table are gathered there by one kernel (spec_decode/draft_inputs.py; for trees of
+drafts, then along the accepted paths), and no host sync is needed before the drafter runs
+(docs/design.md, 'Draft inputs').
+"""
+from __future__ import annotations
+
+from specserve.attention.metadata import AttentionMetadata
+from specserve.engine.scheduler import SchedulerOutput
+from specserve.sample.sampler import SamplingBatch
+from specserve.spec_decode.draft_inputs import follow_tree_paths, gather_draft_inputs
+from specserve.spec_decode.speculator import DraftInput
+from specserve.worker.cudagraph import BatchDescriptor
+from specserve.worker.staged_inputs import StagedExtra
+from specserve.worker.step_path import Drafting
+
+
+class DraftProposal:
+    """ModelRunner's drafting glue (mixed into ModelRunner, whose state it uses)."""
+
+    def _gather_draft_inputs(self, desc: BatchDescriptor, max_rows: int) -> None:
+        """The drafter's inputs from this step's outputs (draft_inputs.py), padded to desc."""
+        b = self.buffers
+        gather_draft_inputs(b.staged, self.outputs.accepted, self.outputs.tokens, b.input_ids, b.positions,
+                            b.block_table, desc.num_tokens, desc.num_reqs, self.speculator.next_ids,
+                            self.draft_last_indices, self.draft_last_tokens, self.draft_base_positions,
+                            self.draft_block_table, max_rows)
+
+    def _propose(self, sched: SchedulerOutput, sampling: list[int], desc: BatchDescriptor, target_out: tuple,
+                 metadata: AttentionMetadata, drafting: Drafting) -> None:
+        """Draft the next tokens of every request that produced tokens this step, on the device: each
+        request's last accepted token and its position follow from the accepted counts just written."""
+        spec, b = self.speculator, self.buffers
+        n = len(sampling)
+        scheduled = [sched.scheduled[i] for i in sampling]
+        self._gather_draft_inputs(desc, max_rows=len(sched.scheduled))
+        moves = None
+        if self.tree is not None and self._tree_step is not None:
+            outcome = self._tree_step
+            moves = outcome.moves
+            follow_tree_paths(outcome.path_tokens, outcome.accepted, outcome.tokens,
+                              b.staged_extra(StagedExtra.VERIFY_SLOTS), b.positions, spec.next_ids,
+                              self.draft_last_indices, self.draft_base_positions)
+        requests = [s.request for s in scheduled]
+        inp = DraftInput(
+            target_out=target_out,
+            descriptor=desc,
+            metadata=metadata,
+            requests=requests,
+            last_token_indices=self.draft_last_indices[:n],
+            base_positions=self.draft_base_positions,
+            max_base_position=max(s.start + s.num_new_tokens - 1 for s in scheduled),
+            last_tokens=self.draft_last_tokens[:n],
+            block_table=self.draft_block_table,
+            rows=b.staged_extra(StagedExtra.DRAFT_ROWS),
+            sampling=SamplingBatch.build(requests, self.device),
+            drafting=drafting,
+            kv_moves=moves,
+        )
+        drafts = spec.propose(inp)
+        if sampling[-1] == n - 1:  # rows 0..n-1: every scheduled request drafts
+            self.outputs.drafts[:n].copy_(drafts)
+        else:
+            self.outputs.drafts.index_copy_(0, b.staged_extra(StagedExtra.SAMPLING_ROWS), drafts)

@@ -1,0 +1,142 @@
+"""The runner's tokens for a step: sampling the rows without drafts, verifying the rows with drafts.
+
+Each request's row of the step outputs (worker/step_outputs.py) gets its accepted count and its emitted
+tokens: greedy sampling and verification (spec_decode/greedy_verify.py), the sampler, rejection sampling
+(spec_decode/rejection_sampler.py) or the walk of trees (spec_decode/tree_verify.py), as the step's
+StepPath says (worker/step_path.py). What "the target's own tokens" means for each: docs/design.md,
+'Exactness'.
+"""
+from __future__ import annotations
+
+import torch
+
+from specserve.engine.scheduler import SchedulerOutput
+from specserve.sample.argmax import greedy_argmax
+from specserve.sample.sampler import SamplerOutput, SamplingBatch, filtered_probs, sample_from_probs, token_logprobs
+from specserve.spec_decode.greedy_verify import greedy_verify
+from specserve.spec_decode.rejection_sampler import draw_randomness, rejection_sample
+from specserve.spec_decode.tree_verify import move_kv, verify_tree
+from specserve.worker.cudagraph import BatchDescriptor
+from specserve.worker.staged_inputs import StagedExtra
+from specserve.worker.step_handle import PendingLogprobs, StepHandle
+from specserve.worker.step_path import Sampling, Verification
+
+
+class SampleAndVerify:
+    """ModelRunner's sampling and verification (mixed into ModelRunner, whose state they use)."""
+
+    def _forced_draws(self, desc: BatchDescriptor, n: int) -> None:
+        """Under forced acceptance, the uniform draws a verification graph reads, from the generator the eager
+        verification draws them from."""
+        if self.forced_acceptance_prob is not None and desc.query_len > 1:
+            torch.rand(n, desc.query_len - 1, generator=self.sampler.default_generator,
+                       out=self.uniform_verify.uniform[:n])
+
+    def _verified_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The verifying requests' staged (token indices [n, max drafts + 1], drafts, batch rows)."""
+        b = self.buffers
+        return (b.staged_extra(StagedExtra.VERIFY_INDEX), b.staged_extra(StagedExtra.VERIFY_DRAFTS),
+                b.staged_extra(StagedExtra.VERIFY_ROWS))
+
+    def _sample(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
+                desc: BatchDescriptor, how: Sampling) -> None:
+        """The token of each request that samples without drafts. Only the sampler applies penalties and
+        min_tokens."""
+        if how is Sampling.GREEDY_GRAPH:
+            self.greedy_graphs.run(desc, self._greedy_outputs, None)
+            return
+        h = hidden.index_select(0, self.buffers.staged_extra(StagedExtra.SAMPLE_INDEX))
+        if how is Sampling.ARGMAX:
+            result = SamplerOutput(self.model.greedy_tokens(h))
+        else:
+            batch = SamplingBatch.build([sched.scheduled[i].request for i in batch_rows], self.device)
+            result = self.sampler(self.model.compute_logits(h), batch)
+        where = self.buffers.staged_extra(StagedExtra.SAMPLE_ROWS)
+        self.outputs.accepted.index_fill_(0, where, 0)
+        self.outputs.tokens[:, 0].index_copy_(0, where, result.token_ids)
+        if result.sampled_logprobs is not None:
+            handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=1))
+
+    def _verify(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
+                desc: BatchDescriptor, how: Verification) -> None:
+        """Verify each request's chain of drafts against the target's argmax (greedy) or its logits (rejection
+        sampling) at the verified positions. The drafts are read from the step's input ids on the device,
+        where the host or the previous step (asynchronous scheduling) put them."""
+        forced = self.forced_acceptance_prob
+        if how is Verification.GREEDY_GRAPH:
+            self._forced_draws(desc, len(batch_rows))
+            self.greedy_graphs.run(desc, self._greedy_outputs, None)
+            return
+        b = self.buffers
+        index, num, where = self._verified_tokens()
+        n, k = index.shape[0], index.shape[1] - 1
+        verified = hidden.index_select(0, index.view(-1))
+        if how is Verification.GREEDY:
+            target = self.model.greedy_tokens(verified).view(n, k + 1)
+            uniform = None if forced is None else torch.rand(n, k, device=self.device,
+                                                             generator=self.sampler.default_generator)
+            greedy_verify(target, b.input_ids, index, num, where, self.outputs.accepted, self.outputs.tokens,
+                          uniform, forced)
+            return
+        reqs = [sched.scheduled[i].request for i in batch_rows]
+        batch = SamplingBatch.build(reqs, self.device)
+        logits = self.model.compute_logits(verified).view(n, k + 1, -1)
+        if batch.all_greedy:
+            target_probs = logits
+        else:
+            expanded = SamplingBatch.build([r for r in reqs for _ in range(k + 1)], self.device)
+            target_probs = filtered_probs(logits.flatten(0, 1), expanded).view_as(logits)
+        slots = torch.arange(k, device=self.device)
+        drafts = torch.where(slots < num[:, None], b.input_ids[index[:, 1:]], -1)
+        draft_probs = None
+        if self.speculator.draft_probs is not None and not batch.all_greedy:
+            draft_probs = self.speculator.draft_probs[b.staged_extra(StagedExtra.VERIFY_DRAFT_ROWS), :k]
+        if batch.all_greedy and forced is None:
+            # Greedy rows read no randomness: skip drawing [N, V] exponentials (an expanded view of one
+            # value costs no memory).
+            uniform = torch.zeros(n, k, device=self.device)
+            noise = torch.ones(1, 1, device=self.device).expand(n, logits.shape[-1])
+        else:
+            uniform, noise = draw_randomness(n, k, logits.shape[-1], batch.generators, self.device,
+                                             self.sampler.default_generator)
+        tokens, accepted = rejection_sample(drafts, num, draft_probs, target_probs, batch.greedy,
+                                            greedy_argmax(logits.flatten(0, 1)).view(n, k + 1), uniform, noise, forced)
+        self.outputs.accepted.index_copy_(0, where, accepted)
+        self.outputs.tokens[:, :k + 1].index_copy_(0, where, tokens)
+        if batch.max_logprobs is not None:
+            raw = logits.flatten(0, 1).log_softmax(dim=-1)
+            result = token_logprobs(raw, tokens.flatten().clamp(min=0), batch.max_logprobs)
+            handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=k + 1))
+
+    def _verify_tree(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
+                     how: Verification) -> None:
+        """Verify each request's tree of drafts (tree_verify.py): the target's token at every node, argmax or
+        sampled, then the walk from the root; then move the accepted nodes' keys and values to their
+        positions' slots. Keeps the accepted paths and the moves for the drafter (self._tree_step)."""
+        b, tables = self.buffers, self.tree_tables
+        index, num, where = self._verified_tokens()
+        n, width = index.shape[0], index.shape[1]
+        verified = hidden.index_select(0, index.view(-1))
+        batch = None
+        if how is Verification.TREE_ARGMAX:
+            target = self.model.greedy_tokens(verified).view(n, width)
+        else:
+            reqs = [sched.scheduled[i].request for i in batch_rows]
+            batch = SamplingBatch.build(reqs, self.device)
+            logits = self.model.compute_logits(verified)
+            target = greedy_argmax(logits)
+            if not batch.all_greedy:
+                expanded = SamplingBatch.build([r for r in reqs for _ in range(width)], self.device)
+                sampled = sample_from_probs(filtered_probs(logits, expanded), expanded.generators,
+                                            self.sampler.default_generator)
+                target = torch.where(expanded.greedy, target, sampled)
+            target = target.view(n, width)
+        outcome = verify_tree(target, b.input_ids, index, num, tables, b.slot_mapping, self.kv.spare_slot,
+                              where, self.outputs.accepted, self.outputs.tokens)
+        move_kv(self.kv.stack, *outcome.moves)
+        self._tree_step = outcome
+        if batch is not None and batch.max_logprobs is not None:
+            path_tokens = outcome.path_tokens
+            raw = self.model.compute_logits(hidden.index_select(0, path_tokens.view(-1))).log_softmax(dim=-1)
+            result = token_logprobs(raw, outcome.tokens.flatten().clamp(min=0), batch.max_logprobs)
+            handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=path_tokens.shape[1]))

@@ -1,0 +1,160 @@
+"""The runner's CUDA graphs: their capture, and the bodies of the greedy and whole-step graphs.
+
+Every graph of the runner goes through one CUDAGraphManager each (worker/cudagraph.py), as the drafter's
+do, all recorded through one recorder into one memory pool (docs/design.md, 'Batch descriptors and
+padding'). The target's graphs replay its forward (docs/design.md, 'Graph modes'); the greedy graphs
+replay the greedy sampling of a decode batch or the greedy verification of a uniform batch, reading the
+target graph's outputs for the same descriptor; the whole-step graphs replay everything a greedy uniform
+batch does (docs/design.md, 'Whole-step graphs'). Which of them a step replays is its StepPath's
+decision (worker/step_path.py).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from specserve.attention.metadata import AttentionMetadata
+from specserve.spec_decode.draft_inputs import follow_tree_paths
+from specserve.spec_decode.greedy_verify import UniformVerifyInputs, greedy_verify
+from specserve.spec_decode.tree_verify import move_kv, verify_tree
+from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager, default_capture_sizes
+from specserve.worker.cudagraph_mode import CUDAGraphMode
+from specserve.worker.graph_recorder import AttentionSplitter
+from specserve.worker.inflight_inputs import take_inflight_inputs
+from specserve.worker.staged_inputs import NUM_REQS
+
+logger = logging.getLogger(__name__)
+
+
+class TargetGraphs:
+    """ModelRunner's graph capture and graph bodies (mixed into ModelRunner, whose state they use)."""
+
+    def capture_graphs(self, mode: CUDAGraphMode, recorder, backend) -> None:
+        """Record the target's graphs for `mode`, then the speculator's, all through `recorder`
+        (one memory pool). `backend` is the attention backend the models were built with."""
+        cfg = self.config
+        splitter = AttentionSplitter(backend)
+        splitter.install(self.model)
+        k = self.outputs.num_drafts
+        sizes = cfg.cudagraph_capture_sizes or default_capture_sizes(min(256, cfg.max_num_batched_tokens))
+        self.graphs = CUDAGraphManager(
+            "target", mode, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+            uniform_query_lens=(1, 1 + k) if k else (1,), recorder=recorder, debug=cfg.debug_cudagraph,
+            splitter=splitter, single_request_query_lens=range(2, self.block_size + 1))
+        start, used_before = time.perf_counter(), recorder.memory_in_use()
+        self.graphs.capture(self._target_forward, self._prepare_capture)
+        query_lens = (1, 1 + k) if k else (1,)
+        uniform = [d for d in self.graphs.capture_descriptors()
+                   if d.mode is CUDAGraphMode.FULL and d.query_len in query_lens]
+        if k:
+            self.uniform_verify = UniformVerifyInputs.allocate(cfg.max_num_seqs, k, self.device,
+                                                               forced=self.forced_acceptance_prob is not None)
+        # Greedy sampling of a decode batch, and greedy verification of a chain of drafts.
+        greedy_lens = (1,) if self.tree is not None else query_lens
+        self.greedy_graphs = CUDAGraphManager(
+            "greedy sampling", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+            uniform_query_lens=greedy_lens, recorder=recorder, debug=cfg.debug_cudagraph)
+        self.greedy_graphs.capture(self._greedy_outputs, self._prepare_capture,
+                                   [d for d in uniform if d.query_len in greedy_lens])
+        drafter = self.speculator if self.speculator is not None and self.speculator.on_device else None
+        if drafter is not None and hasattr(drafter, "capture_graphs"):
+            drafter.capture_graphs(self.graphs, splitter, recorder, sizes, cfg.debug_cudagraph, self._prepare_capture,
+                                   self.draft_base_positions, self.draft_block_table)
+        # The debug check re-runs a graph's forward after its replay, but a whole step reads the outputs of the
+        # step before, which its replay overwrote: under debug each part runs (and is checked) in its own graph.
+        if self.tree is not None and not cfg.debug_cudagraph:
+            # A tree's whole step, for batches where every request verifies the whole tree.
+            self.whole_step_graphs = CUDAGraphManager(
+                "whole tree step", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs,
+                cfg.max_num_batched_tokens, uniform_query_lens=(1 + k,), recorder=recorder)
+            self.whole_step_graphs.capture(self._whole_tree_step, self._prepare_capture,
+                                           [d for d in uniform if d.query_len == 1 + k])
+        elif not cfg.debug_cudagraph and (drafter is None or getattr(drafter, "greedy_loop_graphs", None)):
+            self.whole_step_graphs = CUDAGraphManager(
+                "whole step", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                uniform_query_lens=query_lens, recorder=recorder)
+            self.whole_step_graphs.capture(self._whole_step, self._prepare_capture, uniform)
+        self.buffers.reset()
+        # The greedy graphs' warm-up runs wrote outputs for rows no step has had yet.
+        self.outputs.packed.zero_()
+        self.capture_seconds = time.perf_counter() - start
+        self.graph_memory_bytes = recorder.memory_in_use() - used_before
+        logger.info("CUDA graphs (%s): captured in %.1f s, %.0f MiB of GPU memory", mode.name, self.capture_seconds,
+                    self.graph_memory_bytes / 2**20)
+
+    def _prepare_capture(self, desc: BatchDescriptor) -> AttentionMetadata:
+        # Recording executes nothing but the warm-up run, which must write no cache slot: every row is empty.
+        self.buffers.reset()
+        max_query_len = desc.query_len or desc.num_tokens
+        return self.buffers.padded_metadata(desc.num_reqs, desc.num_tokens, max_query_len, self.config.max_model_len)
+
+    def _target_forward(self, desc: BatchDescriptor, metadata: AttentionMetadata):
+        """The target's forward over the persistent inputs: (hidden states, auxiliary hidden states), padded to
+        desc; eager, or recorded into the target's graphs."""
+        n = desc.num_tokens
+        return self.model(self.buffers.input_ids[:n], self.buffers.positions[:n], self.kv.layers, metadata)
+
+    def _greedy_outputs(self, desc: BatchDescriptor, metadata):
+        """_greedy_outputs_of the target graph's hidden states for the same descriptor."""
+        return self._greedy_outputs_of(desc, self.graphs.graphs[desc.key].outputs[0])
+
+    def _greedy_outputs_of(self, desc: BatchDescriptor, padded_hidden: torch.Tensor) -> torch.Tensor:
+        """The step outputs of a greedy uniform batch: a decode batch's tokens, or what a batch verifying k
+        drafts per request accepts and emits. The batch's request i owns its tokens i * q .. i * q + q - 1 and
+        output row i, so every index is the identity, and one recording serves every batch padded to
+        desc.num_reqs (padded rows write rows of outputs that no request reads)."""
+        n, q = desc.num_reqs, desc.query_len
+        tokens = self.model.greedy_tokens(padded_hidden[: n * q], captured=True)
+        if q == 1:
+            self.outputs.accepted[:n].zero_()
+            self.outputs.tokens[:n, 0].copy_(tokens)
+            return tokens
+        v, forced = self.uniform_verify, self.forced_acceptance_prob
+        greedy_verify(tokens.view(n, q), self.buffers.input_ids, v.index[:n], v.num_drafts[:n], v.rows[:n],
+                      self.outputs.accepted, self.outputs.tokens, None if forced is None else v.uniform[:n], forced)
+        return tokens
+
+    def _whole_step(self, desc: BatchDescriptor, metadata):
+        """Everything a greedy uniform batch does on the device, for one graph: the inputs spread from the
+        staged copy, the in-flight requests' inputs, the target, its greedy outputs, and with a device drafter
+        the next drafts. Every launch reads its sizes from the staged header or from desc, so one recording
+        serves every batch padded to desc.num_reqs; what it computes is what the parts compute on their own."""
+        b, out, n = self.buffers, self.outputs, desc.num_reqs
+        b.spread()
+        take_inflight_inputs(b.staged, out.accepted, out.tokens, out.drafts, b.input_ids, b.positions, b.seq_lens,
+                             b.slot_mapping, b.block_table, self.block_size, max_rows=n)
+        padded_hidden, padded_aux = self._target_forward(desc, metadata)
+        self._greedy_outputs_of(desc, padded_hidden)
+        spec = self.speculator
+        if spec is not None and spec.on_device:
+            self._gather_draft_inputs(desc, max_rows=n)
+            drafts = spec.propose_greedy_in_graph(desc, (padded_hidden, padded_aux), metadata,
+                                                  b.staged[NUM_REQS:NUM_REQS + 1], self.draft_last_indices,
+                                                  self.draft_last_tokens)
+            out.drafts[:n].copy_(drafts)
+
+    def _whole_tree_step(self, desc: BatchDescriptor, metadata):
+        """_whole_step for trees of drafts: every request verifies the whole tree greedily, so its tokens are
+        rows i * (N + 1) .. of the step, and every index is fixed (self.uniform_verify; request i's output row
+        is also its drafting index). Padded rows move cache slots only in the spare slot and draft nothing
+        (tree_drafting.py)."""
+        b, out, n, q = self.buffers, self.outputs, desc.num_reqs, desc.query_len
+        b.spread()
+        take_inflight_inputs(b.staged, out.accepted, out.tokens, out.drafts, b.input_ids, b.positions, b.seq_lens,
+                             b.slot_mapping, b.block_table, self.block_size, max_rows=n)
+        padded_hidden, padded_aux = self._target_forward(desc, metadata)
+        target = self.model.greedy_tokens(padded_hidden[:n * q], captured=True).view(n, q)
+        v = self.uniform_verify
+        rows = v.rows[:n]
+        outcome = verify_tree(target, b.input_ids, v.index[:n], v.num_drafts[:n], self.tree_tables, b.slot_mapping,
+                              self.kv.spare_slot, rows, out.accepted, out.tokens)
+        move_kv(self.kv.stack, *outcome.moves)
+        self._gather_draft_inputs(desc, max_rows=n)
+        spec = self.speculator
+        follow_tree_paths(outcome.path_tokens, outcome.accepted, outcome.tokens, rows, b.positions, spec.next_ids,
+                          self.draft_last_indices, self.draft_base_positions)
+        spec.propose_tree_in_graph(desc, (padded_hidden, padded_aux), metadata, outcome.moves,
+                                   b.staged[NUM_REQS:NUM_REQS + 1], self.draft_last_indices, self.draft_base_positions,
+                                   self.draft_block_table, out.drafts[:n])

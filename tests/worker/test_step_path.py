@@ -1,0 +1,162 @@
+"""choose_step_path: one test per path a step can take, from its inputs alone (no model, no runner)."""
+from specserve.engine.request import Request
+from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from specserve.sampling_params import SamplingParams
+from specserve.worker.cudagraph import BatchDescriptor
+from specserve.worker.cudagraph_mode import CUDAGraphMode as M
+from specserve.worker.step_path import (Drafting, GraphsReady, RowsSampling, Sampling, SpeculatorKind, StepPath,
+                                        StepRows, Verification, WholeStep, choose_step_path)
+
+SAMPLED = RowsSampling(all_greedy=False)
+LOGPROBS = RowsSampling(logprobs=True)
+PENALTIES = RowsSampling(needs_host_tokens=True)
+EVERY_GRAPH = GraphsReady(whole_step=True, greedy=True, drafting=True)
+
+
+def decode(n: int, sample: RowsSampling = RowsSampling()) -> StepRows:
+    """n requests decoding one token each."""
+    return StepRows(n, (0,) * n, num_sample=n, sample=sample)
+
+
+def verify(n: int, k: int, verify: RowsSampling = RowsSampling()) -> StepRows:
+    """n requests verifying k drafts each."""
+    return StepRows(n, (k,) * n, num_verify=n, verify=verify)
+
+
+def full(n: int, q: int) -> BatchDescriptor:
+    return BatchDescriptor(M.FULL, n * q, n, q)
+
+
+def path(desc, rows, graphs=None, speculator=SpeculatorKind.ON_DEVICE, trees=False) -> StepPath:
+    """By default every graph that can serve desc: whole-step and greedy graphs are full graphs."""
+    if graphs is None:
+        graphs = EVERY_GRAPH if desc.mode is M.FULL else GraphsReady(drafting=True)
+    return choose_step_path(desc, rows, graphs, speculator, trees)
+
+
+def test_a_greedy_decode_batch_with_a_whole_step_graph_runs_whole():
+    assert path(full(4, 1), decode(3)) == StepPath(M.FULL, WholeStep.CHAIN, Sampling.IN_WHOLE_STEP,
+                                                   Verification.NONE, Drafting.IN_WHOLE_STEP)
+
+
+def test_a_greedy_batch_verifying_every_draft_runs_whole():
+    assert path(full(4, 4), verify(3, 3)) == StepPath(M.FULL, WholeStep.CHAIN, Sampling.NONE,
+                                                      Verification.IN_WHOLE_STEP, Drafting.IN_WHOLE_STEP)
+
+
+def test_a_greedy_batch_verifying_whole_trees_runs_the_whole_tree_step():
+    assert path(full(2, 6), verify(2, 5), trees=True) == StepPath(
+        M.FULL, WholeStep.TREE, Sampling.NONE, Verification.IN_WHOLE_STEP, Drafting.IN_WHOLE_STEP)
+
+
+def test_a_whole_step_without_a_speculator_drafts_nothing_and_a_host_one_drafts_on_the_host():
+    assert path(full(4, 1), decode(4), speculator=SpeculatorKind.NONE).drafting is Drafting.NONE
+    host = path(full(4, 1), decode(4), speculator=SpeculatorKind.ON_HOST)
+    assert host.whole is WholeStep.CHAIN and host.drafting is Drafting.ON_HOST
+
+
+def test_a_step_runs_its_parts_when_any_condition_of_the_whole_step_fails():
+    decoding = full(4, 1)
+    parts = [
+        path(decoding, decode(4), GraphsReady(greedy=True, drafting=True)),  # no whole-step graph
+        path(decoding, decode(4, SAMPLED)),
+        path(decoding, decode(4, LOGPROBS)),
+        path(decoding, decode(4, PENALTIES)),  # the sampler applies them
+        path(decoding, StepRows(4, (0,) * 4, num_sample=3)),  # a prompt chunk yields no token
+        path(full(4, 4), verify(4, 3, LOGPROBS)),
+        path(full(4, 4), StepRows(4, (3, 3, 2, 3), num_verify=4)),  # a request verifies fewer drafts
+    ]
+    assert all(p.whole is WholeStep.NONE for p in parts)
+
+
+def test_the_target_runs_in_its_descriptors_mode():
+    mixed = StepRows(2, (0, 0), num_sample=1)
+    assert path(BatchDescriptor(M.NONE, 9, 2), mixed).target is M.NONE
+    assert path(BatchDescriptor(M.PIECEWISE, 16, 2), mixed).target is M.PIECEWISE
+    assert path(BatchDescriptor(M.FULL, 16, 2), mixed).target is M.FULL
+
+
+def test_a_greedy_decode_batch_samples_in_its_greedy_graph():
+    p = path(full(4, 1), decode(4), GraphsReady(greedy=True))
+    assert (p.whole, p.sampling, p.verification) == (WholeStep.NONE, Sampling.GREEDY_GRAPH, Verification.NONE)
+
+
+def test_greedy_sampling_runs_eagerly_without_a_graph_or_for_part_of_the_batch():
+    assert path(BatchDescriptor(M.PIECEWISE, 8, 4, 1), decode(4)).sampling is Sampling.ARGMAX
+    # A uniform batch of 1 + k tokens that samples is a prefill with nothing to verify.
+    assert path(full(2, 4), StepRows(2, (0, 0), num_sample=2)).sampling is Sampling.ARGMAX
+    p = path(BatchDescriptor(M.PIECEWISE, 8, 2), StepRows(2, (0, 3), num_sample=1, num_verify=1))
+    assert (p.sampling, p.verification) == (Sampling.ARGMAX, Verification.GREEDY)
+
+
+def test_sampled_rows_logprobs_and_penalties_take_the_sampler():
+    for rows in (SAMPLED, LOGPROBS, PENALTIES):
+        assert path(full(4, 1), decode(4, rows)).sampling is Sampling.SAMPLER
+
+
+def test_a_greedy_batch_verifying_every_draft_verifies_in_its_greedy_graph():
+    p = path(full(4, 4), verify(4, 3), GraphsReady(greedy=True))
+    assert (p.whole, p.sampling, p.verification) == (WholeStep.NONE, Sampling.NONE, Verification.GREEDY_GRAPH)
+
+
+def test_greedy_verification_runs_eagerly_otherwise():
+    ready = GraphsReady(greedy=True)
+    assert path(full(4, 4), StepRows(4, (3, 2, 3, 3), num_verify=4), ready).verification is Verification.GREEDY
+    assert path(BatchDescriptor(M.NONE, 8, 2, 4), verify(2, 3)).verification is Verification.GREEDY
+
+
+def test_sampled_rows_or_logprobs_verify_by_rejection_sampling():
+    assert path(full(4, 4), verify(4, 3, SAMPLED)).verification is Verification.REJECTION
+    assert path(full(4, 4), verify(4, 3, LOGPROBS)).verification is Verification.REJECTION
+    # Penalties do not stop greedy verification: only the sampler applies them, after it.
+    assert path(full(4, 4), verify(4, 3, PENALTIES), GraphsReady(greedy=True)).verification is \
+        Verification.GREEDY_GRAPH
+
+
+def test_trees_are_walked_on_the_argmax_or_on_the_logits():
+    desc = BatchDescriptor(M.PIECEWISE, 16, 2)
+    assert path(desc, verify(2, 5), trees=True).verification is Verification.TREE_ARGMAX
+    assert path(desc, verify(2, 5, SAMPLED), trees=True).verification is Verification.TREE_LOGITS
+    assert path(desc, verify(2, 5, LOGPROBS), trees=True).verification is Verification.TREE_LOGITS
+
+
+def test_a_greedy_chain_drafts_in_the_loop_graph_where_it_has_one():
+    parts = GraphsReady(greedy=True, drafting=True)
+    assert path(full(4, 1), decode(4), parts).drafting is Drafting.GREEDY_LOOP_GRAPH
+    assert path(full(4, 1), decode(4), GraphsReady(greedy=True)).drafting is Drafting.STEPS
+    assert path(full(4, 1), decode(4, SAMPLED), parts).drafting is Drafting.STEPS
+    # Logprobs do not change what the drafter does.
+    assert path(full(4, 1), decode(4, LOGPROBS), parts).drafting is Drafting.GREEDY_LOOP_GRAPH
+
+
+def test_a_tree_drafts_in_the_tree_graph_where_it_has_one_sampled_or_not():
+    desc = BatchDescriptor(M.PIECEWISE, 16, 2)
+    assert path(desc, verify(2, 5, SAMPLED), trees=True).drafting is Drafting.TREE_GRAPH
+    no_graph = GraphsReady(greedy=True)
+    assert path(desc, verify(2, 5), no_graph, trees=True).drafting is Drafting.TREE_PASSES
+
+
+def test_nothing_samples_verifies_or_drafts_in_a_step_of_prompt_chunks_alone():
+    p = path(BatchDescriptor(M.PIECEWISE, 64, 2), StepRows(2, (0, 0)))
+    assert (p.sampling, p.verification, p.drafting) == (Sampling.NONE, Verification.NONE, Drafting.NONE)
+
+
+def test_a_host_speculator_drafts_on_the_host():
+    p = path(BatchDescriptor(M.NONE, 9, 2), StepRows(2, (0, 3), num_sample=1, num_verify=1),
+             speculator=SpeculatorKind.ON_HOST)
+    assert p.drafting is Drafting.ON_HOST and not p.drafts_on_device
+
+
+def test_step_rows_of_a_schedule():
+    def request(rid: str, params: SamplingParams) -> Request:
+        return Request(rid, [1, 2, 3], params, eos_token_ids=set(), max_model_len=64)
+
+    sched = SchedulerOutput([
+        ScheduledRequest(request("a", SamplingParams(temperature=0)), 1, [], [], samples=True, start=3),
+        ScheduledRequest(request("b", SamplingParams(temperature=0.5)), 4, [7, 8, 9], [], samples=True, start=3),
+        ScheduledRequest(request("c", SamplingParams(temperature=0, logprobs=2)), 2, [], [], samples=False, start=0),
+    ])
+    rows = StepRows.of(sched)
+    assert rows == StepRows(3, (0, 3, 0), num_sample=1, num_verify=1, sample=RowsSampling(),
+                            verify=RowsSampling(all_greedy=False))
+    assert rows.num_sampling == 2 and not rows.all_verify(4) and StepRows(2, (3, 3)).all_verify(4)
