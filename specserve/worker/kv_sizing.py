@@ -25,6 +25,13 @@ target's and a drafter's), with the caches' own memory left out:
 What other processes (or other engines of this process) hold does not
 count against the share, but the share must be free when the runner starts.
 
+The caching allocator keeps freed blocks for reuse, and with fixed-size
+segments steps of ever larger shapes leave blocks too small for the next
+one: the memory held grows past the profiled peak (by more than a GiB over a
+run of mixed prefill and verification on SmolLM2 with EAGLE-3). Expandable
+segments grow in place and take no such toll, so the runner turns them on
+(use_expandable_segments) unless the user's PYTORCH_CUDA_ALLOC_CONF chose.
+
 A block holds block_size tokens in every model's layers (kv_layout.py), and
 the pool allocates one block more than it hands out (the spare block).
 """
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -49,6 +57,17 @@ CPU_KV_CACHE_BYTES = 2 << 30
 # Room kept for memory taken after sizing: kernels the warm-up and later steps load, allocator rounding.
 LATE_ALLOCATION_BYTES = 256 << 20
 GiB = 2**30
+
+
+def use_expandable_segments() -> None:
+    """Expandable segments for this process's CUDA allocations from now on (module docstring), unless
+    PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF names the setting; PyTorch has one allocator per
+    process, so the setting holds for the caller's own tensors too."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if "expandable_segments" in conf:
+        return
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    (setter or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
 
 
 @dataclass(frozen=True)

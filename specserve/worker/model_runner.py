@@ -34,7 +34,7 @@ from specserve.worker.host_block_table import HostBlockTable
 from specserve.worker.inflight_inputs import InflightRequest, PreviousRow, take_inflight_inputs
 from specserve.worker.input_buffers import InputBuffers
 from specserve.worker.kv_layout import KVCacheLayout, KVCaches
-from specserve.worker.kv_sizing import CudaMemory, KVCachePlan, plan_kv_cache
+from specserve.worker.kv_sizing import CudaMemory, KVCachePlan, plan_kv_cache, use_expandable_segments
 from specserve.worker.sample_and_verify import SampleAndVerify
 from specserve.worker.step_handle import StepHandle
 from specserve.worker.step_outputs import StepOutputs
@@ -68,6 +68,7 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         # cycle until collected: collected first, its memory reads as free.
         self.memory_at_start = None
         if self.device.type == "cuda":
+            use_expandable_segments()
             gc.collect()
             self.memory_at_start = CudaMemory(self.device).read()
         self.block_size = config.block_size
