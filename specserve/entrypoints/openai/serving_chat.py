@@ -19,7 +19,7 @@ def chat_prompt(tokenizer, messages: list[ChatMessage]) -> list[int]:
     """The prompt's token ids; slow for long conversations, so the server runs it in its tokenizer thread."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("messages", "this model's tokenizer has no chat template; use /v1/completions")
-    conversation = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
+    conversation = [m.for_template(i) for i, m in enumerate(messages)]
     try:
         text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
     except jinja2.TemplateError as e:
