@@ -1,20 +1,24 @@
-"""Who may reach the server: --api-key on every route but /health, and the API's description off unless
-asked for."""
+"""Who may reach the server and for how long: --api-key on every route but /health, the API's description
+off unless asked for, and clients that do not send their request whole in time disconnected."""
 from __future__ import annotations
 
 import socket
+import threading
+import time
 
 import httpx
 import openai
 import pytest
 from starlette.testclient import TestClient
 
+from core_factories import FixedTimeCore
 from live_server import LiveServer, one_torch_thread
 from specserve.config import EngineConfig
 from specserve.entrypoints.cli import build_parser
 from specserve.entrypoints.openai.api_server import ServerConfig, build_app, build_engine
 
 KEY = "sk-test-0123456789"
+TIMEOUT_S = 1.0
 ENGINE = dict(max_model_len=512, num_kv_blocks=128, max_num_seqs=16)
 ROUTES = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/metrics"),
           ("GET", "/docs"), ("GET", "/redoc"), ("GET", "/openapi.json"), ("GET", "/no/such/route")]
@@ -28,7 +32,9 @@ def _one_torch_thread():
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    with LiveServer(str(tiny_llama[0]), api_key=KEY, **ENGINE) as s:
+    # Steps of a fixed length, so that a stream outlasts the receive timeout.
+    with LiveServer(str(tiny_llama[0]), api_key=KEY, receive_timeout_s=TIMEOUT_S, core_factory=FixedTimeCore,
+                    **ENGINE) as s:
         yield s
 
 
@@ -92,6 +98,8 @@ def test_docs_only_when_enabled(tiny_llama):
 def test_server_config_and_flags():
     with pytest.raises(ValueError, match="api_key"):
         ServerConfig(api_key="")
+    with pytest.raises(ValueError, match="receive_timeout_s"):
+        ServerConfig(receive_timeout_s=0)
     assert KEY not in repr(ServerConfig(api_key=KEY))
 
 
@@ -101,3 +109,47 @@ def test_the_key_comes_from_the_environment(monkeypatch):
     assert build_parser().parse_args(["serve", "m", "--api-key", "other"]).api_key == "other"
     monkeypatch.delenv("SPECSERVE_API_KEY")
     assert build_parser().parse_args(["serve", "m"]).api_key is None
+
+
+def test_slow_clients_are_cut_off_while_others_are_served(server):
+    auth = f"Authorization: Bearer {KEY}\r\n".encode()
+    half_headers = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Le"
+    half_body = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + auth +
+                 b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
+    sent = [half_headers] * 20 + [half_body] * 20 + [b""]
+    ended: list[tuple[bytes, float]] = []
+
+    def slow(data: bytes) -> None:
+        with connect(server) as sock:
+            sock.sendall(data)
+            start = time.monotonic()
+            answer = read_until_closed(sock)
+            ended.append((answer, time.monotonic() - start))
+
+    threads = [threading.Thread(target=slow, args=(data,)) for data in sent]
+    for t in threads:
+        t.start()
+    # Meanwhile a stream that lasts longer than the receive timeout runs to its end: only receiving is timed.
+    start = time.monotonic()
+    chunks = list(client(server).completions.create(model=server.model, prompt="hello", max_tokens=300, stream=True,
+                                                    extra_body={"ignore_eos": True}))
+    assert time.monotonic() - start > TIMEOUT_S and chunks[-1].choices[0].finish_reason == "length"
+    for t in threads:
+        t.join(timeout=30)
+    assert len(ended) == len(sent)
+    assert all(TIMEOUT_S * 0.9 < seconds < TIMEOUT_S + 3 for _, seconds in ended), ended
+    # A client still sending headers is told why; one sending a body is cut off (the app sees it leave).
+    assert sum(a.startswith(b"HTTP/1.1 408 ") and b"--receive-timeout" in a for a, _ in ended) == 21
+    assert sum(a == b"" for a, _ in ended) == 20
+    server.wait_idle()
+
+
+def test_the_deadline_starts_again_after_each_answer(server):
+    with connect(server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        time.sleep(TIMEOUT_S / 2)
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")  # the next request, left unfinished
+        start = time.monotonic()
+        answer = read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 408 ") and time.monotonic() - start < TIMEOUT_S + 3

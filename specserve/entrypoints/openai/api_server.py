@@ -16,6 +16,7 @@ from specserve.entrypoints.openai.body_limit import BodyLimitMiddleware
 from specserve.entrypoints.openai.errors import install_error_handlers
 from specserve.entrypoints.openai.metrics import ServerMetrics
 from specserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from specserve.entrypoints.openai.receive_deadline import receive_deadline_protocol
 from specserve.entrypoints.openai.serving import OpenAIServing
 from specserve.entrypoints.openai.serving_chat import create_chat_completion
 from specserve.entrypoints.openai.serving_completion import create_completion
@@ -35,6 +36,9 @@ class ServerConfig:
     shutdown_grace_s: float = 10.0  # time running requests get to finish on shutdown
     stream_interval: int = 1  # tokens per streamed chunk, at most (the first and last go out at once)
     max_request_bytes: int = 8 * 2**20  # larger bodies are refused (413) before they are read
+    # Seconds a client has to send a whole request, from connecting or from its previous answer's end;
+    # slower ones are disconnected (receive_deadline.py).
+    receive_timeout_s: float = 30.0
     api_key: str | None = field(default=None, repr=False)  # None: no key; else every route but /health needs it
     enable_docs: bool = False  # serve /docs, /redoc and /openapi.json (behind the key, if one is set)
 
@@ -45,6 +49,7 @@ class ServerConfig:
                   (self.shutdown_grace_s >= 0, "shutdown_grace_s", "must be >= 0"),
                   (self.stream_interval >= 1, "stream_interval", "must be >= 1 token"),
                   (self.max_request_bytes >= 1024, "max_request_bytes", "must be >= 1024"),
+                  (self.receive_timeout_s > 0, "receive_timeout_s", "must be > 0"),
                   (self.api_key is None or self.api_key.strip() == self.api_key != "", "api_key",
                    "must be None or a non-empty string without surrounding white space")]
         for ok, name, rule in checks:
@@ -125,15 +130,17 @@ class GracefulServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def uvicorn_config(app, **kwargs) -> uvicorn.Config:
-    """uvloop and httptools where installed (uvicorn's "auto" picks them), and no per-request access log."""
-    return uvicorn.Config(app, loop="auto", http="auto", access_log=False, **kwargs)
+def uvicorn_config(app, server: ServerConfig, **kwargs) -> uvicorn.Config:
+    """uvloop and httptools where installed (uvicorn's "auto" picks them), a deadline on receiving each request,
+    and no per-request access log."""
+    return uvicorn.Config(app, loop="auto", http=receive_deadline_protocol(server.receive_timeout_s),
+                          access_log=False, **kwargs)
 
 
 def run_server(engine_config: EngineConfig, server: ServerConfig) -> None:
     engine = build_engine(engine_config, server)
     app = build_app(engine, server)
-    uv = GracefulServer(uvicorn_config(app, host=server.host, port=server.port, log_level="info"), engine,
+    uv = GracefulServer(uvicorn_config(app, server, host=server.host, port=server.port, log_level="info"), engine,
                         server.shutdown_grace_s)
     # uvicorn drains on SIGINT / SIGTERM, then raises the signal again under the handlers it found. By then
     # the drain is done, so those handlers only let run() return: a drained server exits with status 0.

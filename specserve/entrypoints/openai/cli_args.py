@@ -39,6 +39,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "(the first token and the end always go out at once)")
     p.add_argument("--max-request-bytes", type=_positive(int), default=8 * 2**20,
                    help="request bodies larger than this are refused (413) before they are read")
+    p.add_argument("--receive-timeout", type=_positive(float), default=30.0,
+                   help="seconds a client has to send a whole request (headers and body), from connecting or "
+                        "from the end of its previous answer; slower clients are disconnected")
     p.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"),
                    help="require this key (Authorization: Bearer KEY) on every route but /health "
                         "(default: $SPECSERVE_API_KEY; none if unset)")
@@ -66,7 +69,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
         server = ServerConfig(
             host=a.host, port=a.port, served_model_name=a.served_model_name or model, max_waiting=a.max_waiting,
             request_timeout=a.request_timeout, shutdown_grace_s=a.shutdown_grace, stream_interval=a.stream_interval,
-            max_request_bytes=a.max_request_bytes, api_key=a.api_key,
+            max_request_bytes=a.max_request_bytes, receive_timeout_s=a.receive_timeout, api_key=a.api_key,
             enable_docs=a.enable_docs)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from e
