@@ -24,17 +24,11 @@ ROUTES = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat
           ("GET", "/docs"), ("GET", "/redoc"), ("GET", "/openapi.json"), ("GET", "/no/such/route")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with one_torch_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
 def server(tiny_llama):
     # Steps of a fixed length, so that a stream outlasts the receive timeout.
-    with LiveServer(str(tiny_llama[0]), api_key=KEY, receive_timeout_s=TIMEOUT_S, core_factory=FixedTimeCore,
-                    **ENGINE) as s:
+    with one_torch_thread(), LiveServer(str(tiny_llama[0]), api_key=KEY, receive_timeout_s=TIMEOUT_S,
+                                        core_factory=FixedTimeCore, **ENGINE) as s:
         yield s
 
 

@@ -22,15 +22,9 @@ PROMPT = "the cat sat on the mat, the cat sat on the mat, the cat"
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with one_torch_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    with LiveServer(str(tiny_llama[0]), **ENGINE) as s:
+    with one_torch_thread(), LiveServer(str(tiny_llama[0]), **ENGINE) as s:
         yield s
 
 
@@ -80,6 +74,8 @@ REFUSED = [
      "did you mean 'name'?"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]},
      "messages[0].content[0].cache_control", "not a field of a text part"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text",
+     "needs its text"),
     ("chat", {"store": True}, "store", "does not store completions"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
     ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role",
@@ -179,7 +175,8 @@ def test_developer_is_system_and_user_fields_are_accepted(server):
 
     def prompt_tokens(role: str, **extra) -> int:
         messages = [{"role": role, "content": "Be brief."}, {"role": "user", "content": "hi"}]
-        return c.chat.completions.create(model=server.model, messages=messages, max_tokens=2, **extra).usage.prompt_tokens
+        reply = c.chat.completions.create(model=server.model, messages=messages, max_tokens=2, **extra)
+        return reply.usage.prompt_tokens
 
     assert prompt_tokens("developer") == prompt_tokens("system")
     prompt_tokens("user", user="user-1234", safety_identifier="abc", metadata={"team": "a"}, store=False)

@@ -168,9 +168,11 @@ class ChatMessage(_Request):
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         for j, p in enumerate(self.content):
-            if p.type != "text" or p.text is None:
+            if p.type != "text":
                 raise InvalidRequestError(f"messages[{index}].content[{j}]",
                                           f"only text parts are supported, got a part of type {p.type!r}")
+            if p.text is None:
+                raise InvalidRequestError(f"messages[{index}].content[{j}].text", "a text part needs its text")
             if p.model_extra:
                 raise InvalidRequestError(f"messages[{index}].content[{j}].{next(iter(p.model_extra))}",
                                           "is not a field of a text part; a text part has only type and text")
