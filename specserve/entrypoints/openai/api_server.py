@@ -74,9 +74,9 @@ def build_app(engine: AsyncLLM, server: ServerConfig):
         yield
         await engine.shutdown(server.shutdown_grace_s)
 
-    # The API's description is for developers, and tells a prober every route: off unless asked for.
-    docs = dict(docs_url="/docs", redoc_url="/redoc", openapi_url="/openapi.json") if server.enable_docs else \
-        dict(docs_url=None, redoc_url=None, openapi_url=None)
+    # The API's description is for developers, and tells a prober every route: off unless asked for (FastAPI's
+    # defaults serve it at /docs, /redoc and /openapi.json).
+    docs = {} if server.enable_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="specserve", lifespan=lifespan, **docs)
     install_error_handlers(app)
 
