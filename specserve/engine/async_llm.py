@@ -92,6 +92,9 @@ class AsyncLLM:
         self._ipc_dir = tempfile.mkdtemp(prefix="specserve-")
         addresses = CoreAddresses(f"ipc://{self._ipc_dir}/requests", f"ipc://{self._ipc_dir}/outputs")
         self._ctx = zmq.asyncio.Context()
+        # Unsent messages are dropped when a socket closes: an engine never shut down (its caller failed)
+        # is then collected without the context's term() waiting forever on a core that is gone.
+        self._ctx.setsockopt(zmq.LINGER, 0)
         self._requests = self._ctx.socket(zmq.PUSH)
         self._requests.setsockopt(zmq.SNDHWM, 0)
         self._requests.bind(addresses.requests)
