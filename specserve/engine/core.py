@@ -161,11 +161,15 @@ class EngineCore:
         sched = self.scheduler.schedule()
         launched = None if sched.is_empty else self.runner.launch(sched)
         self._drain = sched.stalled
-        if self.config.async_scheduling:
+        if self.config.async_scheduling and not self.scheduler.num_grammar_requests:
             done, self._inflight = self._inflight, launched
-        else:
-            done = launched
-        return [] if done is None else self._complete(done)
+            return [] if done is None else self._complete(done)
+        # Synchronous, and so while any request has a grammar: its mask for a step is built from every token
+        # before it, on the host, so no step may be launched before the previous one's tokens are read
+        # (docs/design.md, 'Structured output'). A step still in flight from before completes first.
+        outputs = [] if self._inflight is None else self._complete(self._inflight)
+        self._inflight = None
+        return outputs + ([] if launched is None else self._complete(launched))
 
     def _complete(self, handle: StepHandle) -> list[CoreOutput]:
         result = self.runner.resolve(handle)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from specserve.spec_decode.config import MAX_DRAFT_TOKENS
 from specserve.structured_output.request_grammar import RequestGrammar
 from specserve.structured_output.spec import StructuredOutput
 
@@ -41,6 +40,6 @@ class StructuredOutputManager:
         return found
 
     def grammar_for(self, spec: StructuredOutput) -> RequestGrammar:
-        """A fresh grammar state for one request. It can roll back as many tokens as a step verifies."""
-        matcher = self._xgr.GrammarMatcher(self.compiled(spec), max_rollback_tokens=MAX_DRAFT_TOKENS + 1)
+        """A fresh grammar state for one request (it can roll back any number of tokens)."""
+        matcher = self._xgr.GrammarMatcher(self.compiled(spec))
         return RequestGrammar(matcher, self.vocab_size)
