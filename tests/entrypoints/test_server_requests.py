@@ -49,7 +49,14 @@ def assert_refused(r: httpx.Response, param: str, words: str) -> None:
 NOT_SUPPORTED = "is not supported by this server yet; remove it"
 REFUSED = [
     # (endpoint, fields, param, words in the message)
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format", NOT_SUPPORTED),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     "response_format.json_schema.schema", "is not a valid JSON schema"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema", "needs json_schema.schema"),
+    ("completions", {"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex",
+     "is not a valid regular expression"),
+    ("completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ("chat", {"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar", "not a valid EBNF"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", NOT_SUPPORTED),
     ("chat", {"tool_choice": "auto"}, "tool_choice", NOT_SUPPORTED),
     ("chat", {"parallel_tool_calls": False}, "parallel_tool_calls", NOT_SUPPORTED),
@@ -93,8 +100,9 @@ def test_the_openai_client_sees_the_refusal(server):
     c = client(server)
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
-                                  response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}})
-    assert e.value.status_code == 400 and e.value.body["param"] == "response_format"
+                                  response_format={"type": "json_schema",
+                                                   "json_schema": {"name": "x", "schema": {"type": "foo"}}})
+    assert e.value.status_code == 400 and e.value.body["param"] == "response_format.json_schema.schema"
     with pytest.raises(openai.BadRequestError, match="tools"):
         c.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
                                   tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])

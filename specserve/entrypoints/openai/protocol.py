@@ -13,8 +13,10 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
+from specserve.entrypoints.openai.structured_fields import ResponseFormat, StructuredOutputs
 from specserve.errors import InvalidRequestError
 from specserve.sampling_params import RequestOutputKind, SamplingParams
+from specserve.structured_output import StructuredOutput
 
 # Bounds that keep integers inside the int64 tensors and generators they end up in.
 TopK = Annotated[int, Field(ge=-1, lt=2**31)]
@@ -23,7 +25,7 @@ Seed = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 # Fields OpenAI defines that this server does not implement yet. A request that sets one is refused with a
 # message that says so (errors.py), never answered as if the field had been honoured.
 NOT_SUPPORTED = frozenset({
-    "response_format", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
     "logit_bias", "best_of", "suffix", "echo", "audio", "modalities", "prediction", "web_search_options",
     "reasoning_effort", "verbosity", "service_tier", "prompt_cache_key",
     "tool_calls", "tool_call_id", "refusal",  # in messages
@@ -88,6 +90,8 @@ class _SamplingRequest(_Request):
     safety_identifier: Text | None = None
     metadata: dict[Text, Text] | None = None
     store: bool | None = None
+    # vLLM's grammar-constrained decoding: json, json_object, regex, choice or grammar.
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("store")
     @classmethod
@@ -105,6 +109,9 @@ class _SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def _structured_output(self) -> StructuredOutput | None:
+        return None if self.structured_outputs is None else self.structured_outputs.structured_output()
+
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.n not in (None, 1):
             raise InvalidRequestError("n", f"only n=1 is supported, got {self.n}; send separate requests instead")
@@ -113,7 +120,8 @@ class _SamplingRequest(_Request):
         given = dict(temperature=self.temperature, top_p=self.top_p, stop=self.stop, seed=self.seed,
                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                      top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-                     min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)
+                     min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                     structured_output=self._structured_output())
         # A stream sends what is new at each step; a whole answer needs only the end.
         kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, output_kind=kind,
@@ -184,6 +192,14 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+
+    def _structured_output(self) -> StructuredOutput | None:
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise InvalidRequestError("response_format", "cannot be combined with structured_outputs; give one")
+        if self.response_format is not None:
+            return self.response_format.structured_output()
+        return super()._structured_output()
 
     def param_name(self, engine_field: str) -> str:
         if engine_field == "max_tokens" and self.max_completion_tokens is not None:
