@@ -12,19 +12,23 @@ from dataclasses import dataclass
 import torch
 
 from specserve.engine.scheduler import SchedulerOutput
+from specserve.transfer import to_device
 
 
 @dataclass
 class StepMasks:
     sample: torch.Tensor | None  # [len(sample_rows), words]: the rows that sample without drafts
-    verify: torch.Tensor | None  # [len(verify_rows) * (k + 1), words]: each verifying request's k + 1 rows
+    # [len(verify_rows) * (k + 1), words]: each verifying request's k + 1 rows, row j the position after its
+    # tree index j (a chain: after its j-th draft), masked from the grammar's state along that node's path
+    verify: torch.Tensor | None
 
     @classmethod
     def build(cls, sched: SchedulerOutput, sample_rows: list[int], verify_rows: list[int], vocab_size: int,
-              device: torch.device) -> StepMasks:
-        """The masks of a step in which at least one sampling request has a grammar."""
+              device: torch.device, tree_parents: tuple[int, ...] | None = None) -> StepMasks:
+        """The masks of a step in which at least one sampling request has a grammar. tree_parents: each tree
+        index's parent when the drafts are trees (DraftTree.parents), None for chains."""
         return cls(_masks(sched, sample_rows, 1, vocab_size, device),
-                   _masks(sched, verify_rows, None, vocab_size, device))
+                   _masks(sched, verify_rows, None, vocab_size, device, tree_parents))
 
     @staticmethod
     def apply(logits: torch.Tensor, mask: torch.Tensor | None) -> None:
@@ -36,7 +40,7 @@ class StepMasks:
 
 
 def _masks(sched: SchedulerOutput, rows: list[int], width: int | None, vocab_size: int,
-           device: torch.device) -> torch.Tensor | None:
+           device: torch.device, tree_parents: tuple[int, ...] | None = None) -> torch.Tensor | None:
     """width: logits rows per request, or None for verification (1 + the step's most drafts)."""
     import xgrammar as xgr
 
@@ -48,7 +52,5 @@ def _masks(sched: SchedulerOutput, rows: list[int], width: int | None, vocab_siz
     bitmask = xgr.allocate_token_bitmask(len(requests) * width, vocab_size)  # every token allowed
     for i, s in enumerate(requests):
         if s.request.grammar is not None:
-            s.request.grammar.fill_masks(bitmask, i * width, s.spec_token_ids if width > 1 else [])
-    if device.type == "cuda":
-        return bitmask.pin_memory().to(device, non_blocking=True)
-    return bitmask
+            s.request.grammar.fill_masks(bitmask, i * width, s.spec_token_ids if width > 1 else [], tree_parents)
+    return to_device(bitmask, device, torch.int32)

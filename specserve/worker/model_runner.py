@@ -286,12 +286,13 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         hidden = padded_hidden[:offset]
         if not sampling:
             return handle
-        masks = (StepMasks.build(sched, plan.sample_rows, plan.verify_rows, self.arch.vocab_size, self.device)
+        masks = (StepMasks.build(sched, plan.sample_rows, plan.verify_rows, self.arch.vocab_size, self.device,
+                                 self.tree.parents if self.tree is not None else None)
                  if path.masked else None)
         if path.sampling is not Sampling.NONE:
             self._sample(hidden, sched, plan.sample_rows, handle, desc, path.sampling, masks)
         if path.verification in (Verification.TREE_ARGMAX, Verification.TREE_LOGITS):
-            self._verify_tree(hidden, sched, plan.verify_rows, handle, path.verification)
+            self._verify_tree(hidden, sched, plan.verify_rows, handle, path.verification, masks)
         elif path.verification is not Verification.NONE:
             self._verify(hidden, sched, plan.verify_rows, handle, desc, path.verification, masks)
         if path.drafts_on_device:
