@@ -93,7 +93,7 @@ def _check_request(runner, req, drafts, parents, ranks, vocab, check: DraftCheck
     m = req.grammar.matcher
     q = None
     if runner.tree is None and not req.params.greedy:
-        q = runner.speculator.draft_probs[runner.rows[req.request_id], :len(drafts)]
+        q = runner.speculator.draft_probs[runner.rows[req.request_id], :len(drafts)].cpu()
     for j in range(1, len(drafts) + 1):
         path, node = [], parents[j]
         while node > 0:
@@ -180,3 +180,20 @@ def test_masked_drafts_raise_acceptance_and_keep_the_output(models, spec, monkey
     assert [o.outputs[0].token_ids for o in with_masks] == [o.outputs[0].token_ids for o in without]
     rate, baseline = masked.engine.spec_stats.acceptance_rate, unmasked.engine.spec_stats.acceptance_rate
     assert baseline < 0.05 and rate > 0.2 and rate >= baseline, (rate, baseline)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["eagle3", "eagle3_tree"])
+def test_cuda_masked_drafts_stay_exact_and_grammatical(models, spec, cuda_float32):
+    """On a GPU in float32 (Triton attention, graphs recorded for the steps without a grammar): the CPU's greedy
+    constrained output without speculation, and grammatical drafts (host copies and events on the device)."""
+    params = [schema_params(s) for s in SCHEMAS]
+    prompts = PROMPTS[:1] * len(SCHEMAS)
+    cpu = LLM(str(models["path"]), max_model_len=256, device="cpu")
+    ref = [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(models["path"]), max_model_len=256, device="cuda", dtype="float32",
+              kv_cache_memory_bytes=256 << 20, speculative_config=models[spec])
+    outs, check = generate_checking_drafts(llm, prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert check.checked > 50 and check.unexplained == []
+    assert llm.engine.spec_stats.acceptance_rate > 0.2
