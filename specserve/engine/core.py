@@ -115,9 +115,6 @@ class EngineCore:
         spec = params.structured_output
         if spec is None:
             return None
-        if self.scheduler.tree is not None:
-            raise InvalidRequestError("structured_output", "is not supported with a tree of drafts "
-                                      "(speculative_token_tree); serve with a chain of drafts or none")
         if self._structured is None:
             self._structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         return self._structured.grammar_for(spec)

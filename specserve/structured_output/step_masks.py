@@ -17,20 +17,25 @@ from dataclasses import dataclass
 import torch
 
 from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from specserve.transfer import to_device
 
 
 @dataclass
 class StepMasks:
     sample: torch.Tensor | None  # [len(sample_rows), words]: the rows that sample without drafts
-    verify: torch.Tensor | None  # [len(verify_rows) * (k + 1), words]: each verifying request's k + 1 rows
+    # [len(verify_rows) * (k + 1), words]: each verifying request's k + 1 rows, row j the position after its
+    # tree index j (a chain: after its j-th draft), masked from the grammar's state along that node's path
+    verify: torch.Tensor | None
 
     @classmethod
     def build(cls, sched: SchedulerOutput, sample_rows: list[int], verify_rows: list[int], vocab_size: int,
-              device: torch.device, drafts_of: Callable[[ScheduledRequest], list[int]]) -> StepMasks:
+              device: torch.device, drafts_of: Callable[[ScheduledRequest], list[int]],
+              tree_parents: tuple[int, ...] | None = None) -> StepMasks:
         """The masks of a step in which at least one sampling request has a grammar. drafts_of: the drafts a
-        scheduled request verifies."""
+        scheduled request verifies; tree_parents: each tree index's parent when the drafts are trees
+        (DraftTree.parents), None for chains."""
         return cls(_masks(sched, sample_rows, False, vocab_size, device, drafts_of),
-                   _masks(sched, verify_rows, True, vocab_size, device, drafts_of))
+                   _masks(sched, verify_rows, True, vocab_size, device, drafts_of, tree_parents))
 
     @staticmethod
     def apply(logits: torch.Tensor, mask: torch.Tensor | None) -> None:
@@ -42,7 +47,8 @@ class StepMasks:
 
 
 def _masks(sched: SchedulerOutput, rows: list[int], verify: bool, vocab_size: int, device: torch.device,
-           drafts_of: Callable[[ScheduledRequest], list[int]]) -> torch.Tensor | None:
+           drafts_of: Callable[[ScheduledRequest], list[int]],
+           tree_parents: tuple[int, ...] | None = None) -> torch.Tensor | None:
     """verify: each request has 1 + the step's most drafts rows, else one."""
     import xgrammar as xgr
 
@@ -55,9 +61,13 @@ def _masks(sched: SchedulerOutput, rows: list[int], verify: bool, vocab_size: in
     live = [i for i, s in enumerate(requests) if s.request.grammar is not None and not s.request.is_finished]
     _fill_along_drafts(bitmask, [i * width for i in live], [requests[i].request.grammar.matcher for i in live],
                        [drafts[i] for i in live])
-    if device.type == "cuda":
-        return bitmask.pin_memory().to(device, non_blocking=True)
-    return bitmask
+    if tree_parents is None:
+        _fill_along_drafts(bitmask, [i * width for i in live], [requests[i].request.grammar.matcher for i in live],
+                           [drafts[i] for i in live])
+    else:  # each node from its own path's state: a walk of each request's tree
+        for i in live:
+            requests[i].request.grammar.fill_masks(bitmask, i * width, drafts[i], tree_parents)
+    return to_device(bitmask, device, torch.int32)
 
 
 _batch = None

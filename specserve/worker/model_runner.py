@@ -296,11 +296,11 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
             if complete_previous is not None:
                 complete_previous()
             masks = StepMasks.build(sched, plan.sample_rows, plan.verify_rows, self.arch.vocab_size, self.device,
-                                    self._verified_drafts)
+                                    self._verified_drafts, self.tree.parents if self.tree is not None else None)
         if path.sampling is not Sampling.NONE:
             self._sample(hidden, sched, plan.sample_rows, handle, desc, path.sampling, masks)
         if path.verification in (Verification.TREE_ARGMAX, Verification.TREE_LOGITS):
-            self._verify_tree(hidden, sched, plan.verify_rows, handle, path.verification)
+            self._verify_tree(hidden, sched, plan.verify_rows, handle, path.verification, masks)
         elif path.verification is not Verification.NONE:
             self._verify(hidden, sched, plan.verify_rows, handle, desc, path.verification, masks)
         if path.drafts_on_device:
