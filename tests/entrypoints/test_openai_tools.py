@@ -76,25 +76,31 @@ def assert_valid_calls(calls) -> None:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
-def answer_with_result(served, tiny_llama, calls, stream: bool) -> None:
-    """The client returns each call's result; the model (tool_choice "none") answers with text."""
+def answer_with_result(served, tiny_llama, calls, stream: bool, reply=None) -> None:
+    """The client returns each call's result; the model (tool_choice "none") answers with text. reply: the
+    message that made the calls, as the client sends it back (else written out as a dict)."""
     server, client, template = served
-    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+    made = [{"role": "assistant", "content": None, "tool_calls": [
         {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
-        for c in calls]}] + [{"role": "tool", "tool_call_id": c.id, "content": "Sunny, 21 C"} for c in calls]
+        for c in calls]}]
+    results = [{"role": "tool", "tool_call_id": c.id, "content": "Sunny, 21 C"} for c in calls]
+    messages = ASK + made + results
     if "llama" in template and len(calls) > 1:
         return  # Llama 3.1's template takes one call per message
-    request = dict(model=server.model, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=8,
-                   temperature=0)
+    request = dict(model=server.model, messages=ASK + ([reply] if reply is not None else made) + results, tools=TOOLS,
+                   tool_choice="none", max_tokens=8, temperature=0)
     if stream:
         chunks = list(client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}))
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
         assert not any(ch.choices[0].delta.tool_calls for ch in chunks if ch.choices)
         usage = chunks[-1].usage
     else:
-        reply = client.chat.completions.create(**request)
-        text, usage = reply.choices[0].message.content, reply.usage
-        assert reply.choices[0].message.tool_calls in (None, []) and reply.choices[0].finish_reason in ("stop", "length")
+        answer = client.chat.completions.create(**request)
+        text, usage = answer.choices[0].message.content, answer.usage
+        assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason in ("stop", "length")
+        # As clients send a reply back: no calls is no calls, whatever the template.
+        again = client.chat.completions.create(**{**request, "messages": messages + [answer.choices[0].message]})
+        assert again.usage.prompt_tokens > usage.prompt_tokens
     assert isinstance(text, str)
     # The calls and their results reached the template as transformers passes them ("none": without the tools).
     assert usage.prompt_tokens == reference_prompt_tokens(tiny_llama, template, messages, None)
@@ -112,7 +118,7 @@ def test_round_trip(served, tiny_llama, choice):
                                    ["get_weather"])
     assert_valid_calls(message.tool_calls)
     assert reply.usage.prompt_tokens == reference_prompt_tokens(tiny_llama, template, ASK, TOOLS)
-    answer_with_result(served, tiny_llama, message.tool_calls, stream=False)
+    answer_with_result(served, tiny_llama, message.tool_calls, stream=False, reply=message)
 
 
 @pytest.mark.parametrize("choice", ["named", "required"])
@@ -155,7 +161,7 @@ def test_auto_reads_what_the_model_wrote(served, tiny_llama):
     server, client, template = served
     reply = client.chat.completions.create(model=server.model, messages=ASK, tools=TOOLS, max_tokens=8,
                                            temperature=0, extra_body={"ignore_eos": True})
-    assert reply.choices[0].message.tool_calls in (None, []) and reply.choices[0].finish_reason == "length"
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason == "length"
     assert reply.choices[0].message.content
     assert reply.usage.prompt_tokens == reference_prompt_tokens(tiny_llama, template, ASK, TOOLS)
 

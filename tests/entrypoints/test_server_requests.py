@@ -74,7 +74,8 @@ REFUSED = [
     ("completions", {"best_of": 2}, "best_of", NOT_SUPPORTED),
     ("completions", {"suffix": "end"}, "suffix", NOT_SUPPORTED),
     ("completions", {"echo": True}, "echo", NOT_SUPPORTED),
-    ("chat", {"messages": [{"role": "assistant", "content": None, "tool_calls": []}]}, "messages[0].tool_calls",
+    ("chat", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls",
      "the chat template does not show an assistant's tool calls to the model; start the server with --chat-template"),
     ("chat", {"stream": True, "stream_options": {"include_obfuscation": False}}, "stream_options.include_obfuscation",
      NOT_SUPPORTED),

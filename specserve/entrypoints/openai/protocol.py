@@ -171,7 +171,7 @@ class ChatMessage(_Request):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
-        if self.tool_calls is not None:
+        if self.tool_calls:  # an empty list (as some clients send a reply back) is no call
             message["tool_calls"] = [
                 {"id": c.id, "type": "function",
                  "function": {"name": c.function.name,
@@ -311,7 +311,7 @@ class ResponseToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # none when the reply is tool calls alone
-    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
