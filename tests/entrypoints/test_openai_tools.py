@@ -29,7 +29,8 @@ WEATHER = {"type": "object", "properties": {
     "city": {"enum": ["Paris", "Oslo", "Lima"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
     "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "days", "unit"]}
 TIME = {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}}, "required": ["zone"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The forecast.", "parameters": WEATHER}},
+TOOLS = [{"type": "function",
+          "function": {"name": "get_weather", "description": "The forecast.", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "description": "The time.", "parameters": TIME}}]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -229,3 +230,21 @@ def test_special_token_text_in_tools_and_calls_is_text(tokenizer_dir):
     rendered = tok.apply_chat_template([m.for_template(i) for i, m in enumerate(messages)], tools=tools,
                                        chat_template=template, add_generation_prompt=True, tokenize=False)
     assert tok.decode(ids) == rendered
+
+
+def test_tool_settings_are_checked_at_startup(tmp_path):
+    from specserve.entrypoints.cli import build_parser
+    from specserve.entrypoints.openai.api_server import ServerConfig
+
+    with pytest.raises(ValueError, match="enable_auto_tool_choice needs a tool_call_parser"):
+        ToolCallingConfig(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="tool_call_parser must be one of"):
+        ToolCallingConfig("mistral")
+    with pytest.raises(ValueError, match="chat_template is not a valid Jinja template"):
+        ServerConfig(chat_template="{% if tools %}")
+    ServerConfig(chat_template=(TEMPLATES / "llama3_1_json_tools.jinja").read_text())
+    args = build_parser().parse_args(["serve", "m", "--tool-call-parser", "llama3_json", "--enable-auto-tool-choice",
+                                      "--chat-template", str(tmp_path / "missing.jinja")])
+    assert (args.tool_call_parser, args.enable_auto_tool_choice) == ("llama3_json", True)
+    with pytest.raises(SystemExit, match="cannot read --chat-template"):
+        args.func(args)

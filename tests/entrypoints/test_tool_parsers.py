@@ -38,7 +38,8 @@ CASES = [
     ("llama3_json", '{"name": "get_current_conditions", "parameters": {"location": "San Francisco, CA", "unit": '
      '"Fahrenheit"}}', "", [("get_current_conditions", {"location": "San Francisco, CA", "unit": "Fahrenheit"})]),
     ("llama3_json", '<|python_tag|>{"name": "search", "parameters": {"query": "vLLM"}}; {"name": "add", '
-     '"arguments": {"a": 1, "b": [2.5, null]}}', "", [("search", {"query": "vLLM"}), ("add", {"a": 1, "b": [2.5, None]})]),
+     '"arguments": {"a": 1, "b": [2.5, null]}}', "",
+     [("search", {"query": "vLLM"}), ("add", {"a": 1, "b": [2.5, None]})]),
     ("llama3_json", ' {"name": "f", "parameters": {}}\nDone.', "Done.", [("f", {})]),
     # An answer that is JSON, or text before JSON, is content.
     ("llama3_json", '{"city": "Paris", "temp": 21}', '{"city": "Paris", "temp": 21}', []),

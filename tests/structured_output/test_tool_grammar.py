@@ -66,8 +66,9 @@ def test_required_calls_any_tools_each_valid(path, parser):
     toolsets = [TOOLS[i:i + 4] for i in range(0, len(TOOLS), 4)]
     for single in (False, True):
         requests = [(tools, seed) for tools in toolsets for seed in range(3)]
-        outs = llm.generate([PROMPTS[0]] * len(requests), [params(forced_calls(syntax, tools, single), temperature=1.0, seed=seed)
-                                         for tools, seed in requests], use_tqdm=False)
+        outs = llm.generate([PROMPTS[0]] * len(requests),
+                            [params(forced_calls(syntax, tools, single), temperature=1.0, seed=seed)
+                             for tools, seed in requests], use_tqdm=False)
         counts = []
         for (tools, _), out in zip(requests, outs):
             o = out.outputs[0]

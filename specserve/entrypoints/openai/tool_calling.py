@@ -9,7 +9,7 @@ tool_choice and parallel_tool_calls ask for, as a ToolPlan.
   structured output does, with speculation too (docs/design.md, 'Structured output').
 
 parallel_tool_calls false allows one call: the grammar of a forced choice ends after it; under "auto" only
-the first call the model wrote is returned (the text after it stays content).
+the first call the model wrote is returned, the calls after it are dropped.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A streamed reply's tool calls as OpenAI deltas: each chunk of text the model wrote goes in, and out come
 the new content and, per call, a first delta with its id, name and the arguments written so far, then the
-fragments of its arguments that follow. The parser reads the whole text so far each time (parser.py: a prefix's reading is a prefix of
-the whole text's), and this sends what is new since the last chunk.
+fragments of its arguments that follow. The parser reads the whole text so far each time (parser.py: a
+prefix's reading is a prefix of the whole text's), and this sends what is new since the last chunk.
 """
 from __future__ import annotations
 
