@@ -16,6 +16,8 @@ from dataclasses import dataclass
 # The start of a call written name first, up to where its arguments' value begins.
 _NAME_FIRST = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 ARGUMENT_KEYS = ("arguments", "parameters")
+# A whole string, a bracket, or the opening quote of a string that does not end.
+_BRACKET_OR_STRING = re.compile(r'"[^"\\]*+(?:\\.[^"\\]*+)*+"|[{}\[\]]|"')
 
 
 @dataclass
@@ -34,25 +36,19 @@ class CallObject:
 
 def value_end(text: str, start: int) -> int | None:
     """The index past the JSON object or array opening at text[start], None when the text ends first.
-    It only balances brackets outside strings; json.loads checks the span."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
+    It only balances brackets outside strings (json.loads checks the span), a string at a time: a stream
+    reads its text again at every chunk, so this runs in the regex engine, not character by character."""
+    depth = 0
+    for m in _BRACKET_OR_STRING.finditer(text, start):
+        token = m.group()
+        if token == '"':
+            return None  # a string the text ends inside
+        if token in "{[":
             depth += 1
-        elif c in "}]":
+        elif token in "}]":
             depth -= 1
             if depth == 0:
-                return i + 1
+                return m.end()
     return None
 
 
