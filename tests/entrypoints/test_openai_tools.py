@@ -248,3 +248,16 @@ def test_tool_settings_are_checked_at_startup(tmp_path):
     assert (args.tool_call_parser, args.enable_auto_tool_choice) == ("llama3_json", True)
     with pytest.raises(SystemExit, match="cannot read --chat-template"):
         args.func(args)
+
+
+def test_the_engine_refusing_a_forced_calls_grammar_names_tool_choice():
+    """The engine refuses grammars under trees of drafts by its own field, structured_output; the client sent
+    tool_choice."""
+    from specserve.entrypoints.openai.errors import to_openai_error
+    from specserve.entrypoints.openai.protocol import ChatCompletionRequest
+
+    refusal = InvalidRequestError("structured_output", "is not supported with a tree of drafts")
+    for choice, param in (("required", "tool_choice"), ("auto", "structured_output")):
+        body = ChatCompletionRequest(model="m", messages=ASK, tools=TOOLS, tool_choice=choice)
+        error = to_openai_error(refusal, body.param_name)
+        assert (error.info.param, error.info.message) == (param, f"{param}: is not supported with a tree of drafts")

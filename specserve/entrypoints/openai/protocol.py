@@ -227,6 +227,8 @@ class ChatCompletionRequest(_SamplingRequest):
     def param_name(self, engine_field: str) -> str:
         if engine_field == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
+        if engine_field == "structured_output" and self.tools and self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice"  # its grammar is the request's structured output (tool_calling.py)
         return {"prompt": "messages", "logprobs": "top_logprobs"}.get(engine_field, engine_field)
 
     def to_sampling_params(self, forced_calls: StructuredOutput | None = None) -> SamplingParams:
