@@ -39,8 +39,6 @@ NOT_SUPPORTED = frozenset({
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-
-
 class _Request(BaseModel):
     """A field this server does not know is refused, by name (errors.py), rather than dropped unseen."""
 
