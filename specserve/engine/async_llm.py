@@ -103,12 +103,16 @@ class AsyncLLM:
         log_level = logging.getLogger("specserve").getEffectiveLevel()
         for replica in self.replicas:
             replica.start(self.max_waiting, log_level, self._core_factory)
-        ready = await asyncio.gather(*(r.wait_ready() for r in self.replicas), return_exceptions=True)
-        failed = [e for e in ready if isinstance(e, BaseException)]
-        if failed:
+        waits = [asyncio.ensure_future(r.wait_ready()) for r in self.replicas]
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [w.exception() for w in done if w.exception() is not None]
+        if failed:  # the others are not waited for: a model may take minutes to load
+            for w in pending:
+                w.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
             await self._close()
             raise failed[0]
-        self.max_model_len = ready[0].max_model_len
+        self.max_model_len = waits[0].result().max_model_len
         loop = asyncio.get_running_loop()
         for replica in self.replicas:
             loop.add_reader(replica.process.sentinel, self._core_exited, replica)

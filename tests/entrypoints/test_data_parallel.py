@@ -18,9 +18,10 @@ from core_factories import FixedTimeCore
 from live_server import LiveServer, one_torch_thread
 from specserve import LLM, SamplingParams
 from specserve.config import EngineConfig
+from specserve.engine.async_llm import AsyncLLM
 from specserve.engine.data_parallel import replica_gpus, visible_to_child
 from specserve.engine.messages import EngineStats
-from specserve.errors import ConfigError
+from specserve.errors import ConfigError, EngineUnavailableError
 
 ENGINE = dict(max_model_len=512, num_kv_blocks=256, max_num_seqs=64)
 PROMPTS = [f"Request {i}: the quick brown fox jumps over" for i in range(32)]
@@ -149,6 +150,16 @@ def test_a_dead_replica_fails_its_requests_and_the_server_exits(tiny_llama):
     assert not live._thread.is_alive() and live.engine.is_dead
     with pytest.raises(httpx.TransportError):
         httpx.post(live.url + "/v1/completions", json={**body, "max_tokens": 4}, timeout=5)
+
+
+def test_a_replica_that_cannot_start_fails_the_start_and_leaves_no_process(tiny_llama):
+    # Too few KV blocks for max_model_len: the configuration passes here and each core refuses it on loading.
+    engine = AsyncLLM(EngineConfig(model=str(tiny_llama[0]), max_model_len=512, num_kv_blocks=4, data_parallel_size=2))
+    with pytest.raises(EngineUnavailableError, match=r"engine core \d \(of 2\) could not start: .*num_kv_blocks"):
+        asyncio.run(engine.start())
+    for replica in engine.replicas:
+        replica.process.join(10)
+        assert replica.process.exitcode is not None
 
 
 def test_offline_llm_refuses_data_parallelism(tiny_llama):
