@@ -21,6 +21,7 @@ from specserve.config import EngineConfig
 from specserve.engine.async_llm import AsyncLLM
 from specserve.engine.data_parallel import replica_gpus, visible_to_child
 from specserve.engine.messages import EngineStats
+from specserve.entrypoints.cli import main
 from specserve.errors import ConfigError, EngineUnavailableError
 
 ENGINE = dict(max_model_len=512, num_kv_blocks=256, max_num_seqs=64)
@@ -162,9 +163,11 @@ def test_a_replica_that_cannot_start_fails_the_start_and_leaves_no_process(tiny_
         assert replica.process.exitcode is not None
 
 
-def test_offline_llm_refuses_data_parallelism(tiny_llama):
+def test_offline_llm_refuses_data_parallelism(tiny_llama, capsys):
     with pytest.raises(ConfigError, match="data_parallel_size.*--data-parallel-size 2"):
         LLM(str(tiny_llama[0]), data_parallel_size=2, **ENGINE)
+    assert main(["generate", "hi", "--model", str(tiny_llama[0]), "--data-parallel-size", "2"]) == 2
+    assert "specserve serve --data-parallel-size 2" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="data_parallel_size"):
         EngineConfig(model=str(tiny_llama[0]), data_parallel_size=0)
 
