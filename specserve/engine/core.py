@@ -121,9 +121,6 @@ class EngineCore:
         spec = params.structured_output
         if spec is None:
             return None
-        if self.scheduler.tree is not None:
-            raise InvalidRequestError("structured_output", "is not supported with a tree of drafts "
-                                      "(speculative_token_tree); serve with a chain of drafts or none")
         if self._structured is None:
             self._structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         return self._structured.grammar_for(spec)
@@ -166,17 +163,24 @@ class EngineCore:
             done, self._inflight = self._inflight, None
             return self._complete(done)
         sched = self.scheduler.schedule()
-        launched = None if sched.is_empty else self.runner.launch(sched)
         self._drain = sched.stalled
-        if self.config.async_scheduling and not self.scheduler.num_grammar_requests:
-            done, self._inflight = self._inflight, launched
-            return [] if done is None else self._complete(done)
-        # Synchronous, and so while any request has a grammar: its mask for a step is built from every token
-        # before it, on the host, so no step may be launched before the previous one's tokens are read
-        # (docs/design.md, 'Structured output'). A step still in flight from before completes first.
-        outputs = [] if self._inflight is None else self._complete(self._inflight)
-        self._inflight = None
-        return outputs + ([] if launched is None else self._complete(launched))
+        if not self.config.async_scheduling:
+            return [] if sched.is_empty else self._complete(self.runner.launch(sched))
+        # The step in flight completes while this one runs: right after this one is launched, or, for a step
+        # with grammar masks, once its forward is enqueued, since its masks start from the tokens of the step
+        # in flight (ModelRunner.launch; docs/design.md, 'Structured output').
+        done, self._inflight = self._inflight, None
+        outputs: list[CoreOutput] = []
+
+        def complete_previous() -> None:
+            nonlocal done
+            if done is not None:
+                outputs.extend(self._complete(done))
+                done = None
+
+        self._inflight = None if sched.is_empty else self.runner.launch(sched, complete_previous)
+        complete_previous()
+        return outputs
 
     def _complete(self, handle: StepHandle) -> list[CoreOutput]:
         result = self.runner.resolve(handle)
