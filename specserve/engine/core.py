@@ -16,7 +16,7 @@ from specserve.engine.messages import CoreOutput, CoreReady, CoreRequest, Engine
 from specserve.engine.request import Request, RequestStatus
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.warmup import warm_up
-from specserve.errors import InvalidRequestError
+from specserve.errors import ConfigError, InvalidRequestError
 from specserve.models.loader import ModelSource, build_model, load_tokenizer, open_model_source
 from specserve.spec_decode.factory import build_speculator
 from specserve.spec_decode.metrics import SpecDecodeStats
@@ -45,6 +45,12 @@ class EngineCore:
     def __init__(self, config: EngineConfig, tokenizer=None, source: ModelSource | None = None):
         """`tokenizer` and `source` are the front end's when it shares this process (the core reads only the
         tokenizer's EOS id), so the model's files are opened once."""
+        if config.data_parallel_size != 1:
+            n = config.data_parallel_size
+            raise ConfigError("data_parallel_size",
+                              f"is {n}, but an engine in one process is one replica: replicas run behind the API "
+                              f"server (specserve serve --data-parallel-size {n}); offline, run one LLM per GPU, "
+                              "each in a process of its own with its CUDA_VISIBLE_DEVICES")
         self.config = config
         source = source if source is not None else open_model_source(config.model, config.revision)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source, config.tokenizer)
@@ -139,10 +145,11 @@ class EngineCore:
         return len(self.scheduler.requests)
 
     def stats(self) -> EngineStats:
-        spec = self.spec_stats
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,
-                           self.kv.prefix_cache_hit_rate, spec.num_drafted, spec.num_accepted,
-                           tuple(spec.acceptance_per_position), self.num_prompt_tokens, self.num_generated_tokens)
+        spec, pool = self.spec_stats, self.kv.pool
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
+                           self.kv.num_blocks - pool.num_free, self.kv.num_blocks, pool.queries, pool.hits,
+                           spec.num_drafted, spec.num_accepted, tuple(spec.drafted_per_position),
+                           tuple(spec.accepted_per_position), self.num_prompt_tokens, self.num_generated_tokens)
 
     # ---- the step -------------------------------------------------------------------------
 
