@@ -1,5 +1,5 @@
-"""The masks of a step, built for many requests at once along their drafts, equal each matcher's own masks built
-one token at a time, and leave every matcher where it was."""
+"""A request's masks along a chain of drafts (RequestGrammar.fill_masks, a walk of the chain as a tree) equal its
+matcher's masks built one token at a time, and leave the matcher where it was."""
 from __future__ import annotations
 
 import random
@@ -10,7 +10,7 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from schemas import SCHEMAS
-from specserve.structured_output.step_masks import _fill_along_drafts
+from specserve.structured_output.request_grammar import RequestGrammar
 
 
 def allowed(bitmask: torch.Tensor, row: int, vocab: int) -> list[int]:
@@ -40,7 +40,7 @@ def walk(matcher, vocab: int, rng: random.Random, n: int) -> list[int]:
     return taken
 
 
-def test_batched_masks_equal_each_matchers_own(compiled):
+def test_chain_masks_equal_each_matchers_own(compiled):
     vocab, grammars = compiled
     rng = random.Random(0)
     matchers, drafts, references = [], [], []
@@ -59,7 +59,8 @@ def test_batched_masks_equal_each_matchers_own(compiled):
         references.append(ref)
     width = 6
     got = xgr.allocate_token_bitmask(len(matchers) * width, vocab)
-    _fill_along_drafts(got, [i * width for i in range(len(matchers))], matchers, drafts)
+    for i, (m, d) in enumerate(zip(matchers, drafts)):
+        RequestGrammar(m).fill_masks(got, i * width, d)
     want = xgr.allocate_token_bitmask(len(matchers) * width, vocab)
     for i, (ref, d) in enumerate(zip(references, drafts)):
         ref.fill_next_token_bitmask(want, i * width)
