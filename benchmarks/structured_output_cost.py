@@ -5,6 +5,10 @@ steps' grammar masks (StepMasks.build).
     python benchmarks/structured_output_cost.py --model smollm2-135m --dataset mt_bench.jsonl \
         [--spec '{"method": "eagle3", "model": "smollm2-135m-eagle3", "num_speculative_tokens": 3}'] \
         [--batch-sizes 1,64] [--max-tokens 256] [--json OUT.json]
+    python benchmarks/structured_output_cost.py --model llama3-8b --tokenizer smollm2-135m --dataset ...
+
+A shape name (specserve/bench/models.py) as --model is that shape with random weights and the vocabulary of
+--tokenizer, whose grammar masks it then applies: the cost of the masks beside a larger model's step.
 
 Both arms generate exactly --max-tokens tokens per request, so their batches stay full equally long: the
 unconstrained arm ignores EOS, and the schema (an array of at least SCHEMA_MIN_ITEMS objects) cannot be complete
@@ -16,12 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
+from specserve.bench.models import SHAPES, prepare_model
 from specserve.entrypoints.openai.bench_serve import load_prompts
 from specserve.llm import LLM
+from specserve.models.loader import load_tokenizer, open_model_source
 from specserve.sampling_params import SamplingParams
 from specserve.structured_output.spec import StructuredOutput, StructuredOutputKind
 from specserve.structured_output.step_masks import StepMasks
@@ -101,9 +110,23 @@ def run_arm(llm: LLM, inputs: list[list[int]], params: SamplingParams, repeats: 
                      emitted / spec_steps if spec_steps else None)
 
 
+def engine_source(model: str, tokenizer: str | None) -> tuple[str, dict]:
+    """The model path and the LLM's extra arguments: a shape gets random weights and the tokenizer's vocabulary."""
+    if model not in SHAPES:
+        return model, {} if tokenizer is None else {"tokenizer": tokenizer}
+    if tokenizer is None:
+        raise SystemExit(f"--model {model} is a shape without a real vocabulary; give --tokenizer (e.g. smollm2-135m)")
+    vocab = len(load_tokenizer(open_model_source(tokenizer)))
+    path = Path(prepare_model(model, Path(tempfile.mkdtemp()), torch.bfloat16).path)
+    config = json.loads((path / "config.json").read_text()) | {"vocab_size": vocab}
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path), {"tokenizer": tokenizer, "load_format": "dummy"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--tokenizer", help="the tokenizer, in place of the model's own; needed for a shape")
     ap.add_argument("--dataset", required=True)
     ap.add_argument("--spec", help="speculative_config JSON measured besides no speculation")
     ap.add_argument("--batch-sizes", default="1,64")
@@ -118,9 +141,10 @@ def main() -> None:
     constrained = SamplingParams(temperature=0.0, max_tokens=a.max_tokens,
                                  structured_output=StructuredOutput(StructuredOutputKind.JSON_SCHEMA, SCHEMA))
     free = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
+    model, extra = engine_source(a.model, a.tokenizer)
     rows = []
     for spec in [None] + ([json.loads(a.spec)] if a.spec else []):
-        llm = LLM(a.model, max_num_seqs=max(sizes), speculative_config=spec)
+        llm = LLM(model, max_num_seqs=max(sizes), speculative_config=spec, **extra)
         counter = StepCounter(llm.engine.core.runner)
         inputs = [llm.apply_chat_template([{"role": "user", "content": p + INSTRUCTION}]) for p in prompts]
         warm = SamplingParams(temperature=0.0, max_tokens=16, structured_output=constrained.structured_output)
