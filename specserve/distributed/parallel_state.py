@@ -1,0 +1,48 @@
+"""This process's place in the tensor-parallel group: its rank and the group's size.
+
+The group is torch.distributed's default group: every process of the engine is one rank of it (one
+engine, one node). Without init_tp_group the process is rank 0 of a group of one, and nothing
+communicates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int
+    size: int
+
+
+_group = TPGroup(0, 1)
+
+# A collective (the start-up rendezvous included) that waits longer raises: a rank that died or hangs fails
+# the others instead of hanging them. Long enough for the slowest rank to import torch and start.
+COLLECTIVE_TIMEOUT_S = 120.0
+
+
+def init_tp_group(rank: int, size: int, port: int, device: str) -> None:
+    """Join the group of `size` ranks that meets at 127.0.0.1:port: NCCL between GPUs, gloo on the CPU."""
+    global _group
+    if dist.is_initialized():
+        raise RuntimeError("this process is already a rank of a tensor-parallel engine; close that engine "
+                           "(EngineCore.close) before starting another")
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    _group = TPGroup(rank, size)
+
+
+def destroy_tp_group() -> None:
+    global _group
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _group = TPGroup(0, 1)
+
+
+def tp_group() -> TPGroup:
+    return _group
