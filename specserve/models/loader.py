@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specserve.distributed.parallel_state import TPGroup
 from specserve.errors import ModelLoadError
 from specserve.models.arch_config import ArchConfig
 from specserve.models.gguf_file import gguf_hf_config, gguf_weights, open_gguf
@@ -182,12 +183,14 @@ def init_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> 
 
 
 def build_model(source: ModelSource, dtype: torch.dtype, device: str, backend, aux_hidden_layers=(),
-                load_format: str = "auto", seed: int = 0):
+                load_format: str = "auto", seed: int = 0, tp: TPGroup = TPGroup(0, 1)):
+    """(model, the whole model's architecture); with tp of several ranks the model is rank tp.rank's shard
+    (models/parallel_layers.py), whose own architecture is model.cfg."""
     from specserve.models.llama import LlamaForCausalLM
 
     arch = ArchConfig.from_hf_config(source.hf_config)
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, backend, aux_hidden_layers)
+        model = LlamaForCausalLM(arch, backend, aux_hidden_layers, tp)
     if load_format == "dummy":
         # Cast while still on meta and allocate straight on the device: an 8B model never exists in
         # float32 or on the host.
