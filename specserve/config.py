@@ -94,6 +94,9 @@ class EngineConfig:
     # Run every kernel shape a request can hit once at start-up (engine/warmup.py), so that no request waits
     # for a kernel to compile. None: on CUDA, where kernels compile; off on the CPU.
     warmup: bool | None = None
+    # Ranks the model is sharded over (docs/design.md, 'Tensor parallelism'), one process each: this one and
+    # tensor_parallel_size - 1 it starts. On CUDA rank r runs on cuda:r.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         from specserve.spec_decode.config import SpeculativeConfig
@@ -137,11 +140,39 @@ class EngineConfig:
                "and num_kv_blocks both size the KV cache; give one of them")
         _check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                f"must be >= 1, got {self.max_num_batched_tokens}")
+        tp = self.tensor_parallel_size
+        _check(type(tp) is int and tp >= 1, "tensor_parallel_size", f"must be an integer >= 1, got {tp!r}")
+        if tp > 1:
+            self._check_tensor_parallel()
         self._check_cudagraph_fields()
         self._check_async_scheduling()
         if self.warmup is None:
             self.warmup = self.device.startswith("cuda")
         _check(isinstance(self.warmup, bool), "warmup", f"must be True, False or None, got {self.warmup!r}")
+
+    def _check_tensor_parallel(self) -> None:
+        """What runs sharded so far: the target eagerly, scheduled synchronously. None fields choose that."""
+        tp = self.tensor_parallel_size
+        _check(self.speculative_config is None, "speculative_config",
+               f"speculative decoding is not supported yet with tensor_parallel_size > 1 (got {tp}); "
+               "leave speculative_config out or use tensor_parallel_size=1")
+        if self.cudagraph_mode is None:
+            self.cudagraph_mode = "NONE"
+        _check(str(self.cudagraph_mode).upper() == "NONE", "cudagraph_mode",
+               f"CUDA graphs are not supported yet with tensor_parallel_size > 1 (got {tp}); "
+               "pass cudagraph_mode='NONE' (eager)")
+        if self.async_scheduling is None:
+            self.async_scheduling = False
+        _check(not self.async_scheduling, "async_scheduling",
+               f"asynchronous scheduling is not supported yet with tensor_parallel_size > 1 (got {tp}); "
+               "pass async_scheduling=False")
+        if self.device.startswith("cuda"):
+            _check(torch.cuda.device_count() >= tp, "tensor_parallel_size",
+                   f"{tp} ranks need {tp} GPUs, torch sees {torch.cuda.device_count()}; lower tensor_parallel_size")
+            # Sizing by utilization profiles a step on this rank alone, which the others cannot follow.
+            _check(self.num_kv_blocks is not None or self.kv_cache_memory_bytes is not None, "kv_cache_memory_bytes",
+                   f"with tensor_parallel_size > 1 the KV cache must be sized explicitly; pass "
+                   "kv_cache_memory_bytes (--kv-cache-memory) or num_kv_blocks")
 
     def _check_async_scheduling(self) -> None:
         spec = self.speculative_config
