@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from specserve.config import EngineConfig
+from specserve.distributed.messages import WorkerStep
 from specserve.engine.scheduler import SchedulerOutput
 from specserve.models.arch_config import ArchConfig
 from specserve.outputs import Logprob
@@ -36,6 +37,7 @@ from specserve.worker.input_buffers import InputBuffers
 from specserve.worker.kv_layout import KVCacheLayout, KVCaches
 from specserve.worker.kv_sizing import CudaMemory, KVCachePlan, plan_kv_cache, use_expandable_segments
 from specserve.worker.sample_and_verify import SampleAndVerify
+from specserve.worker.staged_inputs import StagedExtra
 from specserve.worker.step_handle import StepHandle
 from specserve.worker.step_outputs import StepOutputs
 from specserve.worker.step_path import (Drafting, GraphsReady, Sampling, SpeculatorKind, StepPath, StepRows,
@@ -57,8 +59,11 @@ class RunnerOutput:
 
 
 class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
-    def __init__(self, model: torch.nn.Module, arch: ArchConfig, config: EngineConfig):
+    def __init__(self, model: torch.nn.Module, arch: ArchConfig, config: EngineConfig, tp_workers=None):
+        """arch: the architecture the model computes (a rank's shard under tensor parallelism). tp_workers: the
+        other ranks (distributed/workers.py), sent each step before it runs; None at tensor_parallel_size 1."""
         self.model = model
+        self.tp_workers = tp_workers
         self.arch = arch
         self.config = config
         self.device = torch.device(config.device)
@@ -261,9 +266,14 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         plan = StepPlan.build(sched, sampling, draft_requests, inflight, drafts_on_device, self._row,
                               trees=self.tree is not None)
         self._tree_step = None
-        metadata = self.buffers.prepare(np.array(ids, dtype=np.int64), np.array(qlens, dtype=np.int64),
-                                        np.array(slens, dtype=np.int64), self.host_block_table.gather(rows),
-                                        self.block_size, plan.extras, *self._tree_layout(sched, offset))
+        ids, qlens_np, slens = (np.array(ids, dtype=np.int64), np.array(qlens, dtype=np.int64),
+                                np.array(slens, dtype=np.int64))
+        table = self.host_block_table.gather(rows)
+        if self.tp_workers is not None:
+            self.tp_workers.send_step(WorkerStep(ids, qlens_np, slens, table,
+                                                 plan.extras.get(StagedExtra.SAMPLE_INDEX)))
+        metadata = self.buffers.prepare(ids, qlens_np, slens, table, self.block_size, plan.extras,
+                                        *self._tree_layout(sched, offset))
         b = self.buffers
         desc = self.dispatch(offset, qlens)
         path = self._choose_path(desc, sched)
