@@ -100,7 +100,9 @@ class AsyncLLM:
         self._outputs.bind(addresses.outputs)
         spawn = multiprocessing.get_context("spawn")
         self._process = spawn.Process(
-            target=run_engine_core, name="specserve-engine-core", daemon=True,
+            # A daemonic process may not start processes: at tensor_parallel_size > 1 the core starts the
+            # other ranks, and _close stops it.
+            target=run_engine_core, name="specserve-engine-core", daemon=self.config.tensor_parallel_size == 1,
             args=(self.config, addresses, self.max_waiting, logging.getLogger("specserve").getEffectiveLevel(),
                   self._core_factory))
         self._process.start()
