@@ -28,13 +28,18 @@ COLLECTIVE_TIMEOUT_S = 120.0
 def init_tp_group(rank: int, size: int, port: int, device: str) -> None:
     """Join the group of `size` ranks that meets at 127.0.0.1:port: NCCL between GPUs, gloo on the CPU."""
     global _group
-    if dist.is_initialized():
-        raise RuntimeError("this process is already a rank of a tensor-parallel engine; close that engine "
-                           "(EngineCore.close) before starting another")
+    require_no_group()
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     _group = TPGroup(rank, size)
+
+
+def require_no_group() -> None:
+    """Raises if this process is a rank of a group already: torch.distributed has one default group."""
+    if dist.is_initialized():
+        raise RuntimeError("this process is already a rank of a tensor-parallel engine; close that engine "
+                           "(EngineCore.close) before starting another")
 
 
 def destroy_tp_group() -> None:

@@ -15,7 +15,6 @@ from specserve.models.loader import ModelSource, build_model
 from specserve.worker.model_runner import ModelRunner
 from specserve.worker.staged_inputs import StagedExtra
 
-logger = logging.getLogger(__name__)
 
 
 def run_worker(config: EngineConfig, source: ModelSource, rank: int, port: int, conn, log_level: int) -> None:

@@ -13,14 +13,14 @@ import weakref
 
 from specserve.config import EngineConfig
 from specserve.distributed.messages import WorkerFailed, WorkerReady, WorkerSetup, WorkerStep
-from specserve.distributed.parallel_state import COLLECTIVE_TIMEOUT_S, TPGroup, destroy_tp_group, init_tp_group
+from specserve.distributed.parallel_state import (COLLECTIVE_TIMEOUT_S, TPGroup, destroy_tp_group, init_tp_group,
+                                                  require_no_group)
 from specserve.distributed.worker_process import run_worker
 from specserve.errors import EngineUnavailableError
 from specserve.models.arch_config import ArchConfig
 from specserve.models.loader import ModelSource
 from specserve.models.parallel_layers import shard_arch
 
-logger = logging.getLogger(__name__)
 
 
 def _free_port() -> int:
@@ -47,6 +47,7 @@ class TPWorkers:
     def __init__(self, config: EngineConfig, source: ModelSource):
         # A model that cannot be sharded fails here, before any process starts.
         shard_arch(ArchConfig.from_hf_config(source.hf_config), TPGroup(0, config.tensor_parallel_size))
+        require_no_group()
         spawn = multiprocessing.get_context("spawn")
         port = _free_port()
         self.conns, self.processes = [], []
