@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass
 
 from specserve.errors import InvalidRequestError
+from specserve.structured_output.spec import StructuredOutput
 
 MAX_LOGPROBS = 20
 
@@ -46,8 +47,16 @@ class SamplingParams:
     # token at large batches; stop strings then cannot be matched.
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # The output must match this grammar (a JSON schema, a regex, ...); a dict is read as
+    # StructuredOutput(**dict). Validated when set: a spec xgrammar cannot parse is refused here.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_output, dict):
+            self.structured_output = StructuredOutput(**self.structured_output)
+        elif self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise InvalidRequestError("structured_output", "must be a StructuredOutput (or a dict of its fields), "
+                                      f"got {type(self.structured_output).__name__}")
         if not isinstance(self.output_kind, RequestOutputKind):
             kinds = {k.value: k for k in RequestOutputKind}
             if not isinstance(self.output_kind, str) or self.output_kind not in kinds:
@@ -97,6 +106,9 @@ class SamplingParams:
             bad("stop_token_ids", f"must be non-negative token ids, got {self.stop_token_ids!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.structured_output is not None and self.min_tokens:
+            bad("min_tokens", "cannot be combined with structured_output: the grammar decides where the output "
+                "may end; use min_tokens=0")
 
     @property
     def greedy(self) -> bool:

@@ -92,6 +92,9 @@ class AsyncLLM:
         self._ipc_dir = tempfile.mkdtemp(prefix="specserve-")
         addresses = CoreAddresses(f"ipc://{self._ipc_dir}/requests", f"ipc://{self._ipc_dir}/outputs")
         self._ctx = zmq.asyncio.Context()
+        # Unsent messages are dropped when a socket closes: an engine never shut down (its caller failed)
+        # is then collected without the context's term() waiting forever on a core that is gone.
+        self._ctx.setsockopt(zmq.LINGER, 0)
         self._requests = self._ctx.socket(zmq.PUSH)
         self._requests.setsockopt(zmq.SNDHWM, 0)
         self._requests.bind(addresses.requests)
@@ -141,7 +144,7 @@ class AsyncLLM:
         self._fail_all(EngineUnavailableError("the server shut down before the request finished"))
         asyncio.get_running_loop().remove_reader(self._process.sentinel)
         if self._process.is_alive():
-            await self._requests.send(self._encoder.encode(CoreShutdown()))
+            self._send(CoreShutdown())  # not sent: the core is exiting anyway
             await asyncio.to_thread(self._process.join, 10)
             if self._process.is_alive():
                 logger.warning("the engine core did not stop within 10 s; killing it")
@@ -209,7 +212,9 @@ class AsyncLLM:
         if self.request_timeout is not None:
             self._deadlines[request_id] = asyncio.get_running_loop().call_later(
                 self.request_timeout, self._expire, request_id)
-        await self._requests.send(self._encoder.encode(CoreRequest(request_id, ids, params)))
+        if not await self._send_while_alive(CoreRequest(request_id, ids, params)):
+            self._end(request_id)
+            raise EngineUnavailableError("the engine core is not connected: it exited")
         try:
             while True:
                 out = await stream.get()
@@ -221,7 +226,22 @@ class AsyncLLM:
             if self._streams.get(request_id) is stream:
                 self._end(request_id)
                 if self._unavailable is None:
-                    self._requests.send(self._encoder.encode(CoreAbort([request_id])))
+                    self._send(CoreAbort([request_id]))
+
+    def _send(self, message) -> bool:
+        """Hand a message to the core without waiting; False where no core is connected. A connected core
+        never makes a send wait (no high-water mark), and one that has exited, before this loop has seen it
+        go, has no connection: a waiting send would wait for it forever."""
+        return self._requests.send(self._encoder.encode(message), flags=zmq.NOBLOCK).exception() is None
+
+    async def _send_while_alive(self, message) -> bool:
+        """_send, retried while the core process lives: its connection may still be coming up just after
+        start-up."""
+        while not self._send(message):
+            if not self._process.is_alive():
+                return False
+            await asyncio.sleep(0.001)
+        return True
 
     def _check_available(self) -> None:
         if self._unavailable is not None:
@@ -239,7 +259,7 @@ class AsyncLLM:
         self._deadlines.pop(request_id, None)
         stream = self._end(request_id)
         if stream is not None:
-            self._requests.send(self._encoder.encode(CoreAbort([request_id])))
+            self._send(CoreAbort([request_id]))
             stream.put(RequestTimeoutError(f"the request did not finish within {self.request_timeout} s "
                                            "and was aborted"))
 
@@ -278,7 +298,7 @@ class AsyncLLM:
                 self._end(out.request_id)
             stream.put(out)
         if processed.to_abort:
-            self._requests.send(self._encoder.encode(CoreAbort(processed.to_abort)))
+            self._send(CoreAbort(processed.to_abort))
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self._streams):

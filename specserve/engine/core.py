@@ -22,6 +22,7 @@ from specserve.errors import InvalidRequestError
 from specserve.models.loader import ModelSource, build_model, load_tokenizer, open_model_source
 from specserve.spec_decode.factory import build_speculator
 from specserve.spec_decode.metrics import SpecDecodeStats
+from specserve.structured_output.manager import StructuredOutputManager
 from specserve.worker.cudagraph_mode import CUDAGraphMode
 from specserve.worker.graph_recorder import CudaGraphRecorder
 from specserve.worker.model_runner import ModelRunner
@@ -56,6 +57,9 @@ class EngineCore:
                                              load_format=config.load_format, seed=config.seed, tp=tp_group())
         config.finalize(self.arch.max_context)
         self.eos_token_ids = eos_token_ids(source, self.arch, tokenizer)
+        self.tokenizer = tokenizer
+        # Built with the first request that has a structured_output (reading the vocabulary takes a while).
+        self._structured: StructuredOutputManager | None = None
         # model.cfg: the rank's shard of the architecture, which sizes its KV cache.
         self.runner = ModelRunner(self.model, self.model.cfg, config, self.tp_workers)
         spec = config.speculative_config
@@ -115,8 +119,20 @@ class EngineCore:
                 "which must also leave room for at least one generated token; shorten the prompt"
             )
         self.scheduler.add_request(Request(request.request_id, ids, params, self.eos_token_ids, limit,
-                                           device=self.config.device))
+                                           device=self.config.device, grammar=self._grammar(params)))
         self.num_prompt_tokens += len(ids)
+
+    def _grammar(self, params):
+        """The grammar state of a request with a structured_output, None for one without."""
+        spec = params.structured_output
+        if spec is None:
+            return None
+        if self.scheduler.tree is not None:
+            raise InvalidRequestError("structured_output", "is not supported with a tree of drafts "
+                                      "(speculative_token_tree); serve with a chain of drafts or none")
+        if self._structured is None:
+            self._structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
+        return self._structured.grammar_for(spec)
 
     def abort_request(self, request_id: str) -> bool:
         req = self.scheduler.requests.get(request_id)
@@ -157,11 +173,15 @@ class EngineCore:
         sched = self.scheduler.schedule()
         launched = None if sched.is_empty else self.runner.launch(sched)
         self._drain = sched.stalled
-        if self.config.async_scheduling:
+        if self.config.async_scheduling and not self.scheduler.num_grammar_requests:
             done, self._inflight = self._inflight, launched
-        else:
-            done = launched
-        return [] if done is None else self._complete(done)
+            return [] if done is None else self._complete(done)
+        # Synchronous, and so while any request has a grammar: its mask for a step is built from every token
+        # before it, on the host, so no step may be launched before the previous one's tokens are read
+        # (docs/design.md, 'Structured output'). A step still in flight from before completes first.
+        outputs = [] if self._inflight is None else self._complete(self._inflight)
+        self._inflight = None
+        return outputs + ([] if launched is None else self._complete(launched))
 
     def _complete(self, handle: StepHandle) -> list[CoreOutput]:
         result = self.runner.resolve(handle)

@@ -8,6 +8,7 @@ import torch
 
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.metrics import SpecDecodeStats
+from specserve.structured_output.request_grammar import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -32,6 +33,7 @@ class Request:
         eos_token_ids: set[int],
         max_model_len: int,
         device: str = "cpu",
+        grammar: RequestGrammar | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -61,6 +63,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # Seeded requests draw all their randomness from their own generator, on the model's device.
         self.generator: torch.Generator | None = None
+        # The grammar state of a request with structured_output (structured_output/request_grammar.py).
+        self.grammar = grammar
         if params.seed is not None:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(params.seed)
@@ -87,15 +91,20 @@ class Request:
 
     @property
     def needs_host_tokens(self) -> bool:
-        """Whether sampling this request reads its generated tokens on the host (penalties, min_tokens), so
-        its next step cannot be scheduled before the current one's tokens are back."""
-        return self.params.uses_penalties or self.params.min_tokens > 0
+        """Whether sampling this request reads its generated tokens on the host (penalties, min_tokens, a
+        grammar's mask), so its next step cannot be scheduled before the current one's tokens are back."""
+        return self.params.uses_penalties or self.params.min_tokens > 0 or self.grammar is not None
 
     def append_token(self, token_id: int) -> bool:
         """Append one generated token; True when it ends the request."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         n = len(self.output_token_ids)
+        if self.grammar is not None and (not self.grammar.accept(token_id) or self.grammar.terminated):
+            # Terminated: the grammar is complete and accepted a stop token. A token it refuses cannot come
+            # from a masked step; were one to, the output would stop matching, so the request ends there.
+            self.status = RequestStatus.FINISHED_STOPPED
+            return True
         if n >= self.params.min_tokens:
             if token_id in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED

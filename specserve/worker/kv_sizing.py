@@ -27,10 +27,10 @@ count against the share, but the share must be free when the runner starts.
 
 The caching allocator keeps freed blocks for reuse, and with fixed-size
 segments steps of ever larger shapes leave blocks too small for the next
-one: the memory held grows past the profiled peak (by more than a GiB over a
-run of mixed prefill and verification on SmolLM2 with EAGLE-3). Expandable
-segments grow in place and take no such toll, so the runner turns them on
-(use_expandable_segments) unless the user's PYTORCH_CUDA_ALLOC_CONF chose.
+one: over a run of mixed prefill and verification the memory held grows past
+the profiled peak. Expandable segments grow in place and take no such toll,
+so the runner turns them on (use_expandable_segments) unless the user's
+PYTORCH_CUDA_ALLOC_CONF chose.
 
 A block holds block_size tokens in every model's layers (kv_layout.py), and
 the pool allocates one block more than it hands out (the spare block).

@@ -27,6 +27,7 @@ from specserve.spec_decode.draft_inputs import DraftRequest
 from specserve.spec_decode.greedy_verify import UniformVerifyInputs
 from specserve.spec_decode.speculator import Speculator
 from specserve.spec_decode.tree_verify import TreeOutcome, TreeTables
+from specserve.structured_output.step_masks import StepMasks
 from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager
 from specserve.worker.cudagraph_mode import CUDAGraphMode
 from specserve.worker.draft_proposal import DraftProposal
@@ -295,12 +296,14 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         hidden = padded_hidden[:offset]
         if not sampling:
             return handle
+        masks = (StepMasks.build(sched, plan.sample_rows, plan.verify_rows, self.arch.vocab_size, self.device)
+                 if path.masked else None)
         if path.sampling is not Sampling.NONE:
-            self._sample(hidden, sched, plan.sample_rows, handle, desc, path.sampling)
+            self._sample(hidden, sched, plan.sample_rows, handle, desc, path.sampling, masks)
         if path.verification in (Verification.TREE_ARGMAX, Verification.TREE_LOGITS):
             self._verify_tree(hidden, sched, plan.verify_rows, handle, path.verification)
         elif path.verification is not Verification.NONE:
-            self._verify(hidden, sched, plan.verify_rows, handle, desc, path.verification)
+            self._verify(hidden, sched, plan.verify_rows, handle, desc, path.verification, masks)
         if path.drafts_on_device:
             self._propose(sched, sampling, desc, (padded_hidden, padded_aux), metadata, path.drafting)
         handle.host, handle.event = self.outputs.copy_to_host(len(sched.scheduled))

@@ -16,6 +16,7 @@ from specserve.sample.sampler import SamplerOutput, SamplingBatch, filtered_prob
 from specserve.spec_decode.greedy_verify import greedy_verify
 from specserve.spec_decode.rejection_sampler import draw_randomness, rejection_sample
 from specserve.spec_decode.tree_verify import move_kv, verify_tree
+from specserve.structured_output.step_masks import StepMasks
 from specserve.worker.cudagraph import BatchDescriptor
 from specserve.worker.staged_inputs import StagedExtra
 from specserve.worker.step_handle import PendingLogprobs, StepHandle
@@ -39,9 +40,9 @@ class SampleAndVerify:
                 b.staged_extra(StagedExtra.VERIFY_ROWS))
 
     def _sample(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
-                desc: BatchDescriptor, how: Sampling) -> None:
-        """The token of each request that samples without drafts. Only the sampler applies penalties and
-        min_tokens."""
+                desc: BatchDescriptor, how: Sampling, masks: StepMasks | None) -> None:
+        """The token of each request that samples without drafts. Only the sampler applies penalties,
+        min_tokens and grammar masks."""
         if how is Sampling.GREEDY_GRAPH:
             self.greedy_graphs.run(desc, self._greedy_outputs, None)
             return
@@ -50,7 +51,10 @@ class SampleAndVerify:
             result = SamplerOutput(self.model.greedy_tokens(h))
         else:
             batch = SamplingBatch.build([sched.scheduled[i].request for i in batch_rows], self.device)
-            result = self.sampler(self.model.compute_logits(h), batch)
+            logits = self.model.compute_logits(h)
+            if masks is not None:
+                StepMasks.apply(logits, masks.sample)
+            result = self.sampler(logits, batch)
         where = self.buffers.staged_extra(StagedExtra.SAMPLE_ROWS)
         self.outputs.accepted.index_fill_(0, where, 0)
         self.outputs.tokens[:, 0].index_copy_(0, where, result.token_ids)
@@ -58,9 +62,11 @@ class SampleAndVerify:
             handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=1))
 
     def _verify(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
-                desc: BatchDescriptor, how: Verification) -> None:
+                desc: BatchDescriptor, how: Verification, masks: StepMasks | None) -> None:
         """Verify each request's chain of drafts against the target's argmax (greedy) or its logits (rejection
-        sampling) at the verified positions. The drafts are read from the step's input ids on the device,
+        sampling) at the verified positions. A request with a grammar has its logits at each position masked
+        with the grammar's state after the drafts before it (StepMasks), so a draft the grammar refuses has
+        probability 0 and is rejected, and the token taken there is one the grammar allows. The drafts are read from the step's input ids on the device,
         where the host or the previous step (asynchronous scheduling) put them."""
         forced = self.forced_acceptance_prob
         if how is Verification.GREEDY_GRAPH:
@@ -81,6 +87,8 @@ class SampleAndVerify:
         reqs = [sched.scheduled[i].request for i in batch_rows]
         batch = SamplingBatch.build(reqs, self.device)
         logits = self.model.compute_logits(verified).view(n, k + 1, -1)
+        if masks is not None:
+            StepMasks.apply(logits.view(n * (k + 1), -1), masks.verify)
         if batch.all_greedy:
             target_probs = logits
         else:

@@ -72,16 +72,20 @@ class RowsSampling:
     all_greedy: bool = True
     logprobs: bool = False  # some request asks for logprobs
     needs_host_tokens: bool = False  # some request's sampling reads the host's tokens (penalties, min_tokens)
+    # Some request's logits are masked by its grammar (structured_output/step_masks.py): only the paths that
+    # compute logits apply masks, so such rows never take the argmax of the hidden states alone.
+    grammar: bool = False
 
     @classmethod
     def of(cls, requests: Sequence[Request]) -> RowsSampling:
         return cls(all(r.params.greedy for r in requests), any(r.params.logprobs is not None for r in requests),
-                   any(r.needs_host_tokens for r in requests))
+                   any(r.needs_host_tokens for r in requests), any(r.grammar is not None for r in requests))
 
     @property
     def argmax_only(self) -> bool:
-        """Every request takes the argmax and asks for no logprobs: the tokens alone are needed."""
-        return self.all_greedy and not self.logprobs
+        """Every request takes the argmax of its unmasked logits and asks for no logprobs: the tokens alone
+        are needed."""
+        return self.all_greedy and not self.logprobs and not self.grammar
 
     @property
     def samples_argmax(self) -> bool:
@@ -92,7 +96,7 @@ class RowsSampling:
     def __or__(self, other: RowsSampling) -> RowsSampling:
         """The parameters of both groups of rows together."""
         return RowsSampling(self.all_greedy and other.all_greedy, self.logprobs or other.logprobs,
-                            self.needs_host_tokens or other.needs_host_tokens)
+                            self.needs_host_tokens or other.needs_host_tokens, self.grammar or other.grammar)
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,8 @@ class StepPath:
     sampling: Sampling
     verification: Verification
     drafting: Drafting
+    # Some sampling row is masked by its grammar: the runner builds the step's masks (StepMasks).
+    masked: bool = False
 
     @property
     def drafts_on_device(self) -> bool:
@@ -164,7 +170,8 @@ def choose_step_path(desc: BatchDescriptor, rows: StepRows, graphs: GraphsReady,
                             Verification.IN_WHOLE_STEP if rows.num_verify else Verification.NONE,
                             _drafting(rows, graphs, speculator, trees, in_whole_step=True))
     return StepPath(desc.mode, WholeStep.NONE, _sampling(desc, rows, graphs), _verification(desc, rows, graphs, trees),
-                    _drafting(rows, graphs, speculator, trees, in_whole_step=False))
+                    _drafting(rows, graphs, speculator, trees, in_whole_step=False),
+                    masked=rows.sample.grammar or rows.verify.grammar)
 
 
 def _sampling(desc: BatchDescriptor, rows: StepRows, graphs: GraphsReady) -> Sampling:

@@ -37,18 +37,21 @@ def one_torch_thread():
 class LiveServer:
     def __init__(self, model: str, max_waiting: int = 512, request_timeout: float | None = None,
                  shutdown_grace_s: float = 1.0, stream_interval: int = 1, max_request_bytes: int = 8 * 2**20,
+                 receive_timeout_s: float = 30.0, api_key: str | None = None, enable_docs: bool = False,
                  core_factory=None, **engine):
         self.model = model
+        self.auth = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
         server = ServerConfig(max_waiting=max_waiting, request_timeout=request_timeout,
                               shutdown_grace_s=shutdown_grace_s, stream_interval=stream_interval,
-                              max_request_bytes=max_request_bytes)
+                              max_request_bytes=max_request_bytes, receive_timeout_s=receive_timeout_s,
+                              api_key=api_key, enable_docs=enable_docs)
         self.engine = build_engine(EngineConfig(model=model, **engine), server, core_factory)
         self.app = build_app(self.engine, server)
         # Bound here and handed to uvicorn, so no other process can take the port in between.
         self._socket = socket.socket()
         self._socket.bind(("127.0.0.1", 0))
         self.url = "http://127.0.0.1:%d" % self._socket.getsockname()[1]
-        config = uvicorn_config(self.app, log_level="warning")
+        config = uvicorn_config(self.app, server, log_level="warning")
         self._server = GracefulServer(config, self.engine, shutdown_grace_s)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
 
@@ -73,7 +76,7 @@ class LiveServer:
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics by name and labels, e.g. 'specserve:requests_total{finish_reason=stop}'."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        text = httpx.get(self.url + "/metrics", headers=self.auth, timeout=10).text
         return {s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else ""):
                 s.value for family in text_string_to_metric_families(text) for s in family.samples}
 

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from core_factories import BrokenCore
+from core_factories import BrokenCore, FixedTimeCore
 from specserve import SamplingParams
 from specserve.config import EngineConfig
 from specserve.engine.async_llm import AsyncLLM
@@ -30,7 +30,9 @@ async def wait_until(condition, timeout: float = 10.0) -> None:
 
 
 def test_cancel_aborts_and_shutdown_finishes_or_aborts(tiny_llama):
-    engine = make_engine(tiny_llama)
+    # Steps of at least FixedTimeCore.STEP_S: the long request cannot finish within the grace period on any
+    # machine, and the short one finishes within it however loaded the machine is.
+    engine = make_engine(tiny_llama, core_factory=FixedTimeCore)
 
     async def run():
         await engine.start()
@@ -53,7 +55,7 @@ def test_cancel_aborts_and_shutdown_finishes_or_aborts(tiny_llama):
         long = engine.generate([8, 9, 10], LONG)
         tokens = len((await anext(short)).outputs[0].token_ids)
         await anext(long)
-        finish = asyncio.create_task(engine.shutdown(grace_s=0.5))
+        finish = asyncio.create_task(engine.shutdown(grace_s=1.0))
         outs = [o async for o in short]
         assert outs[-1].outputs[0].finish_reason == "length"
         assert tokens + sum(len(o.outputs[0].token_ids) for o in outs) == 8
@@ -106,7 +108,8 @@ def test_killed_core_fails_running_and_new_requests(tiny_llama):
 
 def test_stream_interval_merges_tokens_and_keeps_the_text(tiny_llama):
     async def tokens_and_text(interval: int) -> tuple[list[int], list[int], str]:
-        engine = make_engine(tiny_llama, stream_interval=interval)
+        # Steps of at least FixedTimeCore.STEP_S leave the reader time to take the first output alone.
+        engine = make_engine(tiny_llama, stream_interval=interval, core_factory=FixedTimeCore)
         await engine.start()
         sizes, ids, text = [], [], ""
         params = SamplingParams(temperature=0, max_tokens=37, ignore_eos=True, output_kind="delta")

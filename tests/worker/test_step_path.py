@@ -160,3 +160,17 @@ def test_step_rows_of_a_schedule():
     assert rows == StepRows(3, (0, 3, 0), num_sample=1, num_verify=1, sample=RowsSampling(),
                             verify=RowsSampling(all_greedy=False))
     assert rows.num_sampling == 2 and not rows.all_verify(4) and StepRows(2, (3, 3)).all_verify(4)
+
+
+def test_grammar_rows_take_the_logits_paths_and_are_masked():
+    """A grammar masks logits, so its rows never run the whole step, a greedy graph or the bare argmax; a
+    grammar request needs its tokens on the host (it is scheduled synchronously)."""
+    grammar = RowsSampling(needs_host_tokens=True, grammar=True)
+    sampled = path(full(4, 1), decode(4, grammar))
+    assert (sampled.whole, sampled.sampling, sampled.masked) == (WholeStep.NONE, Sampling.SAMPLER, True)
+    verified = path(full(4, 4), verify(4, 3, grammar))
+    assert (verified.whole, verified.verification, verified.masked) == (WholeStep.NONE, Verification.REJECTION,
+                                                                       True)
+    # The drafter's logits are not masked: a greedy batch still drafts in its loop graph.
+    assert verified.drafting is Drafting.GREEDY_LOOP_GRAPH
+    assert not path(full(4, 1), decode(4)).masked and not path(full(4, 4), verify(4, 3, SAMPLED)).masked

@@ -4,17 +4,19 @@ from __future__ import annotations
 import logging
 import signal
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
 
 from specserve.config import EngineConfig
 from specserve.engine.async_llm import AsyncLLM
+from specserve.entrypoints.openai.auth import ApiKeyMiddleware
 from specserve.entrypoints.openai.body_limit import BodyLimitMiddleware
 from specserve.entrypoints.openai.errors import install_error_handlers
 from specserve.entrypoints.openai.metrics import ServerMetrics
 from specserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from specserve.entrypoints.openai.receive_deadline import receive_deadline_protocol
 from specserve.entrypoints.openai.serving import OpenAIServing
 from specserve.entrypoints.openai.serving_chat import create_chat_completion
 from specserve.entrypoints.openai.serving_completion import create_completion
@@ -34,6 +36,11 @@ class ServerConfig:
     shutdown_grace_s: float = 10.0  # time running requests get to finish on shutdown
     stream_interval: int = 1  # tokens per streamed chunk, at most (the first and last go out at once)
     max_request_bytes: int = 8 * 2**20  # larger bodies are refused (413) before they are read
+    # Seconds a client has to send a whole request, from connecting or from its previous answer's end;
+    # slower ones are disconnected (receive_deadline.py).
+    receive_timeout_s: float = 30.0
+    api_key: str | None = field(default=None, repr=False)  # None: no key; else every route but /health needs it
+    enable_docs: bool = False  # serve /docs, /redoc and /openapi.json (behind the key, if one is set)
 
     def __post_init__(self) -> None:
         checks = [(0 <= self.port < 65536, "port", "must be in [0, 65535]"),
@@ -41,10 +48,14 @@ class ServerConfig:
                   (self.request_timeout is None or self.request_timeout > 0, "request_timeout", "must be > 0"),
                   (self.shutdown_grace_s >= 0, "shutdown_grace_s", "must be >= 0"),
                   (self.stream_interval >= 1, "stream_interval", "must be >= 1 token"),
-                  (self.max_request_bytes >= 1024, "max_request_bytes", "must be >= 1024")]
+                  (self.max_request_bytes >= 1024, "max_request_bytes", "must be >= 1024"),
+                  (self.receive_timeout_s > 0, "receive_timeout_s", "must be > 0"),
+                  (self.api_key is None or self.api_key.strip() == self.api_key != "", "api_key",
+                   "must be None or a non-empty string without surrounding white space")]
         for ok, name, rule in checks:
             if not ok:
-                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+                shown = "(hidden)" if name == "api_key" else repr(getattr(self, name))
+                raise ValueError(f"{name} {rule}, got {shown}")
 
 
 def build_engine(engine_config: EngineConfig, server: ServerConfig, core_factory=None) -> AsyncLLM:
@@ -63,7 +74,10 @@ def build_app(engine: AsyncLLM, server: ServerConfig):
         yield
         await engine.shutdown(server.shutdown_grace_s)
 
-    app = FastAPI(title="specserve", lifespan=lifespan)
+    # The API's description is for developers, and tells a prober every route: off unless asked for (FastAPI's
+    # defaults serve it at /docs, /redoc and /openapi.json).
+    docs = {} if server.enable_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="specserve", lifespan=lifespan, **docs)
     install_error_handlers(app)
 
     @app.post("/v1/completions")
@@ -87,7 +101,9 @@ def build_app(engine: AsyncLLM, server: ServerConfig):
         content, media_type = metrics.render()
         return Response(content, media_type=media_type)
 
-    return BodyLimitMiddleware(app, server.max_request_bytes)
+    app = BodyLimitMiddleware(app, server.max_request_bytes)
+    # Outermost: a request without the key is refused before any of its body is read.
+    return app if server.api_key is None else ApiKeyMiddleware(app, server.api_key)
 
 
 class GracefulServer(uvicorn.Server):
@@ -114,15 +130,17 @@ class GracefulServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def uvicorn_config(app, **kwargs) -> uvicorn.Config:
-    """uvloop and httptools where installed (uvicorn's "auto" picks them), and no per-request access log."""
-    return uvicorn.Config(app, loop="auto", http="auto", access_log=False, **kwargs)
+def uvicorn_config(app, server: ServerConfig, **kwargs) -> uvicorn.Config:
+    """uvloop and httptools where installed (uvicorn's "auto" picks them), a deadline on receiving each request,
+    and no per-request access log."""
+    return uvicorn.Config(app, loop="auto", http=receive_deadline_protocol(server.receive_timeout_s),
+                          access_log=False, **kwargs)
 
 
 def run_server(engine_config: EngineConfig, server: ServerConfig) -> None:
     engine = build_engine(engine_config, server)
     app = build_app(engine, server)
-    uv = GracefulServer(uvicorn_config(app, host=server.host, port=server.port, log_level="info"), engine,
+    uv = GracefulServer(uvicorn_config(app, server, host=server.host, port=server.port, log_level="info"), engine,
                         server.shutdown_grace_s)
     # uvicorn drains on SIGINT / SIGTERM, then raises the signal again under the handlers it found. By then
     # the drain is done, so those handlers only let run() return: a drained server exits with status 0.

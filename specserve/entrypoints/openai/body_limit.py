@@ -7,8 +7,6 @@ arrives, refused as soon as it passes the limit, and otherwise handed on whole.
 """
 from __future__ import annotations
 
-import msgspec
-
 from specserve.entrypoints.openai.errors import OpenAIError
 
 
@@ -50,11 +48,6 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send) -> None:
-        error = OpenAIError(413, f"the request body is larger than this server's limit of {self.max_bytes} bytes; "
-                            "send a shorter prompt, or start the server with a larger --max-request-bytes",
-                            code="request_too_large")
-        body = msgspec.json.encode(error.body())
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await OpenAIError(413, f"the request body is larger than this server's limit of {self.max_bytes} bytes; "
+                          "send a shorter prompt, or start the server with a larger --max-request-bytes",
+                          code="request_too_large").send(send)

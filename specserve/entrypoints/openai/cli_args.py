@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 from specserve.bench.cli import add_decode_parser
 from specserve.entrypoints.cli import add_engine_args, engine_kwargs
@@ -38,6 +39,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "(the first token and the end always go out at once)")
     p.add_argument("--max-request-bytes", type=_positive(int), default=8 * 2**20,
                    help="request bodies larger than this are refused (413) before they are read")
+    p.add_argument("--receive-timeout", type=_positive(float), default=30.0,
+                   help="seconds a client has to send a whole request (headers and body), from connecting or "
+                        "from the end of its previous answer; slower clients are disconnected")
+    p.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"),
+                   help="require this key (Authorization: Bearer KEY) on every route but /health "
+                        "(default: $SPECSERVE_API_KEY; none if unset)")
+    p.add_argument("--enable-docs", action="store_true",
+                   help="serve /docs, /redoc and /openapi.json (behind the API key, if one is set)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -56,8 +65,14 @@ def cmd_serve(a: argparse.Namespace) -> None:
         raise _missing_dependency(e) from e
 
     model = a.model_tag or a.model
-    server = ServerConfig(a.host, a.port, a.served_model_name or model, a.max_waiting, a.request_timeout,
-                          a.shutdown_grace, a.stream_interval, a.max_request_bytes)
+    try:
+        server = ServerConfig(
+            host=a.host, port=a.port, served_model_name=a.served_model_name or model, max_waiting=a.max_waiting,
+            request_timeout=a.request_timeout, shutdown_grace_s=a.shutdown_grace, stream_interval=a.stream_interval,
+            max_request_bytes=a.max_request_bytes, receive_timeout_s=a.receive_timeout, api_key=a.api_key,
+            enable_docs=a.enable_docs)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from e
     run_server(EngineConfig(model=model, **engine_kwargs(a)), server)
 
 

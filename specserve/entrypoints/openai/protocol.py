@@ -10,29 +10,67 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
+from specserve.entrypoints.openai.structured_fields import ResponseFormat, StructuredOutputs
 from specserve.errors import InvalidRequestError
 from specserve.sampling_params import RequestOutputKind, SamplingParams
+from specserve.structured_output import StructuredOutput
 
 # Bounds that keep integers inside the int64 tensors and generators they end up in.
 TopK = Annotated[int, Field(ge=-1, lt=2**31)]
 Seed = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 
+# Fields OpenAI defines that this server does not implement yet. A request that sets one is refused with a
+# message that says so (errors.py), never answered as if the field had been honoured.
+NOT_SUPPORTED = frozenset({
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+    "logit_bias", "best_of", "suffix", "echo", "audio", "modalities", "prediction", "web_search_options",
+    "reasoning_effort", "verbosity", "service_tier", "prompt_cache_key",
+    "tool_calls", "tool_call_id", "refusal",  # in messages
+    "include_obfuscation",  # in stream_options
+})
+# Roles a message may have. "developer" is OpenAI's newer name for "system" and reaches the chat template as
+# "system", as OpenAI maps it for models without a developer role; "tool" messages need tool calling.
+ROLES = ("system", "developer", "user", "assistant")
 
-class StreamOptions(BaseModel):
+
+def _valid_unicode(text: str) -> str:
+    """JSON may escape a lone UTF-16 surrogate ("\\ud800"), which is no character: no tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError(
+            "invalid_unicode", "is not valid Unicode: character {index} is a lone surrogate ({code}); "
+            "send UTF-8 text, with \\ud800-\\udfff escapes only as the pairs that encode one character",
+            {"index": e.start, "code": f"\\u{ord(text[e.start]):04x}"}) from None
+    return text
+
+
+# Every string of a request: none may hold what is not a character.
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+class _Request(BaseModel):
+    """A field this server does not know is refused, by name (errors.py), rather than dropped unseen."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(_Request):
     """The fields /v1/completions and /v1/chat/completions share."""
 
-    model: str
+    model: Text
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: Seed | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -44,6 +82,24 @@ class _SamplingRequest(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    # Accepted, and without effect, as OpenAI documents them: `user` and `safety_identifier` identify the end
+    # user for OpenAI's abuse monitoring and `metadata` tags stored completions; neither changes an answer,
+    # and this server monitors and stores nothing. `store: true` asks for the completion to be kept, which
+    # this server cannot do, so only false passes.
+    user: Text | None = None
+    safety_identifier: Text | None = None
+    metadata: dict[Text, Text] | None = None
+    store: bool | None = None
+    # vLLM's grammar-constrained decoding: json, json_object, regex, choice or grammar.
+    structured_outputs: StructuredOutputs | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _stores_nothing(cls, store: bool | None) -> bool | None:
+        if store:
+            raise PydanticCustomError("unsupported_value", "this server does not store completions; remove store "
+                                      "or set it to false")
+        return store
 
     def param_name(self, engine_field: str) -> str:
         """An engine field (as InvalidRequestError names it) under this endpoint's parameter name."""
@@ -53,13 +109,19 @@ class _SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def _structured_output(self) -> StructuredOutput | None:
+        return None if self.structured_outputs is None else self.structured_outputs.structured_output()
+
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.n not in (None, 1):
             raise InvalidRequestError("n", f"only n=1 is supported, got {self.n}; send separate requests instead")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options", "is only allowed when stream is true; remove it or stream")
         given = dict(temperature=self.temperature, top_p=self.top_p, stop=self.stop, seed=self.seed,
                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                      top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-                     min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)
+                     min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                     structured_output=self._structured_output())
         # A stream sends what is new at each step; a whole answer needs only the end.
         kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, output_kind=kind,
@@ -67,7 +129,7 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int]
+    prompt: Text | list[int]
     logprobs: int | None = None
 
     def param_name(self, engine_field: str) -> str:
@@ -79,21 +141,49 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(BaseModel):
+    """A part of a message's content. Each type of part has fields of its own (image_url, input_audio, file):
+    they are allowed here and refused by ChatMessage.text, which takes text parts only."""
+
+    model_config = ConfigDict(extra="allow")
     type: str
-    text: str | None = None
+    text: Text | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Request):
     role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role == "tool":
+            raise PydanticCustomError("unsupported_value", "tool messages answer tool calls, which this server does "
+                                      "not support yet; remove them")
+        if role not in ROLES:
+            raise PydanticCustomError("unknown_role", "must be one of {roles}, got {role}",
+                                      {"roles": ", ".join(ROLES), "role": repr(role)})
+        return role
+
+    def for_template(self, index: int) -> dict[str, str]:
+        """The message as chat templates take it; `name` is passed on for the templates that show it."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text(index)}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
     def text(self, index: int) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        bad = [p.type for p in self.content if p.type != "text" or p.text is None]
-        if bad:
-            raise InvalidRequestError(f"messages[{index}].content", f"only text parts are supported, got {bad}")
+        for j, p in enumerate(self.content):
+            if p.type != "text":
+                raise InvalidRequestError(f"messages[{index}].content[{j}]",
+                                          f"only text parts are supported, got a part of type {p.type!r}")
+            if p.text is None:
+                raise InvalidRequestError(f"messages[{index}].content[{j}].text", "a text part needs its text")
+            if p.model_extra:
+                raise InvalidRequestError(f"messages[{index}].content[{j}].{next(iter(p.model_extra))}",
+                                          "is not a field of a text part; a text part has only type and text")
         return "".join(p.text for p in self.content)
 
 
@@ -102,6 +192,14 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+
+    def _structured_output(self) -> StructuredOutput | None:
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise InvalidRequestError("response_format", "cannot be combined with structured_outputs; give one")
+        if self.response_format is not None:
+            return self.response_format.structured_output()
+        return super()._structured_output()
 
     def param_name(self, engine_field: str) -> str:
         if engine_field == "max_tokens" and self.max_completion_tokens is not None:

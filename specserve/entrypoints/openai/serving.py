@@ -158,7 +158,7 @@ def sse(events: AsyncIterator[bytes]) -> StreamingResponse:
                 async for event in events:
                     yield event
             except Exception as e:
-                yield b"data: " + msgspec.json.encode(to_openai_error(e).body()) + b"\n\n"
+                yield b"data: " + to_openai_error(e).encoded() + b"\n\n"
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")

@@ -4,28 +4,15 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 
-import jinja2
 from fastapi import Request
 
+from specserve.entrypoints.openai.chat_prompt import chat_prompt
 from specserve.entrypoints.openai.errors import to_openai_error
 from specserve.entrypoints.openai.logprobs import chat_logprobs
 from specserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
-                                                   ChatMessage, ChatResponseMessage)
+                                                   ChatResponseMessage)
 from specserve.entrypoints.openai.serving import ChunkWriter, OpenAIServing, Outputs, sse, usage
 from specserve.errors import InvalidRequestError
-
-
-def chat_prompt(tokenizer, messages: list[ChatMessage]) -> list[int]:
-    """The prompt's token ids; slow for long conversations, so the server runs it in its tokenizer thread."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError("messages", "this model's tokenizer has no chat template; use /v1/completions")
-    conversation = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
-    try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-    except jinja2.TemplateError as e:
-        raise InvalidRequestError("messages", f"the model's chat template rejected them: {e}") from e
-    # The template writes the special tokens itself; the tokenizer must not add them again.
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionRequest, request: Request):
