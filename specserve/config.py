@@ -167,12 +167,11 @@ class EngineConfig:
                f"asynchronous scheduling is not supported yet with tensor_parallel_size > 1 (got {tp}); "
                "pass async_scheduling=False")
         if self.device.startswith("cuda"):
+            _check(self.device == "cuda", "device", f"with tensor_parallel_size > 1 rank r runs on cuda:r; pass "
+                   f"device='cuda', not {self.device!r} (choose the GPUs with CUDA_VISIBLE_DEVICES)")
             _check(torch.cuda.device_count() >= tp, "tensor_parallel_size",
-                   f"{tp} ranks need {tp} GPUs, torch sees {torch.cuda.device_count()}; lower tensor_parallel_size")
-            # Sizing by utilization profiles a step on this rank alone, which the others cannot follow.
-            _check(self.num_kv_blocks is not None or self.kv_cache_memory_bytes is not None, "kv_cache_memory_bytes",
-                   f"with tensor_parallel_size > 1 the KV cache must be sized explicitly; pass "
-                   "kv_cache_memory_bytes (--kv-cache-memory) or num_kv_blocks")
+                   f"{tp} ranks need {tp} GPUs, torch sees {torch.cuda.device_count()}; lower tensor_parallel_size "
+                   "or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
 
     def _check_async_scheduling(self) -> None:
         spec = self.speculative_config

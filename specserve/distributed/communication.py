@@ -32,3 +32,18 @@ def all_gather_last_dim(x: torch.Tensor, size: int) -> torch.Tensor:
     with _failing_engine("all-gather"):
         dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
+
+
+def min_over_ranks(value: int, device: torch.device) -> int:
+    """The smallest of the ranks' values, known to every rank (NCCL reduces tensors on the GPU only)."""
+    x = torch.tensor([value], dtype=torch.int64, device=device)
+    with _failing_engine("all-reduce of a count"):
+        dist.all_reduce(x, op=dist.ReduceOp.MIN)
+    return int(x.item())
+
+
+def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's x on every rank, in place: what rank 0 alone computed and the others must apply."""
+    with _failing_engine("broadcast"):
+        dist.broadcast(x, src=0)
+    return x

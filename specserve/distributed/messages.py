@@ -1,21 +1,20 @@
 """What rank 0 sends the other ranks of a tensor-parallel group, and what they answer (workers.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 
 @dataclass
-class WorkerSetup:
-    """The KV cache's size in blocks, which rank 0 chose: every rank holds the same blocks."""
-
-    num_kv_blocks: int
+class WorkerLoaded:
+    """A rank has loaded its shard: it now joins the collectives of KV sizing (every rank sizes its own
+    cache, and all take the smallest count)."""
 
 
 @dataclass
 class WorkerReady:
-    """A rank has loaded its shard and allocated its KV cache."""
+    """A rank has allocated its KV cache (and captured its graphs): it follows steps from now on."""
 
 
 @dataclass
@@ -27,11 +26,17 @@ class WorkerFailed:
 
 @dataclass
 class WorkerStep:
-    """One step's forward as rank 0 stages it (ModelRunner.launch): each request's query ids, lengths and
-    block ids, and the rows whose logits rank 0 computes (None: no row samples this step)."""
+    """One step's target forward as rank 0 runs it (ModelRunner.launch), for the other ranks to run the same
+    collectives in the same order: each request's query ids, lengths and block ids; a tree of drafts' position
+    shift and tree bits per token (None for chains); the hidden rows of each lm_head call rank 0 makes, in
+    order (its sampling, then its verification); and the number of KV-cache slot moves rank 0 broadcasts
+    after verifying trees (0: none)."""
 
     input_ids: np.ndarray
     query_lens: np.ndarray
     seq_lens: np.ndarray
     block_table: np.ndarray
-    sample_index: np.ndarray | None
+    tree_shift: np.ndarray | None = None
+    tree_bits: np.ndarray | None = None
+    lm_head_rows: list[np.ndarray] = field(default_factory=list)
+    num_tree_moves: int = 0

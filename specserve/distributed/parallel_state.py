@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 
@@ -25,13 +26,24 @@ _group = TPGroup(0, 1)
 COLLECTIVE_TIMEOUT_S = 120.0
 
 
+def rank_device(device: str, rank: int) -> str:
+    """The device rank `rank` runs on: cuda:r on GPUs (every rank, rank 0 included, binds its own with
+    set_device, so that NCCL and the kernels of one process never touch another rank's GPU), else the CPU."""
+    if not device.startswith("cuda"):
+        return device
+    torch.cuda.set_device(rank)
+    return f"cuda:{rank}"
+
+
 def init_tp_group(rank: int, size: int, port: int, device: str) -> None:
-    """Join the group of `size` ranks that meets at 127.0.0.1:port: NCCL between GPUs, gloo on the CPU."""
+    """Join the group of `size` ranks that meets at 127.0.0.1:port: NCCL between GPUs (device: this rank's
+    cuda:r, bound already), gloo on the CPU."""
     global _group
     require_no_group()
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    on_gpu = device.startswith("cuda")
+    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                            device_id=torch.device(device) if on_gpu else None)
     _group = TPGroup(rank, size)
 
 

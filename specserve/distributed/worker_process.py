@@ -1,27 +1,31 @@
-"""The main of ranks 1..N-1 of a tensor-parallel engine: build the rank's shard and KV cache, then run every
-step rank 0 sends (workers.py), until rank 0 closes its end of the pipe."""
+"""The main of ranks 1..N-1 of a tensor-parallel engine: build the rank's shard, size and allocate its KV cache
+beside rank 0's, then run every step rank 0 sends (workers.py), until rank 0 closes its end of the pipe."""
 from __future__ import annotations
 
 import logging
+import signal
 import traceback
 
 import torch
 
 from specserve.attention.backend import get_attention_backend
 from specserve.config import EngineConfig
-from specserve.distributed.messages import WorkerFailed, WorkerReady, WorkerSetup, WorkerStep
-from specserve.distributed.parallel_state import destroy_tp_group, init_tp_group, tp_group
+from specserve.distributed.communication import broadcast_from_rank0
+from specserve.distributed.messages import WorkerFailed, WorkerLoaded, WorkerReady, WorkerStep
+from specserve.distributed.parallel_state import destroy_tp_group, init_tp_group, rank_device, tp_group
 from specserve.models.loader import ModelSource, build_model
+from specserve.spec_decode.tree_verify import move_kv
 from specserve.worker.model_runner import ModelRunner
-from specserve.worker.staged_inputs import StagedExtra
-
 
 
 def run_worker(config: EngineConfig, source: ModelSource, rank: int, port: int, conn, log_level: int) -> None:
     logging.basicConfig(level=log_level)
+    # Ctrl-C reaches the whole process group; rank 0 decides when the workers stop (its pipe's end).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    config.device = rank_device(config.device, rank)
     init_tp_group(rank, config.tensor_parallel_size, port, config.device)
     try:
-        runner = _start(config, source, rank, conn)
+        runner = _start(config, source, conn)
     except Exception:  # noqa: BLE001 -- any failure to start is reported to rank 0, which raises it
         conn.send(WorkerFailed(traceback.format_exc()))
         destroy_tp_group()
@@ -37,30 +41,32 @@ def run_worker(config: EngineConfig, source: ModelSource, rank: int, port: int, 
         destroy_tp_group()
 
 
-def _start(config: EngineConfig, source: ModelSource, rank: int, conn) -> ModelRunner:
-    if config.device.startswith("cuda"):
-        config.device = f"cuda:{rank}"
-        torch.cuda.set_device(config.device)
+def _start(config: EngineConfig, source: ModelSource, conn) -> ModelRunner:
     backend = get_attention_backend(config.attention_backend)
     model, arch = build_model(source, config.torch_dtype, config.device, backend, load_format=config.load_format,
                               seed=config.seed, tp=tp_group())
     config.finalize(arch.max_context)
+    # The drafter runs on rank 0 alone (draft_tensor_parallel_size 1): this rank holds the target's shard only.
     runner = ModelRunner(model, model.cfg, config)
-    setup: WorkerSetup = conn.recv()
-    runner.kv.allocate(setup.num_kv_blocks)
+    conn.send(WorkerLoaded())
+    runner.initialize_kv_cache(backend, profile_step=lambda _: follow_step(runner, conn.recv()))
     conn.send(WorkerReady())
     return runner
 
 
 @torch.inference_mode()
 def follow_step(runner: ModelRunner, step: WorkerStep) -> None:
-    """The rank's part of rank 0's step: the same forward over its shard, and lm_head over the rows rank 0
-    samples, so that every rank runs the same collectives in the same order. Only rank 0 samples."""
-    extras = {} if step.sample_index is None else {StagedExtra.SAMPLE_INDEX: step.sample_index}
+    """The rank's part of rank 0's step: the same forward over its shard, lm_head over the rows rank 0 takes
+    logits of, and the KV moves of verified trees, so that every rank runs the same collectives in the same
+    order. Only rank 0 samples, verifies and drafts."""
     b = runner.buffers
-    metadata = b.prepare(step.input_ids, step.query_lens, step.seq_lens, step.block_table, runner.block_size, extras)
+    metadata = b.prepare(step.input_ids, step.query_lens, step.seq_lens, step.block_table, runner.block_size, {},
+                         step.tree_shift, step.tree_bits)
     b.spread()
     n = len(step.input_ids)
     hidden, _ = runner.model(b.input_ids[:n], b.positions[:n], runner.kv.layers, metadata)
-    if step.sample_index is not None:
-        runner.model.compute_logits(hidden.index_select(0, b.staged_extra(StagedExtra.SAMPLE_INDEX)))
+    for rows in step.lm_head_rows:
+        runner.model.lm_head(hidden.index_select(0, torch.from_numpy(rows).to(hidden.device)))
+    if step.num_tree_moves:
+        moves = torch.empty(2, step.num_tree_moves, dtype=torch.int64, device=hidden.device)
+        move_kv(runner.kv.stack, *broadcast_from_rank0(moves))

@@ -12,7 +12,7 @@ import socket
 import weakref
 
 from specserve.config import EngineConfig
-from specserve.distributed.messages import WorkerFailed, WorkerReady, WorkerSetup, WorkerStep
+from specserve.distributed.messages import WorkerFailed, WorkerLoaded, WorkerReady, WorkerStep
 from specserve.distributed.parallel_state import (COLLECTIVE_TIMEOUT_S, TPGroup, destroy_tp_group, init_tp_group,
                                                   require_no_group)
 from specserve.distributed.worker_process import run_worker
@@ -63,10 +63,16 @@ class TPWorkers:
         self._finalizer = weakref.finalize(self, _stop, self.conns, self.processes)
         init_tp_group(0, config.tensor_parallel_size, port, config.device)
 
-    def setup(self, num_kv_blocks: int) -> None:
-        """Give every rank the KV cache's size, and wait until each has its shard and cache."""
-        for conn in self.conns:
-            conn.send(WorkerSetup(num_kv_blocks))
+    def wait_until_loaded(self) -> None:
+        """Wait until every rank has its shard: only then may rank 0 enter the collectives of KV sizing (a rank
+        that failed to load would leave them waiting)."""
+        self._wait_for(WorkerLoaded)
+
+    def wait_until_ready(self) -> None:
+        """Wait until every rank has allocated its KV cache."""
+        self._wait_for(WorkerReady)
+
+    def _wait_for(self, message: type) -> None:
         for rank, (conn, p) in enumerate(zip(self.conns, self.processes), start=1):
             if not conn.poll(COLLECTIVE_TIMEOUT_S):
                 self._fail(rank, p, "did not start in time")
@@ -76,7 +82,7 @@ class TPWorkers:
                 self._fail(rank, p, "exited during start-up")
             if isinstance(answer, WorkerFailed):
                 self._fail(rank, p, f"could not start:\n{answer.message}")
-            assert isinstance(answer, WorkerReady), answer
+            assert isinstance(answer, message), answer
 
     def send_step(self, step: WorkerStep) -> None:
         """Send every rank the step this rank is about to run; raises if one has died."""

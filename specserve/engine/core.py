@@ -11,7 +11,7 @@ import logging
 
 from specserve.attention.backend import get_attention_backend
 from specserve.config import EngineConfig
-from specserve.distributed.parallel_state import tp_group
+from specserve.distributed.parallel_state import rank_device, tp_group
 from specserve.distributed.workers import TPWorkers
 from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.messages import CoreOutput, CoreReady, CoreRequest, EngineStats
@@ -52,7 +52,10 @@ class EngineCore:
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source, config.tokenizer)
         backend = get_attention_backend(config.attention_backend)
         # Tensor parallel: this process is rank 0, the scheduler's; the others follow its steps.
-        self.tp_workers = TPWorkers(config, source) if config.tensor_parallel_size > 1 else None
+        self.tp_workers = None
+        if config.tensor_parallel_size > 1:
+            config.device = rank_device(config.device, 0)
+            self.tp_workers = TPWorkers(config, source)
         self.model, self.arch = build_model(source, config.torch_dtype, config.device, backend,
                                              load_format=config.load_format, seed=config.seed, tp=tp_group())
         config.finalize(self.arch.max_context)
@@ -65,9 +68,11 @@ class EngineCore:
         spec = config.speculative_config
         if spec is not None:
             self.runner.set_speculator(build_speculator(spec, self.runner, backend), spec.forced_acceptance_prob)
+        if self.tp_workers is not None:
+            self.tp_workers.wait_until_loaded()
         self.runner.initialize_kv_cache(backend)
         if self.tp_workers is not None:
-            self.tp_workers.setup(self.runner.num_blocks)
+            self.tp_workers.wait_until_ready()
         self.attention_backend = backend
         mode = CUDAGraphMode(config.cudagraph_mode)
         if mode is not CUDAGraphMode.NONE:

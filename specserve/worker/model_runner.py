@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -17,7 +18,8 @@ import numpy as np
 import torch
 
 from specserve.config import EngineConfig
-from specserve.distributed.messages import WorkerStep
+from specserve.distributed.communication import min_over_ranks
+from specserve.distributed.step_following import worker_step
 from specserve.engine.scheduler import SchedulerOutput
 from specserve.models.arch_config import ArchConfig
 from specserve.outputs import Logprob
@@ -130,15 +132,21 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         self.capture_seconds: float | None = None
         self.graph_memory_bytes: int | None = None
 
-    def initialize_kv_cache(self, backend) -> None:
+    def initialize_kv_cache(self, backend, profile_step: Callable[[SchedulerOutput], None] | None = None) -> None:
         """Size the KV cache pool (kv_sizing.py) and allocate it, once the models (and a drafter) are loaded and
-        before the graphs are captured. backend: the attention backend the models were built with."""
+        before the graphs are captured. backend: the attention backend the models were built with.
+        profile_step: how the memory profile runs its step (default execute_model; ranks 1..N-1 follow rank 0's).
+        Under tensor parallelism every rank sizes its own share and all take the smallest count, so that every
+        rank holds the same blocks."""
         mode = CUDAGraphMode(self.config.cudagraph_mode)
         capture = None if mode is CUDAGraphMode.NONE else (
             lambda: self.capture_graphs(mode, CudaGraphRecorder(self.device), backend))
-        self.kv_plan = plan_kv_cache(self, capture)
-        self.kv.allocate(self.kv_plan.num_blocks)
-        logger.info("%s", self.kv_plan.describe(self.config.max_model_len))
+        plan = plan_kv_cache(self, capture, profile_step or self.execute_model)
+        if self.config.tensor_parallel_size > 1:
+            plan = replace(plan, num_blocks=min_over_ranks(plan.num_blocks, self.device))
+        self.kv_plan = plan
+        self.kv.allocate(plan.num_blocks)
+        logger.info("%s", plan.describe(self.config.max_model_len))
 
     @property
     def num_blocks(self) -> int:
@@ -270,14 +278,14 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         ids, qlens_np, slens = (np.array(ids, dtype=np.int64), np.array(qlens, dtype=np.int64),
                                 np.array(slens, dtype=np.int64))
         table = self.host_block_table.gather(rows)
-        if self.tp_workers is not None:
-            self.tp_workers.send_step(WorkerStep(ids, qlens_np, slens, table,
-                                                 plan.extras.get(StagedExtra.SAMPLE_INDEX)))
-        metadata = self.buffers.prepare(ids, qlens_np, slens, table, self.block_size, plan.extras,
-                                        *self._tree_layout(sched, offset))
+        tree_layout = self._tree_layout(sched, offset)
+        metadata = self.buffers.prepare(ids, qlens_np, slens, table, self.block_size, plan.extras, *tree_layout)
         b = self.buffers
         desc = self.dispatch(offset, qlens)
         path = self._choose_path(desc, sched)
+        if self.tp_workers is not None:
+            self.tp_workers.send_step(worker_step(ids, qlens_np, slens, table, tree_layout, plan, path,
+                                                  self.tree.depth if self.tree else 0))
         handle = StepHandle(sched, sampling, path)
         self._previous = {sched.scheduled[i].request.request_id:
                           PreviousRow(i, len(sched.scheduled[i].spec_token_ids)) for i in sampling}
