@@ -144,6 +144,7 @@ class EngineConfig:
         _check(type(tp) is int and tp >= 1, "tensor_parallel_size", f"must be an integer >= 1, got {tp!r}")
         if tp > 1:
             self._check_tensor_parallel()
+        self._check_draft_placement()
         self._check_cudagraph_fields()
         self._check_async_scheduling()
         if self.warmup is None:
@@ -151,11 +152,9 @@ class EngineConfig:
         _check(isinstance(self.warmup, bool), "warmup", f"must be True, False or None, got {self.warmup!r}")
 
     def _check_tensor_parallel(self) -> None:
-        """What runs sharded so far: the target eagerly, scheduled synchronously. None fields choose that."""
+        """What runs sharded so far: the target eagerly, scheduled synchronously, a drafter on rank 0. None
+        fields choose that."""
         tp = self.tensor_parallel_size
-        _check(self.speculative_config is None, "speculative_config",
-               f"speculative decoding is not supported yet with tensor_parallel_size > 1 (got {tp}); "
-               "leave speculative_config out or use tensor_parallel_size=1")
         if self.cudagraph_mode is None:
             self.cudagraph_mode = "NONE"
         _check(str(self.cudagraph_mode).upper() == "NONE", "cudagraph_mode",
@@ -172,6 +171,17 @@ class EngineConfig:
             _check(torch.cuda.device_count() >= tp, "tensor_parallel_size",
                    f"{tp} ranks need {tp} GPUs, torch sees {torch.cuda.device_count()}; lower tensor_parallel_size "
                    "or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+
+    def _check_draft_placement(self) -> None:
+        spec, tp = self.speculative_config, self.tensor_parallel_size
+        draft_tp = None if spec is None else spec.draft_tensor_parallel_size
+        if draft_tp is None:
+            return
+        field = "speculative_config.draft_tensor_parallel_size"
+        _check(type(draft_tp) is int and draft_tp in (1, tp), field,
+               f"must be 1 (the drafter whole on rank 0) or tensor_parallel_size ({tp}), got {draft_tp!r}")
+        _check(draft_tp == 1, field, f"{draft_tp} (the drafter sharded like the target) is not supported yet; "
+               "pass 1, which runs the drafter whole on rank 0")
 
     def _check_async_scheduling(self) -> None:
         spec = self.speculative_config

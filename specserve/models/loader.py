@@ -105,11 +105,13 @@ def _read_safetensors(f: Path):
         raise ModelLoadError(f"cannot read {f}: {e}. The file is corrupt or truncated; download it again") from e
 
 
-def safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_weights(path: Path, names: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the directory's files, or only those named `names`."""
     for f in _safetensors_files(path):
         with _read_safetensors(f) as st:
             for name in st.keys():
-                yield name, st.get_tensor(name)
+                if names is None or name in names:
+                    yield name, st.get_tensor(name)
 
 
 def count_safetensors(path: Path) -> int:
@@ -130,6 +132,14 @@ def hf_named_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
         weights, total = safetensors_weights(source.path), count_safetensors(source.path)
     # Counted against the total and left on screen, so that a log shows how many tensors were read.
     return iter(tqdm(weights, total=total, desc=f"Loading {source.name}", unit="tensor"))
+
+
+def whole_tensors(source: ModelSource, names: set[str]) -> dict[str, torch.Tensor]:
+    """The source's tensors `names` (Hugging Face names) whole, as a tensor-parallel rank's model holds only its
+    shard of them; absent names are left out."""
+    weights = (gguf_weights(open_gguf(source.path), source.hf_config) if source.is_gguf
+               else safetensors_weights(source.path, names))
+    return {name: t for name, t in weights if name in names}
 
 
 def load_weights_into(model: torch.nn.Module, source: ModelSource) -> None:

@@ -85,8 +85,6 @@ def test_a_dead_worker_fails_the_engine(tiny_llama):
 @pytest.mark.parametrize("kwargs, field", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size"),
     (dict(tensor_parallel_size=3), "tensor_parallel_size"),  # 4 heads
-    (dict(tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-     "speculative_config"),
     (dict(tensor_parallel_size=2, async_scheduling=True), "async_scheduling"),
     (dict(tensor_parallel_size=2, cudagraph_mode="FULL"), "cudagraph_mode"),
 ])
