@@ -10,6 +10,7 @@ import torch
 
 from specserve.attention.backend import get_attention_backend
 from specserve.config import EngineConfig
+from specserve.distributed.collective_probe import CollectiveProbe, replay_collectives
 from specserve.distributed.communication import broadcast_from_rank0
 from specserve.distributed.messages import WorkerFailed, WorkerLoaded, WorkerReady, WorkerStep
 from specserve.distributed.parallel_state import destroy_tp_group, init_tp_group, rank_device, tp_group
@@ -36,7 +37,10 @@ def run_worker(config: EngineConfig, source: ModelSource, rank: int, port: int, 
                 step = conn.recv()
             except EOFError:  # rank 0 closed the engine, or exited
                 break
-            follow_step(runner, step)
+            if isinstance(step, CollectiveProbe):
+                replay_collectives(runner.model, step)
+            else:
+                follow_step(runner, step)
     finally:
         destroy_tp_group()
 

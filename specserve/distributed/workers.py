@@ -12,6 +12,7 @@ import socket
 import weakref
 
 from specserve.config import EngineConfig
+from specserve.distributed.collective_probe import CollectiveProbe
 from specserve.distributed.messages import WorkerFailed, WorkerLoaded, WorkerReady, WorkerStep
 from specserve.distributed.parallel_state import (COLLECTIVE_TIMEOUT_S, TPGroup, destroy_tp_group, init_tp_group,
                                                   require_no_group)
@@ -84,8 +85,8 @@ class TPWorkers:
                 self._fail(rank, p, f"could not start:\n{answer.message}")
             assert isinstance(answer, message), answer
 
-    def send_step(self, step: WorkerStep) -> None:
-        """Send every rank the step this rank is about to run; raises if one has died."""
+    def send_step(self, step: WorkerStep | CollectiveProbe) -> None:
+        """Send every rank the step (or probe) this rank is about to run; raises if one has died."""
         payload = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
         for rank, (conn, p) in enumerate(zip(self.conns, self.processes), start=1):
             if not p.is_alive():
