@@ -97,6 +97,11 @@ class EngineConfig:
     # Ranks the model is sharded over (docs/design.md, 'Tensor parallelism'), one process each: this one and
     # tensor_parallel_size - 1 it starts. On CUDA rank r runs on cuda:r.
     tensor_parallel_size: int = 1
+    # Several nodes (specserve/distributed/rendezvous.py): nodes sharing the ranks, and where they meet (node 0's
+    # address and a port; None: MASTER_ADDR / MASTER_PORT, else on one node 127.0.0.1 and a free port).
+    nnodes: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
 
     def __post_init__(self) -> None:
         from specserve.spec_decode.config import SpeculativeConfig
@@ -142,6 +147,7 @@ class EngineConfig:
                f"must be >= 1, got {self.max_num_batched_tokens}")
         tp = self.tensor_parallel_size
         _check(type(tp) is int and tp >= 1, "tensor_parallel_size", f"must be an integer >= 1, got {tp!r}")
+        self.rendezvous()  # raises on nodes that cannot share the ranks, or no address to meet at
         if tp > 1:
             self._check_tensor_parallel()
         self._check_draft_placement()
@@ -168,9 +174,10 @@ class EngineConfig:
         if self.device.startswith("cuda"):
             _check(self.device == "cuda", "device", f"with tensor_parallel_size > 1 rank r runs on cuda:r; pass "
                    f"device='cuda', not {self.device!r} (choose the GPUs with CUDA_VISIBLE_DEVICES)")
-            _check(torch.cuda.device_count() >= tp, "tensor_parallel_size",
-                   f"{tp} ranks need {tp} GPUs, torch sees {torch.cuda.device_count()}; lower tensor_parallel_size "
-                   "or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+            per_node = tp // self.nnodes
+            _check(torch.cuda.device_count() >= per_node, "tensor_parallel_size",
+                   f"{per_node} ranks on this node need {per_node} GPUs, torch sees {torch.cuda.device_count()}; "
+                   "lower tensor_parallel_size, make more GPUs visible (CUDA_VISIBLE_DEVICES) or add nodes (nnodes)")
 
     def _check_draft_placement(self) -> None:
         spec, tp = self.speculative_config, self.tensor_parallel_size
@@ -220,6 +227,12 @@ class EngineConfig:
                    f"must be a non-empty list of positive integers, got {sizes!r}")
             self.cudagraph_capture_sizes = sorted(set(sizes))
         self.debug_cudagraph = self.debug_cudagraph or os.environ.get("SPECSERVE_DEBUG_CUDAGRAPH", "0") not in ("", "0")
+
+    def rendezvous(self):
+        """Where this engine's ranks meet (distributed/rendezvous.py); a free port each call unless one is set."""
+        from specserve.distributed.rendezvous import Rendezvous
+
+        return Rendezvous.resolve(self.tensor_parallel_size, self.nnodes, self.master_addr, self.master_port)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -40,3 +40,19 @@ class WorkerStep:
     tree_bits: np.ndarray | None = None
     lm_head_rows: list[np.ndarray] = field(default_factory=list)
     num_tree_moves: int = 0
+
+
+@dataclass
+class WorkerHello:
+    """A rank of another node, connected to rank 0's listener (rendezvous.py): which rank it is."""
+
+    rank: int
+
+
+@dataclass
+class WorkerAssignment:
+    """Rank 0's answer to a WorkerHello: the engine's configuration and model (its files at the same path on
+    every node), which the rank builds its shard from."""
+
+    config: object  # EngineConfig
+    source: object  # ModelSource

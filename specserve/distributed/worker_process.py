@@ -1,5 +1,7 @@
 """The main of ranks 1..N-1 of a tensor-parallel engine: build the rank's shard, size and allocate its KV cache
-beside rank 0's, then run every step rank 0 sends (workers.py), until rank 0 closes its end of the pipe."""
+beside rank 0's, then run every step rank 0 sends (workers.py), until rank 0 closes its end of the connection.
+A rank of node 0 is started by the engine with a pipe; a rank of another node by worker_node.py, connecting
+to rank 0's listener (rendezvous.py)."""
 from __future__ import annotations
 
 import logging
@@ -19,12 +21,14 @@ from specserve.spec_decode.tree_verify import move_kv
 from specserve.worker.model_runner import ModelRunner
 
 
-def run_worker(config: EngineConfig, source: ModelSource, rank: int, port: int, conn, log_level: int) -> None:
-    logging.basicConfig(level=log_level)
-    # Ctrl-C reaches the whole process group; rank 0 decides when the workers stop (its pipe's end).
+def run_worker(config: EngineConfig, source: ModelSource, rank: int, local_rank: int, init_method: str, conn,
+               log_level: int) -> None:
+    """A rank's process: `conn` reaches rank 0, init_method is where the group meets."""
+    logging.basicConfig(level=log_level, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
+    # Ctrl-C reaches the whole process group; rank 0 decides when the workers stop (its connection's end).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    config.device = rank_device(config.device, rank)
-    init_tp_group(rank, config.tensor_parallel_size, port, config.device)
+    config.device = rank_device(config.device, local_rank)
+    init_tp_group(rank, config.tensor_parallel_size, init_method, config.device)
     try:
         runner = _start(config, source, conn)
     except Exception:  # noqa: BLE001 -- any failure to start is reported to rank 0, which raises it
@@ -35,7 +39,7 @@ def run_worker(config: EngineConfig, source: ModelSource, rank: int, port: int, 
         while True:
             try:
                 step = conn.recv()
-            except EOFError:  # rank 0 closed the engine, or exited
+            except (EOFError, ConnectionResetError):  # rank 0 closed the engine, or exited
                 break
             if isinstance(step, CollectiveProbe):
                 replay_collectives(runner.model, step)
