@@ -28,9 +28,9 @@ class WorkerFailed:
 class WorkerStep:
     """One step's target forward as rank 0 runs it (ModelRunner.launch), for the other ranks to run the same
     collectives in the same order: each request's query ids, lengths and block ids; a tree of drafts' position
-    shift and tree bits per token (None for chains); the hidden rows of each lm_head call rank 0 makes, in
-    order (its sampling, then its verification); and the number of KV-cache slot moves rank 0 broadcasts
-    after verifying trees (0: none)."""
+    shift and tree bits per token (None for chains); the hidden rows of each lm_head call rank 0 makes outside
+    graphs, in order (its sampling, then its verification); the number of KV-cache slot moves rank 0
+    broadcasts after verifying trees outside graphs (0: none); and the graphs rank 0 replays."""
 
     input_ids: np.ndarray
     query_lens: np.ndarray
@@ -40,6 +40,10 @@ class WorkerStep:
     tree_bits: np.ndarray | None = None
     lm_head_rows: list[np.ndarray] = field(default_factory=list)
     num_tree_moves: int = 0
+    # The step's batch descriptor and path (worker/step_path.py): which of the rank's graphs it replays
+    # (distributed/graph_following.py). None: eager, its parts as lm_head_rows and num_tree_moves say.
+    descriptor: object = None  # BatchDescriptor
+    path: object = None  # StepPath
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from specserve.distributed.messages import WorkerStep
+from specserve.worker.cudagraph import BatchDescriptor
 from specserve.worker.staged_inputs import StagedExtra
 from specserve.worker.step_path import Sampling, StepPath, Verification, WholeStep
 from specserve.worker.step_plan import StepPlan
@@ -17,18 +18,18 @@ _TREES = (Verification.TREE_ARGMAX, Verification.TREE_LOGITS)
 
 
 def worker_step(input_ids: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
-                tree_layout: tuple[np.ndarray | None, np.ndarray | None], plan: StepPlan, path: StepPath,
-                tree_depth: int) -> WorkerStep:
-    """The step the other ranks follow: the forward's inputs, lm_head over the rows rank 0 samples from (first)
-    and verifies at (then), and the KV moves of verified trees, tree_depth per verifying request."""
-    if path.whole is not WholeStep.NONE or path.sampling is Sampling.GREEDY_GRAPH or \
-            path.verification is Verification.GREEDY_GRAPH:
-        raise AssertionError(f"a graph path ({path}) under tensor parallelism: EngineConfig refuses CUDA graphs there")
+                tree_layout: tuple[np.ndarray | None, np.ndarray | None], plan: StepPlan, desc: BatchDescriptor,
+                path: StepPath, tree_depth: int) -> WorkerStep:
+    """The step the other ranks follow: the forward's inputs, its descriptor and path (the graphs replayed:
+    the whole step's, or the target's and the greedy one's), lm_head over the rows rank 0 samples from (first)
+    and verifies at (then) outside graphs, and the KV moves of trees verified outside graphs, tree_depth per
+    verifying request."""
     rows = []
-    if path.sampling in _SAMPLING_LOGITS:
-        rows.append(plan.extras[StagedExtra.SAMPLE_INDEX])
-    if path.verification in _VERIFYING_LOGITS:
-        rows.append(plan.extras[StagedExtra.VERIFY_INDEX].reshape(-1))
-    moves = len(plan.verify_rows) * tree_depth if path.verification in _TREES else 0
+    if path.whole is WholeStep.NONE:
+        if path.sampling in _SAMPLING_LOGITS:
+            rows.append(plan.extras[StagedExtra.SAMPLE_INDEX])
+        if path.verification in _VERIFYING_LOGITS:
+            rows.append(plan.extras[StagedExtra.VERIFY_INDEX].reshape(-1))
+    moves = len(plan.verify_rows) * tree_depth if path.whole is WholeStep.NONE and path.verification in _TREES else 0
     return WorkerStep(input_ids, query_lens, seq_lens, block_table, *tree_layout, lm_head_rows=rows,
-                      num_tree_moves=moves)
+                      num_tree_moves=moves, descriptor=desc, path=path)

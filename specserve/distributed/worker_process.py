@@ -12,13 +12,16 @@ import torch
 
 from specserve.attention.backend import get_attention_backend
 from specserve.config import EngineConfig
-from specserve.distributed.collective_probe import CollectiveProbe, replay_collectives
+from specserve.distributed.collective_probe import replay_collectives
 from specserve.distributed.communication import broadcast_from_rank0
+from specserve.distributed.graph_following import CaptureDone, CaptureGraphs, GraphFollower, require_graph
 from specserve.distributed.messages import WorkerFailed, WorkerLoaded, WorkerReady, WorkerStep
 from specserve.distributed.parallel_state import destroy_tp_group, init_tp_group, rank_device, tp_group
 from specserve.models.loader import ModelSource, build_model
 from specserve.spec_decode.tree_verify import move_kv
+from specserve.worker.cudagraph_mode import CUDAGraphMode
 from specserve.worker.model_runner import ModelRunner
+from specserve.worker.step_path import Sampling, Verification, WholeStep
 
 
 def run_worker(config: EngineConfig, source: ModelSource, rank: int, local_rank: int, init_method: str, conn,
@@ -30,7 +33,7 @@ def run_worker(config: EngineConfig, source: ModelSource, rank: int, local_rank:
     config.device = rank_device(config.device, local_rank)
     init_tp_group(rank, config.tensor_parallel_size, init_method, config.device)
     try:
-        runner = _start(config, source, conn)
+        runner, follower = _start(config, source, conn)
     except Exception:  # noqa: BLE001 -- any failure to start is reported to rank 0, which raises it
         conn.send(WorkerFailed(traceback.format_exc()))
         destroy_tp_group()
@@ -38,41 +41,67 @@ def run_worker(config: EngineConfig, source: ModelSource, rank: int, local_rank:
     try:
         while True:
             try:
-                step = conn.recv()
+                msg = conn.recv()
             except (EOFError, ConnectionResetError):  # rank 0 closed the engine, or exited
                 break
-            if isinstance(step, CollectiveProbe):
-                replay_collectives(runner.model, step)
-            else:
-                follow_step(runner, step)
+            _follow(runner, follower, msg)
     finally:
         destroy_tp_group()
 
 
-def _start(config: EngineConfig, source: ModelSource, conn) -> ModelRunner:
+def _follow(runner: ModelRunner, follower: GraphFollower, msg) -> None:
+    """Run what rank 0 sent: a step, a part of its graph capture, or a probe of the collectives."""
+    if isinstance(msg, WorkerStep):
+        follow_step(runner, msg)
+    elif isinstance(msg, CaptureGraphs):
+        follower.capture(msg)
+    elif isinstance(msg, CaptureDone):
+        follower.done()
+    else:
+        replay_collectives(runner.model, msg)
+
+
+def _start(config: EngineConfig, source: ModelSource, conn) -> tuple[ModelRunner, GraphFollower]:
     backend = get_attention_backend(config.attention_backend)
     model, arch = build_model(source, config.torch_dtype, config.device, backend, load_format=config.load_format,
                               seed=config.seed, tp=tp_group())
     config.finalize(arch.max_context)
     # The drafter runs on rank 0 alone (draft_tensor_parallel_size 1): this rank holds the target's shard only.
     runner = ModelRunner(model, model.cfg, config)
+    follower = GraphFollower(runner, backend)
     conn.send(WorkerLoaded())
-    runner.initialize_kv_cache(backend, profile_step=lambda _: follow_step(runner, conn.recv()))
+
+    def follow_capture() -> None:
+        """Record the graphs of rank 0's trial capture (kv_sizing.py), part by part, until it is done."""
+        while not isinstance(msg := conn.recv(), CaptureDone):
+            follower.capture(msg)
+        follower.done()
+
+    runner.initialize_kv_cache(backend, profile_step=lambda _: follow_step(runner, conn.recv()),
+                               capture=follow_capture)
     conn.send(WorkerReady())
-    return runner
+    return runner, follower
 
 
 @torch.inference_mode()
 def follow_step(runner: ModelRunner, step: WorkerStep) -> None:
     """The rank's part of rank 0's step: the same forward over its shard, lm_head over the rows rank 0 takes
-    logits of, and the KV moves of verified trees, so that every rank runs the same collectives in the same
-    order. Only rank 0 samples, verifies and drafts."""
+    logits of, and the KV moves of verified trees, each replayed from the graph rank 0 replays, so that every
+    rank runs the same collectives in the same order. Only rank 0 samples, verifies and drafts."""
     b = runner.buffers
     metadata = b.prepare(step.input_ids, step.query_lens, step.seq_lens, step.block_table, runner.block_size, {},
                          step.tree_shift, step.tree_bits)
+    desc, path = step.descriptor, step.path
+    if path.whole is not WholeStep.NONE:
+        require_graph(runner.whole_step_graphs, desc, path.whole.value).run(desc, None, None)
+        return
     b.spread()
-    n = len(step.input_ids)
-    hidden, _ = runner.model(b.input_ids[:n], b.positions[:n], runner.kv.layers, metadata)
+    if desc.mode is not CUDAGraphMode.NONE:
+        require_graph(runner.graphs, desc, "target")
+    (padded_hidden, _), _ = runner._run_target(desc, metadata)
+    if path.sampling is Sampling.GREEDY_GRAPH or path.verification is Verification.GREEDY_GRAPH:
+        require_graph(runner.greedy_graphs, desc, "greedy").run(desc, None, None)
+    hidden = padded_hidden[:len(step.input_ids)]
     for rows in step.lm_head_rows:
         runner.model.lm_head(hidden.index_select(0, torch.from_numpy(rows).to(hidden.device)))
     if step.num_tree_moves:

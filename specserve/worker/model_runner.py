@@ -132,15 +132,18 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         self.capture_seconds: float | None = None
         self.graph_memory_bytes: int | None = None
 
-    def initialize_kv_cache(self, backend, profile_step: Callable[[SchedulerOutput], None] | None = None) -> None:
+    def initialize_kv_cache(self, backend, profile_step: Callable[[SchedulerOutput], None] | None = None,
+                            capture: Callable[[], None] | None = None) -> None:
         """Size the KV cache pool (kv_sizing.py) and allocate it, once the models (and a drafter) are loaded and
         before the graphs are captured. backend: the attention backend the models were built with.
-        profile_step: how the memory profile runs its step (default execute_model; ranks 1..N-1 follow rank 0's).
-        Under tensor parallelism every rank sizes its own share and all take the smallest count, so that every
-        rank holds the same blocks."""
+        profile_step, capture: how the memory profile runs its step and records the graphs (default
+        execute_model and capture_graphs; ranks 1..N-1 follow rank 0's). Under tensor parallelism every rank
+        sizes its own share and all take the smallest count, so that every rank holds the same blocks."""
         mode = CUDAGraphMode(self.config.cudagraph_mode)
-        capture = None if mode is CUDAGraphMode.NONE else (
-            lambda: self.capture_graphs(mode, CudaGraphRecorder(self.device), backend))
+        if mode is CUDAGraphMode.NONE:
+            capture = None
+        elif capture is None:
+            capture = lambda: self.capture_graphs(mode, CudaGraphRecorder(self.device), backend)  # noqa: E731
         plan = plan_kv_cache(self, capture, profile_step or self.execute_model)
         if self.config.tensor_parallel_size > 1:
             plan = replace(plan, num_blocks=min_over_ranks(plan.num_blocks, self.device))
@@ -284,7 +287,7 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         desc = self.dispatch(offset, qlens)
         path = self._choose_path(desc, sched)
         if self.tp_workers is not None:
-            self.tp_workers.send_step(worker_step(ids, qlens_np, slens, table, tree_layout, plan, path,
+            self.tp_workers.send_step(worker_step(ids, qlens_np, slens, table, tree_layout, plan, desc, path,
                                                   self.tree.depth if self.tree else 0))
         handle = StepHandle(sched, sampling, path)
         self._previous = {sched.scheduled[i].request.request_id:
