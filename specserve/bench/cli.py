@@ -26,8 +26,8 @@ def add_decode_parser(bench_sub: argparse._SubParsersAction) -> None:
                    help="full: every graph mode, a batch sweep and EAGLE-3 at forced acceptance, for the Llama-3-8B "
                    "shape and SmolLM2 on one GPU, sized for one 10-minute run (it starts nothing new after "
                    "540 s); tiny: a 4-layer model on the CPU in seconds")
-    p.add_argument("--models", type=_names, help="comma-separated shape names (llama3-8b, qwen2.5-32b, tiny: random weights) "
-                   "or model names / paths (their own weights)")
+    p.add_argument("--models", type=_names, help="comma-separated shape names (llama3-8b, qwen2.5-32b, tiny: random "
+                   "weights) or model names / paths (their own weights)")
     p.add_argument("--model", help="the model benchmarked with its own weights, in place of the preset's "
                    "(smollm2-135m): a name, a Hugging Face directory or a .gguf file")
     p.add_argument("--device", help="cuda or cpu")

@@ -5,6 +5,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specserve.config import EngineConfig
+from specserve.models.loader import ModelSource
+from specserve.worker.cudagraph import BatchDescriptor
+from specserve.worker.step_path import StepPath
+
 
 @dataclass
 class WorkerLoaded:
@@ -36,14 +41,14 @@ class WorkerStep:
     query_lens: np.ndarray
     seq_lens: np.ndarray
     block_table: np.ndarray
+    # The step's batch descriptor and path (worker/step_path.py): which of the rank's graphs it replays
+    # (distributed/graph_following.py).
+    descriptor: BatchDescriptor
+    path: StepPath
     tree_shift: np.ndarray | None = None
     tree_bits: np.ndarray | None = None
     lm_head_rows: list[np.ndarray] = field(default_factory=list)
     num_tree_moves: int = 0
-    # The step's batch descriptor and path (worker/step_path.py): which of the rank's graphs it replays
-    # (distributed/graph_following.py). None: eager, its parts as lm_head_rows and num_tree_moves say.
-    descriptor: object = None  # BatchDescriptor
-    path: object = None  # StepPath
 
 
 @dataclass
@@ -58,5 +63,5 @@ class WorkerAssignment:
     """Rank 0's answer to a WorkerHello: the engine's configuration and model (its files at the same path on
     every node), which the rank builds its shard from."""
 
-    config: object  # EngineConfig
-    source: object  # ModelSource
+    config: EngineConfig
+    source: ModelSource

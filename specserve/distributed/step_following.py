@@ -31,5 +31,5 @@ def worker_step(input_ids: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndar
         if path.verification in _VERIFYING_LOGITS:
             rows.append(plan.extras[StagedExtra.VERIFY_INDEX].reshape(-1))
     moves = len(plan.verify_rows) * tree_depth if path.whole is WholeStep.NONE and path.verification in _TREES else 0
-    return WorkerStep(input_ids, query_lens, seq_lens, block_table, *tree_layout, lm_head_rows=rows,
-                      num_tree_moves=moves, descriptor=desc, path=path)
+    return WorkerStep(input_ids, query_lens, seq_lens, block_table, desc, path, *tree_layout, lm_head_rows=rows,
+                      num_tree_moves=moves)

@@ -109,7 +109,8 @@ class TPWorkers:
             if not isinstance(hello, WorkerHello) or hello.rank not in expected:
                 self.close()
                 raise EngineUnavailableError(f"a node sent {hello!r} where one of ranks {sorted(expected)} was "
-                                             "expected; start every node with the same --tensor-parallel-size and --nnodes")
+                                             "expected; start every node with the same --tensor-parallel-size "
+                                             "and --nnodes")
             expected.discard(hello.rank)
             conn.send(WorkerAssignment(config, source))
             self.ranks.append(_Rank(hello.rank, conn, None))

@@ -40,7 +40,6 @@ from specserve.worker.input_buffers import InputBuffers
 from specserve.worker.kv_layout import KVCacheLayout, KVCaches
 from specserve.worker.kv_sizing import CudaMemory, KVCachePlan, plan_kv_cache, use_expandable_segments
 from specserve.worker.sample_and_verify import SampleAndVerify
-from specserve.worker.staged_inputs import StagedExtra
 from specserve.worker.step_handle import StepHandle
 from specserve.worker.step_outputs import StepOutputs
 from specserve.worker.step_path import (Drafting, GraphsReady, Sampling, SpeculatorKind, StepPath, StepRows,
