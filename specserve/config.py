@@ -102,6 +102,10 @@ class EngineConfig:
     nnodes: int = 1
     master_addr: str | None = None
     master_port: int | None = None
+    # Engine replicas behind one API server (as vLLM's --data-parallel-size), each an engine core process with
+    # GPUs of its own (docs/design.md, 'Data parallelism'). Only the server runs replicas; an engine in one
+    # process (LLM, LLMEngine) is one replica.
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         from specserve.spec_decode.config import SpeculativeConfig
@@ -153,6 +157,7 @@ class EngineConfig:
         self._check_draft_placement()
         self._check_cudagraph_fields()
         self._check_async_scheduling()
+        self._check_data_parallel()
         if self.warmup is None:
             self.warmup = self.device.startswith("cuda")
         _check(isinstance(self.warmup, bool), "warmup", f"must be True, False or None, got {self.warmup!r}")
@@ -231,6 +236,30 @@ class EngineConfig:
         from specserve.distributed.rendezvous import Rendezvous
 
         return Rendezvous.resolve(self.tensor_parallel_size, self.nnodes, self.master_addr, self.master_port)
+
+    def _check_data_parallel(self) -> None:
+        from specserve.engine.data_parallel import visible_gpus
+
+        dp = self.data_parallel_size
+        _check(type(dp) is int and dp >= 1, "data_parallel_size", f"must be an integer >= 1, got {dp!r}")
+        # Each replica's ranks meet at a free port of their own.
+        _check(dp == 1 or (self.nnodes == 1 and self.master_port is None), "data_parallel_size",
+               f"{dp} replicas run on one node, each its ranks meeting at a port of its own; leave nnodes and "
+               "master_port out with data_parallel_size > 1")
+        if not self.device.startswith("cuda") or dp == 1:
+            return
+        _check(self.device == "cuda", "device",
+               f"is {self.device!r}, but with data_parallel_size={dp} each replica runs on GPUs of its own; give "
+               "device='cuda' and choose the GPUs with CUDA_VISIBLE_DEVICES")
+        per_replica, have = self.gpus_per_replica, len(visible_gpus())
+        _check(dp * per_replica <= have, "data_parallel_size",
+               f"{dp} replicas of {per_replica} GPU each need {dp * per_replica} GPUs, but {have} are visible; "
+               f"lower --data-parallel-size to {have // per_replica} or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+
+    @property
+    def gpus_per_replica(self) -> int:
+        """The GPUs one replica (one engine core) runs on: one per tensor-parallel rank."""
+        return self.tensor_parallel_size
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "127.0.0.1 on one node)")
     g.add_argument("--master-port", type=int, help="a free port of node 0 (and the one after it) where the ranks "
                    "meet (default: MASTER_PORT, else a free port on one node)")
+    g.add_argument("--data-parallel-size", type=int, default=1, metavar="M",
+                   help="engine replicas behind one server (serve only), each on GPUs of its own; new requests go to "
+                        "the least loaded")
     g.add_argument("--speculative-config", help='JSON as in vLLM, e.g. \'{"method": "eagle3", "model": PATH, '
                    '"num_speculative_tokens": 4}\'; methods: eagle, eagle3, ngram, draft_model')
 
@@ -60,7 +63,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
         enable_prefix_caching=not a.no_prefix_caching, enable_chunked_prefill=not a.no_chunked_prefill, seed=a.seed,
         speculative_config=a.speculative_config, gpu_memory_utilization=a.gpu_memory_utilization,
         kv_cache_memory_bytes=a.kv_cache_memory, tensor_parallel_size=a.tensor_parallel_size, nnodes=a.nnodes,
-        master_addr=a.master_addr, master_port=a.master_port,
+        master_addr=a.master_addr, master_port=a.master_port, data_parallel_size=a.data_parallel_size,
     )
 
 
