@@ -94,6 +94,14 @@ class EngineConfig:
     # Run every kernel shape a request can hit once at start-up (engine/warmup.py), so that no request waits
     # for a kernel to compile. None: on CUDA, where kernels compile; off on the CPU.
     warmup: bool | None = None
+    # Ranks the model is sharded over (docs/design.md, 'Tensor parallelism'), one process each: this one and
+    # tensor_parallel_size - 1 it starts. On CUDA rank r runs on cuda:r.
+    tensor_parallel_size: int = 1
+    # Several nodes (specserve/distributed/rendezvous.py): nodes sharing the ranks, and where they meet (node 0's
+    # address and a port; None: MASTER_ADDR / MASTER_PORT, else on one node 127.0.0.1 and a free port).
+    nnodes: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
     # Engine replicas behind one API server (as vLLM's --data-parallel-size), each an engine core process with
     # GPUs of its own (docs/design.md, 'Data parallelism'). Only the server runs replicas; an engine in one
     # process (LLM, LLMEngine) is one replica.
@@ -141,12 +149,49 @@ class EngineConfig:
                "and num_kv_blocks both size the KV cache; give one of them")
         _check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                f"must be >= 1, got {self.max_num_batched_tokens}")
+        tp = self.tensor_parallel_size
+        _check(type(tp) is int and tp >= 1, "tensor_parallel_size", f"must be an integer >= 1, got {tp!r}")
+        self.rendezvous()  # raises on nodes that cannot share the ranks, or no address to meet at
+        if tp > 1:
+            self._check_tensor_parallel()
+        self._check_draft_placement()
         self._check_cudagraph_fields()
         self._check_async_scheduling()
         self._check_data_parallel()
         if self.warmup is None:
             self.warmup = self.device.startswith("cuda")
         _check(isinstance(self.warmup, bool), "warmup", f"must be True, False or None, got {self.warmup!r}")
+
+    def _check_tensor_parallel(self) -> None:
+        """What runs sharded so far: the target (in graphs or eagerly) scheduled synchronously, a drafter on
+        rank 0. None fields choose that."""
+        tp = self.tensor_parallel_size
+        _check(not self.debug_cudagraph and os.environ.get("SPECSERVE_DEBUG_CUDAGRAPH", "0") in ("", "0"),
+               "debug_cudagraph", f"re-runs replayed steps eagerly on rank 0 alone, which the other ranks' "
+               f"collectives cannot follow; turn it off with tensor_parallel_size > 1 (got {tp})")
+        if self.async_scheduling is None:
+            self.async_scheduling = False
+        _check(not self.async_scheduling, "async_scheduling",
+               f"asynchronous scheduling is not supported yet with tensor_parallel_size > 1 (got {tp}); "
+               "pass async_scheduling=False")
+        if self.device.startswith("cuda"):
+            _check(self.device == "cuda", "device", f"with tensor_parallel_size > 1 rank r runs on cuda:r; pass "
+                   f"device='cuda', not {self.device!r} (choose the GPUs with CUDA_VISIBLE_DEVICES)")
+            per_node = tp // self.nnodes
+            _check(torch.cuda.device_count() >= per_node, "tensor_parallel_size",
+                   f"{per_node} ranks on this node need {per_node} GPUs, torch sees {torch.cuda.device_count()}; "
+                   "lower tensor_parallel_size, make more GPUs visible (CUDA_VISIBLE_DEVICES) or add nodes (nnodes)")
+
+    def _check_draft_placement(self) -> None:
+        spec, tp = self.speculative_config, self.tensor_parallel_size
+        draft_tp = None if spec is None else spec.draft_tensor_parallel_size
+        if draft_tp is None:
+            return
+        field = "speculative_config.draft_tensor_parallel_size"
+        _check(type(draft_tp) is int and draft_tp in (1, tp), field,
+               f"must be 1 (the drafter whole on rank 0) or tensor_parallel_size ({tp}), got {draft_tp!r}")
+        _check(draft_tp == 1, field, f"{draft_tp} (the drafter sharded like the target) is not supported yet; "
+               "pass 1, which runs the drafter whole on rank 0")
 
     def _check_async_scheduling(self) -> None:
         spec = self.speculative_config
@@ -186,11 +231,21 @@ class EngineConfig:
             self.cudagraph_capture_sizes = sorted(set(sizes))
         self.debug_cudagraph = self.debug_cudagraph or os.environ.get("SPECSERVE_DEBUG_CUDAGRAPH", "0") not in ("", "0")
 
+    def rendezvous(self):
+        """Where this engine's ranks meet (distributed/rendezvous.py); a free port each call unless one is set."""
+        from specserve.distributed.rendezvous import Rendezvous
+
+        return Rendezvous.resolve(self.tensor_parallel_size, self.nnodes, self.master_addr, self.master_port)
+
     def _check_data_parallel(self) -> None:
         from specserve.engine.data_parallel import visible_gpus
 
         dp = self.data_parallel_size
         _check(type(dp) is int and dp >= 1, "data_parallel_size", f"must be an integer >= 1, got {dp!r}")
+        # Each replica's ranks meet at a free port of their own.
+        _check(dp == 1 or (self.nnodes == 1 and self.master_port is None), "data_parallel_size",
+               f"{dp} replicas run on one node, each its ranks meeting at a port of its own; leave nnodes and "
+               "master_port out with data_parallel_size > 1")
         if not self.device.startswith("cuda") or dp == 1:
             return
         _check(self.device == "cuda", "device",
@@ -203,8 +258,8 @@ class EngineConfig:
 
     @property
     def gpus_per_replica(self) -> int:
-        """The GPUs one replica (one engine core) runs on: the whole model on one GPU."""
-        return 1
+        """The GPUs one replica (one engine core) runs on: one per tensor-parallel rank."""
+        return self.tensor_parallel_size
 
     @property
     def torch_dtype(self) -> torch.dtype:

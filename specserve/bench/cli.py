@@ -26,8 +26,8 @@ def add_decode_parser(bench_sub: argparse._SubParsersAction) -> None:
                    help="full: every graph mode, a batch sweep and EAGLE-3 at forced acceptance, for the Llama-3-8B "
                    "shape and SmolLM2 on one GPU, sized for one 10-minute run (it starts nothing new after "
                    "540 s); tiny: a 4-layer model on the CPU in seconds")
-    p.add_argument("--models", type=_names, help="comma-separated shape names (llama3-8b, tiny: random weights) "
-                   "or model names / paths (their own weights)")
+    p.add_argument("--models", type=_names, help="comma-separated shape names (llama3-8b, qwen2.5-32b, tiny: random "
+                   "weights) or model names / paths (their own weights)")
     p.add_argument("--model", help="the model benchmarked with its own weights, in place of the preset's "
                    "(smollm2-135m): a name, a Hugging Face directory or a .gguf file")
     p.add_argument("--device", help="cuda or cpu")
@@ -47,6 +47,8 @@ def add_decode_parser(bench_sub: argparse._SubParsersAction) -> None:
                    help="auto (default): the engine's own sizes for each model's first engine, the measured "
                    "batch sizes for the others; default: the engine's own everywhere; batches: measured only")
     p.add_argument("--bandwidth-tbps", type=float, help="memory bandwidth for the limit (default: measured)")
+    p.add_argument("--tensor-parallel-size", type=int, help="shard every engine's target over this many GPUs "
+                   "(rank r on cuda:r; on the CPU, processes over gloo) and time each step's collectives")
     p.add_argument("--time-budget", type=float, help="seconds after which remaining figures are skipped")
     p.add_argument("--json", type=Path, help="write the results here as JSON (kept current during the run)")
     p.add_argument("--markdown", type=Path, help="write the tables here (kept current during the run)")
@@ -67,7 +69,7 @@ def config_from_args(a: argparse.Namespace):
         spec=None if a.spec is None else [SpecSetting.parse(s) for s in a.spec],
         spec_batch_sizes=a.spec_batch_sizes, hf_batch_sizes=a.hf_batch_sizes, prompt_len=a.prompt_len,
         new_tokens=a.new_tokens, hf_new_tokens=a.hf_new_tokens, capture_sizes=a.capture_sizes,
-        bandwidth_tbps=a.bandwidth_tbps, time_budget_s=a.time_budget)
+        bandwidth_tbps=a.bandwidth_tbps, time_budget_s=a.time_budget, tensor_parallel_size=a.tensor_parallel_size)
 
 
 def cmd_bench_decode(a: argparse.Namespace) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from specserve.bench.models import BenchModel, build_hf_model, distinct_params, prepare_model, write_random_eagle3_head
+from specserve.distributed.collective_probe import step_collective_seconds
 from specserve.errors import ConfigError
 from specserve.spec_decode.config import MAX_SPECULATIVE_TOKENS
 from specserve.worker.cudagraph_mode import CUDAGraphMode
@@ -98,6 +99,8 @@ class DecodeBenchConfig:
     # Jobs and batches not started after this many seconds are recorded as skipped.
     time_budget_s: float | None = None
     seed: int = 0
+    # Ranks each engine shards its target over (one GPU each); > 1 also measures each step's collectives.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -134,6 +137,8 @@ class DecodeBenchConfig:
             raise _bad("capture_sizes", f"must be one of {', '.join(CAPTURE_POLICIES)}, got {self.capture_sizes!r}")
         if self.bandwidth_tbps is not None and self.bandwidth_tbps <= 0:
             raise _bad("bandwidth_tbps", f"must be > 0, got {self.bandwidth_tbps}")
+        if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
+            raise _bad("tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise _bad("time_budget_s", f"must be > 0, got {self.time_budget_s}")
 
@@ -233,6 +238,8 @@ class Row:
     tok_s: float | None = None
     # Tokens emitted per verification step (accepted drafts + 1), measured.
     accept_len: float | None = None
+    # Under tensor parallelism: the time of one step's collectives alone (distributed/collective_probe.py).
+    collectives_ms: float | None = None
     error: str | None = None
 
     @property
@@ -259,7 +266,8 @@ class ModelInfo:
     name: str
     random_weights: bool
     num_params: int
-    weight_bytes: int
+    weight_bytes: int  # read by one GPU each step: under tensor parallelism, rank 0's shard
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -274,7 +282,8 @@ class BenchResults:
     rows: list[Row] = field(default_factory=list)
 
     def limit_tok_s(self, row: Row) -> float | None:
-        """Weight-read limit without speculation: every step reads all weights once for `batch` tokens."""
+        """Weight-read limit without speculation: every step reads all weights once for `batch` tokens (under
+        tensor parallelism each GPU its shard, all at once: the GPUs' bandwidths add up)."""
         info = self.models.get(row.model)
         if info is None or row.spec != "none":
             return None
@@ -447,6 +456,7 @@ class DecodeBench:
             # The whole batch's prompts in one step: every request then decodes in lockstep.
             max_num_batched_tokens=max(2048, max_batch * cfg.prompt_len),
             enable_prefix_caching=False, speculative_config=spec, cudagraph_mode=job.mode,
+            tensor_parallel_size=cfg.tensor_parallel_size,
             cudagraph_capture_sizes=sizes,
             # Each batch size runs once untimed before its timed runs, which is all the warm-up it needs; the
             # engine's start-up warm-up of every shape would only lengthen the build.
@@ -456,13 +466,21 @@ class DecodeBench:
         self.results.engines.append(record)
         start = time.perf_counter()
         engine = LLMEngine(config)
+        try:
+            self._measure_engine(job, engine, record, start)
+        finally:
+            engine.core.close()  # stops the other tensor-parallel ranks before the next engine starts them
+
+    def _measure_engine(self, job: EngineJob, engine, record: EngineRecord, start: float) -> None:
+        cfg = self.cfg
         record.build_s = time.perf_counter() - start
         record.capture_s = getattr(engine.runner, "capture_seconds", None)
         record.graph_memory_bytes = getattr(engine.runner, "graph_memory_bytes", None)
         self._log(f"  engine built in {record.build_s:.1f} s"
                   + (f" (graph capture {record.capture_s:.1f} s)" if record.capture_s is not None else ""))
         if job.model not in self.results.models:
-            self.results.models[job.model] = ModelInfo(job.model, model.random_weights, *distinct_params(engine.core.model))
+            self.results.models[job.model] = ModelInfo(job.model, self._model(job.model).random_weights,
+                                                       *distinct_params(engine.core.model), cfg.tensor_parallel_size)
         self._save()
         vocab = engine.core.arch.vocab_size
         for b in job.batch_sizes:
@@ -475,7 +493,12 @@ class DecodeBench:
             runs = [time_engine(engine, make_prompts(b, cfg.prompt_len, vocab, cfg.seed + r), cfg.new_tokens)
                     for r in range(RUNS_PER_FIGURE)]
             t = sorted(runs, key=lambda run: run.tok_s)[RUNS_PER_FIGURE // 2]
-            self._add(Row(job.model, "specserve", job.mode, job.spec_label, b, t.tok_s, t.accept_len))
+            collectives = None
+            if cfg.tensor_parallel_size > 1:
+                # A decode step's tokens and logits rows: each request's token, and its drafts when verifying.
+                rows = b * (1 + (job.spec.k if job.spec else 0))
+                collectives = 1e3 * step_collective_seconds(engine.core, rows, rows)
+            self._add(Row(job.model, "specserve", job.mode, job.spec_label, b, t.tok_s, t.accept_len, collectives))
 
     def _run_hf(self, job: HFJob) -> None:
         model = self._model(job.model)

@@ -21,6 +21,11 @@ SHAPES: dict[str, dict] = {
     "smollm2-shape": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                           num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
                           rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
+    # Qwen2.5-32B's shape (qkv bias, as Qwen2's), for tensor parallelism: 64 GB of bf16 weights.
+    "qwen2.5-32b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=5120,
+                        intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+                        vocab_size=152064, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                        tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
     # Four layers: the fewest that leave EAGLE-3's default auxiliary layers (2, L/2, L-3) inside the model.
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-5,
@@ -56,7 +61,7 @@ def prepare_model(name: str, root: Path, dtype: torch.dtype) -> BenchModel:
             # dequantized and cast as the engine would, are read once and kept as a Hugging Face directory.
             return BenchModel(name, str(write_hf_directory(source, path, dtype)), "auto", source.hf_config)
         return BenchModel(name, name, "auto", source.hf_config)
-    cfg = dict(SHAPES[name], architectures=["LlamaForCausalLM"], model_type="llama")
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **SHAPES[name]}
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     _save_tokenizer(path, cfg["vocab_size"])

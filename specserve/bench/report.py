@@ -7,7 +7,7 @@ from dataclasses import asdict
 from specserve.bench.decode import GRAPH_MODES, BenchResults, Row
 
 COLUMNS = ["system", "graph mode", "speculation", "batch", "tok/s", "ms/token", "x transformers", "x no-spec",
-           "tokens/step", "limit tok/s"]
+           "tokens/step", "limit tok/s", "collectives ms/step"]
 
 
 def derived(results: BenchResults, row: Row) -> dict:
@@ -47,14 +47,18 @@ def to_markdown(results: BenchResults) -> str:
            + f"; {cfg['dtype']}; prompt {cfg['prompt_len']} tokens, {cfg['new_tokens']} new tokens per request "
            f"({cfg['hf_new_tokens']} for transformers), greedy, EOS ignored; decode tokens/s after the prefill. "
            f"Bandwidth {bw:.2f} TB/s ({'device-to-device copy, measured' if results.bandwidth_measured else 'given'});"
-           " limit tok/s = batch x bandwidth / weight bytes (no speculation). Speculation: a random EAGLE-3 head, "
+           " limit tok/s = batch x bandwidth / weight bytes (no speculation; under tensor parallelism the bytes "
+           "one GPU reads, its shard). Collectives ms/step: one step's all-reduces and all-gather replayed alone "
+           "on every rank. Speculation: a random EAGLE-3 head, "
            "each draft accepted with probability p.", ""]
     for model in dict.fromkeys(r.model for r in results.rows):
         info = results.models.get(model)
         head = f"### {model}"
         if info is not None:
             kind = "random weights" if info.random_weights else "its own weights"
-            head += (f" ({kind}, {info.num_params / 1e6:,.1f} M parameters, {info.weight_bytes / 1e9:.3f} GB; "
+            tp = info.tensor_parallel_size
+            shard = f" per GPU, tensor parallel over {tp} GPUs" if tp > 1 else ""
+            head += (f" ({kind}, {info.num_params / 1e6:,.1f} M parameters, {info.weight_bytes / 1e9:.3f} GB{shard}; "
                      f"batch-1 limit {results.bandwidth_bytes_s / info.weight_bytes:,.0f} tok/s)")
         out += [head, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         errors = []
@@ -65,7 +69,7 @@ def to_markdown(results: BenchResults) -> str:
             out.append("| " + " | ".join([
                 row.system, row.mode, row.spec, str(row.batch), _num(row.tok_s) if not row.error else "failed",
                 _num(d["ms_per_token"], 2), _num(d["x_transformers"], 2, "x"), _num(d["x_no_spec"], 2, "x"),
-                _num(row.accept_len, 2), _num(d["limit_tok_s"])]) + " |")
+                _num(row.accept_len, 2), _num(d["limit_tok_s"]), _num(row.collectives_ms, 3)]) + " |")
         engines = [e for e in results.engines if e.model == model]
         if engines:
             out += ["", "| graph mode | speculation | engine build s | graph capture s | graph memory GiB | capture sizes |",

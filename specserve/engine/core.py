@@ -11,6 +11,8 @@ import logging
 
 from specserve.attention.backend import get_attention_backend
 from specserve.config import EngineConfig
+from specserve.distributed.parallel_state import rank_device, tp_group
+from specserve.distributed.workers import TPWorkers
 from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.messages import CoreOutput, CoreReady, CoreRequest, EngineStats
 from specserve.engine.request import Request, RequestStatus
@@ -55,18 +57,28 @@ class EngineCore:
         source = source if source is not None else open_model_source(config.model, config.revision)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source, config.tokenizer)
         backend = get_attention_backend(config.attention_backend)
+        # Tensor parallel: this process is rank 0, the scheduler's; the others follow its steps.
+        self.tp_workers = None
+        if config.tensor_parallel_size > 1:
+            config.device = rank_device(config.device, 0)
+            self.tp_workers = TPWorkers(config, source)
         self.model, self.arch = build_model(source, config.torch_dtype, config.device, backend,
-                                             load_format=config.load_format, seed=config.seed)
+                                             load_format=config.load_format, seed=config.seed, tp=tp_group())
         config.finalize(self.arch.max_context)
         self.eos_token_ids = eos_token_ids(source, self.arch, tokenizer)
         self.tokenizer = tokenizer
         # Built with the first request that has a structured_output (reading the vocabulary takes a while).
         self._structured: StructuredOutputManager | None = None
-        self.runner = ModelRunner(self.model, self.arch, config)
+        # model.cfg: the rank's shard of the architecture, which sizes its KV cache.
+        self.runner = ModelRunner(self.model, self.model.cfg, config, self.tp_workers)
         spec = config.speculative_config
         if spec is not None:
             self.runner.set_speculator(build_speculator(spec, self.runner, backend), spec.forced_acceptance_prob)
+        if self.tp_workers is not None:
+            self.tp_workers.wait_until_loaded()
         self.runner.initialize_kv_cache(backend)
+        if self.tp_workers is not None:
+            self.tp_workers.wait_until_ready()
         self.attention_backend = backend
         mode = CUDAGraphMode(config.cudagraph_mode)
         if mode is not CUDAGraphMode.NONE:
@@ -88,6 +100,11 @@ class EngineCore:
         logger.info("specserve ready: %s (%s, %s, %d layers), max_model_len=%d%s", source.name, self.arch.architecture,
                     config.torch_dtype, self.arch.num_layers, config.max_model_len,
                     ", asynchronous scheduling" if config.async_scheduling else "")
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (also done when the core is collected); nothing to do at 1."""
+        if self.tp_workers is not None:
+            self.tp_workers.close()
 
     def ready_message(self) -> CoreReady:
         return CoreReady(self.config.max_model_len, self.kv.num_blocks, self.config.block_size)

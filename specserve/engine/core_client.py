@@ -57,7 +57,10 @@ class CoreClient:
 
     def start(self, max_waiting: int, log_level: int, core_factory: Callable | None) -> None:
         spawn = multiprocessing.get_context("spawn")
-        self.process = spawn.Process(target=run_engine_core, name=f"specserve-engine-core-{self.index}", daemon=True,
+        # A daemonic process may not start processes: at tensor_parallel_size > 1 the core starts the other
+        # ranks, and stop() ends it.
+        self.process = spawn.Process(target=run_engine_core, name=f"specserve-engine-core-{self.index}",
+                                     daemon=self.config.tensor_parallel_size == 1,
                                      args=(self.config, self.addresses, max_waiting, log_level, core_factory))
         with visible_to_child(self.gpus):
             self.process.start()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 from dataclasses import dataclass
 
 import msgspec
@@ -42,6 +43,8 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, max_waiting:
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     # Ctrl-C reaches the whole process group; the front end decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM unwinds the process, so that the finally below stops the tensor-parallel workers before it exits.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     parent = os.getppid()
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -52,6 +55,7 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, max_waiting:
     outbox.setsockopt(zmq.LINGER, 2000)
     outbox.connect(addresses.outputs)
     encoder = msgspec.msgpack.Encoder()
+    core = None
     try:
         if core_factory is None:
             from specserve.engine.core import EngineCore
@@ -63,6 +67,8 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, max_waiting:
         logger.exception("the engine core stopped on an error")
         outbox.send(encoder.encode(CoreFailed(f"{type(e).__name__}: {e}")))
     finally:
+        if core is not None:
+            core.close()
         inbox.close(linger=0)
         outbox.close()
         ctx.term()

@@ -28,6 +28,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks (processes; GPUs on CUDA) the model is sharded over")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes sharing the --tensor-parallel-size ranks equally "
+                   "(README, 'Several nodes'); run the same command on each, with its --node-rank")
+    g.add_argument("--node-rank", type=int, default=0, help="this node's index: 0 runs the engine (and the server), "
+                   "1..nnodes-1 only their ranks")
+    g.add_argument("--master-addr", help="node 0's address, where the ranks meet (default: MASTER_ADDR, else "
+                   "127.0.0.1 on one node)")
+    g.add_argument("--master-port", type=int, help="a free port of node 0 (and the one after it) where the ranks "
+                   "meet (default: MASTER_PORT, else a free port on one node)")
     g.add_argument("--data-parallel-size", type=int, default=1, metavar="M",
                    help="engine replicas behind one server (serve only), each on GPUs of its own; new requests go to "
                         "the least loaded")
@@ -52,8 +62,19 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         enable_prefix_caching=not a.no_prefix_caching, enable_chunked_prefill=not a.no_chunked_prefill, seed=a.seed,
         speculative_config=a.speculative_config, gpu_memory_utilization=a.gpu_memory_utilization,
-        kv_cache_memory_bytes=a.kv_cache_memory, data_parallel_size=a.data_parallel_size,
+        kv_cache_memory_bytes=a.kv_cache_memory, tensor_parallel_size=a.tensor_parallel_size, nnodes=a.nnodes,
+        master_addr=a.master_addr, master_port=a.master_port, data_parallel_size=a.data_parallel_size,
     )
+
+
+def run_worker_node(a: argparse.Namespace) -> int:
+    """A node of rank 1.. runs its tensor-parallel ranks only, until node 0's engine stops; its exit status
+    counts the ranks that failed."""
+    from specserve.distributed.rendezvous import Rendezvous
+    from specserve.distributed.worker_node import run_worker_node as run_node
+
+    rendezvous = Rendezvous.resolve(a.tensor_parallel_size, a.nnodes, a.master_addr, a.master_port)
+    return min(run_node(a.tensor_parallel_size, rendezvous, a.node_rank), 1)
 
 
 def memory_size(text: str) -> int:
@@ -184,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="transformers")
     try:
+        if getattr(args, "node_rank", 0):
+            return run_worker_node(args)
         args.func(args)
     except SpecserveError as e:
         print(f"error: {e}", file=sys.stderr)

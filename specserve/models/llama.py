@@ -16,11 +16,16 @@ from torch import nn
 
 from specserve.attention.backend import AttentionBackend
 from specserve.attention.metadata import AttentionMetadata
+from specserve.distributed.communication import all_reduce
+from specserve.distributed.parallel_state import TPGroup
 from specserve.sample.argmax import greedy_argmax
 from specserve.models.arch_config import ArchConfig
 from specserve.models.layers import (FusableModule, GatedMLP, RMSNorm, RotaryEmbedding, add_and_norm, folds_norm,
                                      fuses_neighbours, output_projection, prologue_args)
+from specserve.models.parallel_layers import ParallelLMHead, VocabParallelEmbedding, shard_arch, shard_weight
 from specserve.models.weight_loading import load_hf_weights
+
+SINGLE = TPGroup(0, 1)
 
 
 class Attention(FusableModule):
@@ -83,8 +88,10 @@ class Attention(FusableModule):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, tp: TPGroup = SINGLE):
         super().__init__()
+        # Sharded, attention's and the MLP's outputs are each rank's partial sums (models/parallel_layers.py).
+        self.sharded = tp.size > 1
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -99,24 +106,35 @@ class DecoderLayer(nn.Module):
         """
         x, residual = self.self_attn.forward_prenorm(self.input_layernorm, x, residual, positions, rotary,
                                                      kv_cache, metadata)
-        return self.mlp.forward_prenorm(self.post_attention_layernorm, x, residual)
+        if self.sharded:
+            x = all_reduce(x)
+        x, residual = self.mlp.forward_prenorm(self.post_attention_layernorm, x, residual)
+        return (all_reduce(x) if self.sharded else x), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, tp: TPGroup = SINGLE):
+        """cfg: the rank's shard of the architecture (shard_arch) when tp has several ranks."""
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp) if tp.size > 1
+                             else nn.Embedding(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, aux_hidden_layers: tuple[int, ...] = ()):
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, aux_hidden_layers: tuple[int, ...] = (),
+                 tp: TPGroup = SINGLE):
+        """cfg: the whole model's architecture; with tp of several ranks this module is rank tp.rank's shard."""
         super().__init__()
-        self.cfg = cfg
-        self.model = LlamaModel(cfg, backend)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.whole_cfg = cfg
+        # The rank's architecture: what its modules, weight loading and KV cache are sized by.
+        self.cfg = cfg = shard_arch(cfg, tp) if tp.size > 1 else cfg
+        self.model = LlamaModel(cfg, backend, tp)
+        self.lm_head = (ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp) if tp.size > 1
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         self.tie_weights()
         # Layers whose input hidden states a speculator (EAGLE-3) reads from the same forward pass.
         self.aux_hidden_layers = aux_hidden_layers
@@ -155,4 +173,6 @@ class LlamaForCausalLM(nn.Module):
                 return None
             return name
 
-        load_hf_weights(self, weights, self.cfg, rename)
+        whole, tp = self.whole_cfg, self.tp
+        shard = (lambda name, part, t: shard_weight(name, part, t, whole, tp)) if tp.size > 1 else None
+        load_hf_weights(self, weights, self.cfg, rename, shard=shard)

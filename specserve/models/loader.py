@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specserve.distributed.parallel_state import TPGroup
 from specserve.errors import ModelLoadError
 from specserve.models.arch_config import ArchConfig
 from specserve.models.gguf_file import gguf_hf_config, gguf_weights, open_gguf
@@ -104,11 +105,13 @@ def _read_safetensors(f: Path):
         raise ModelLoadError(f"cannot read {f}: {e}. The file is corrupt or truncated; download it again") from e
 
 
-def safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_weights(path: Path, names: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the directory's files, or only those named `names`."""
     for f in _safetensors_files(path):
         with _read_safetensors(f) as st:
             for name in st.keys():
-                yield name, st.get_tensor(name)
+                if names is None or name in names:
+                    yield name, st.get_tensor(name)
 
 
 def count_safetensors(path: Path) -> int:
@@ -129,6 +132,14 @@ def hf_named_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
         weights, total = safetensors_weights(source.path), count_safetensors(source.path)
     # Counted against the total and left on screen, so that a log shows how many tensors were read.
     return iter(tqdm(weights, total=total, desc=f"Loading {source.name}", unit="tensor"))
+
+
+def whole_tensors(source: ModelSource, names: set[str]) -> dict[str, torch.Tensor]:
+    """The source's tensors `names` (Hugging Face names) whole, as a tensor-parallel rank's model holds only its
+    shard of them; absent names are left out."""
+    weights = (gguf_weights(open_gguf(source.path), source.hf_config) if source.is_gguf
+               else safetensors_weights(source.path, names))
+    return {name: t for name, t in weights if name in names}
 
 
 def load_weights_into(model: torch.nn.Module, source: ModelSource) -> None:
@@ -182,12 +193,14 @@ def init_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> 
 
 
 def build_model(source: ModelSource, dtype: torch.dtype, device: str, backend, aux_hidden_layers=(),
-                load_format: str = "auto", seed: int = 0):
+                load_format: str = "auto", seed: int = 0, tp: TPGroup = TPGroup(0, 1)):
+    """(model, the whole model's architecture); with tp of several ranks the model is rank tp.rank's shard
+    (models/parallel_layers.py), whose own architecture is model.cfg."""
     from specserve.models.llama import LlamaForCausalLM
 
     arch = ArchConfig.from_hf_config(source.hf_config)
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, backend, aux_hidden_layers)
+        model = LlamaForCausalLM(arch, backend, aux_hidden_layers, tp)
     if load_format == "dummy":
         # Cast while still on meta and allocate straight on the device: an 8B model never exists in
         # float32 or on the host.

@@ -22,8 +22,11 @@ def load_hf_weights(
     cfg: ArchConfig,
     rename: Callable[[str], str | None] = lambda n: n,
     optional: tuple[str, ...] = (),
+    shard: Callable[[str, int | None, torch.Tensor], torch.Tensor] | None = None,
 ) -> set[str]:
-    """Copy weights into module; `rename` maps a checkpoint name to ours (None skips it).
+    """Copy weights into module; `rename` maps a checkpoint name to ours (None skips it). `shard(name, part,
+    tensor)` cuts a tensor to this rank's slice (models/parallel_layers.py, shard_weight) before its copy;
+    `part` indexes the parts of a fused parameter (q, k, v; gate, up), None for others.
 
     Raises ModelLoadError on an unknown name, a wrong shape, or a missing weight
     (parameters whose name starts with one of `optional` may be missing).
@@ -40,23 +43,25 @@ def load_hf_weights(
         if name is None:
             continue
         parts = name.split(".")
-        shard = None
+        part = None
         for i, p in enumerate(parts):
             if p in _FUSED:
-                fused, shard = _FUSED[p]
+                fused, part = _FUSED[p]
                 name = ".".join(parts[:i] + [fused] + parts[i + 1:])
                 break
         if name not in params:
             raise ModelLoadError(f"weight {raw_name!r} does not belong to a {type(module).__name__} "
                                  f"({cfg.architecture}); is the config right?")
         dst = params[name].data
-        if shard is not None:
+        if part is not None:
             sizes = shard_sizes[name.split(".")[-2]]
-            dst = dst.narrow(0, sum(sizes[:shard]), sizes[shard])
+            dst = dst.narrow(0, sum(sizes[:part]), sizes[part])
+        if shard is not None:
+            tensor = shard(name, part, tensor)
         if dst.shape != tensor.shape:
             raise ModelLoadError(f"weight {raw_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
         dst.copy_(tensor)
-        loaded.add(f"{name}#{shard}")
+        loaded.add(f"{name}#{part}")
 
     expected = set()
     for pname, _ in module.named_parameters():

@@ -27,6 +27,10 @@ class SpeculativeConfig:
     # EAGLE heads only: draft a static tree of the head's ranked guesses instead of a chain (tree.py), as
     # vLLM's field of this name: "[(0,), (1,), (0, 0)]". num_speculative_tokens is then the tree's depth.
     speculative_token_tree: str | list | None = None
+    # Under tensor parallelism, where the drafter runs (docs/design.md, 'Tensor parallelism'): 1, whole on
+    # rank 0 (the other ranks hold the target's shards only). The target's size (sharded like it) is refused
+    # by EngineConfig. None: 1.
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> None:

@@ -5,6 +5,8 @@ import json
 import logging
 from pathlib import Path
 
+import torch
+
 from specserve.errors import ConfigError, ModelLoadError
 from specserve.models.arch_config import ArchConfig
 from specserve.spec_decode.config import SpeculativeConfig
@@ -44,7 +46,25 @@ def _check_fit(head: ArchConfig, target: ArchConfig, what: str) -> None:
         raise _bad("model", f"the {what}'s {why}; use a {what} trained for this target")
 
 
-def load_head(cfg: SpeculativeConfig, target_model, target: ArchConfig, backend):
+def _shared_weight(runner, name: str) -> torch.nn.Parameter | None:
+    """The target's `name` (model.embed_tokens.weight or lm_head.weight), for a head without its own. Under
+    tensor parallelism the target holds a shard of it and the head runs whole on rank 0, so it is read whole
+    from the target's checkpoint; with random weights (load_format dummy) there is none, and the head keeps
+    its own random one."""
+    if runner.config.tensor_parallel_size == 1:
+        module = runner.model.model.embed_tokens if name == "model.embed_tokens.weight" else runner.model.lm_head
+        return module.weight
+    if runner.config.load_format == "dummy":
+        return None
+    from specserve.models.loader import open_model_source, whole_tensors
+
+    embed = "model.embed_tokens.weight"
+    found = whole_tensors(open_model_source(runner.config.model, runner.config.revision), {name, embed})
+    # A target that ties lm_head to its embedding stores the embedding only.
+    return torch.nn.Parameter(found.get(name, found[embed]), requires_grad=False)
+
+
+def load_head(cfg: SpeculativeConfig, runner, target: ArchConfig, backend):
     from specserve.models.eagle import EagleHead
     from specserve.models.eagle3 import Eagle3Head, default_aux_layers
     from specserve.models.loader import safetensors_weights
@@ -63,10 +83,13 @@ def load_head(cfg: SpeculativeConfig, target_model, target: ArchConfig, backend)
         head = Eagle3Head(arch, backend, raw.get("draft_vocab_size") or arch.vocab_size, target.hidden_size, layers)
     loaded = head.load_weights(safetensors_weights(path))
     # Heads usually share the target's embedding (and EAGLE-1 its lm_head): take them when absent.
-    if "embed_tokens.weight" not in loaded:
-        head.embed_tokens.weight = target_model.model.embed_tokens.weight
+    missing = ["model.embed_tokens.weight"] if "embed_tokens.weight" not in loaded else []
     if cfg.method == "eagle" and "lm_head.weight" not in loaded:
-        head.lm_head.weight = target_model.lm_head.weight
+        missing.append("lm_head.weight")
+    for name in missing:
+        weight = _shared_weight(runner, name)
+        if weight is not None:
+            (head.embed_tokens if name.startswith("model.") else head.lm_head).weight = weight
     return head
 
 
@@ -96,7 +119,7 @@ def build_speculator(cfg: SpeculativeConfig, runner, backend) -> Speculator:
         return DraftModelSpeculator(model, arch, **common)
     from specserve.spec_decode.eagle.speculator import EagleSpeculator
 
-    head = load_head(cfg, runner.model, target, backend).to(device=runner.device, dtype=runner.dtype)
+    head = load_head(cfg, runner, target, backend).to(device=runner.device, dtype=runner.dtype)
     head = head.eval().requires_grad_(False)
     logger.info("%s head loaded from %s", cfg.method.upper(), cfg.model)
     return EagleSpeculator(head, dtype=runner.dtype, tree_tables=runner.tree_tables, **common)

@@ -195,9 +195,11 @@ def plan_from_profile(profile: MemoryProfile, utilization: float, block_bytes: i
     return replace(plan, profile=profile)
 
 
-def plan_kv_cache(runner, capture: Callable[[], None] | None) -> KVCachePlan:
+def plan_kv_cache(runner, capture: Callable[[], None] | None,
+                  run_step: Callable[[SchedulerOutput], object]) -> KVCachePlan:
     """The pool's size for runner's config (module docstring). capture() records the runner's CUDA graphs (None
-    without graphs); on CUDA sizing by utilization, a trial capture measures them."""
+    without graphs); on CUDA sizing by utilization, a trial capture measures them, and run_step(step) runs the
+    profile's step (runner.execute_model, or on ranks 1..N-1 following rank 0's)."""
     cfg = runner.config
     block = runner.kv.block_bytes
     if cfg.num_kv_blocks is not None:
@@ -218,13 +220,14 @@ def plan_kv_cache(runner, capture: Callable[[], None] | None) -> KVCachePlan:
         return plan_from_bytes(CPU_KV_CACHE_BYTES, block, cfg.block_size, cfg.max_model_len,
                                source=f"the CPU default ({CPU_KV_CACHE_BYTES / GiB:g} GiB)", field="max_model_len",
                                fix="Give --kv-cache-memory for a larger cache.")
-    profile = profile_memory(runner, capture, CudaMemory(runner.device))
+    profile = profile_memory(runner, capture, CudaMemory(runner.device), run_step)
     logger.info("Memory profile: %s; %.2f GiB free at the start of %.2f GiB", profile.describe(),
                 profile.free_at_start / GiB, profile.total / GiB)
     return plan_from_profile(profile, cfg.gpu_memory_utilization, block, cfg.block_size, cfg.max_model_len)
 
 
-def profile_memory(runner, capture: Callable[[], None] | None, memory: CudaMemory) -> MemoryProfile:
+def profile_memory(runner, capture: Callable[[], None] | None, memory: CudaMemory,
+                   run_step: Callable[[SchedulerOutput], object] | None = None) -> MemoryProfile:
     """Measure the engine's memory besides the KV cache (module docstring), against runner.memory_at_start;
     leaves the runner without a cache, its graphs and its request state as it found them."""
     step = profile_batch(runner.config, runner.outputs.num_drafts, runner.arch.vocab_size)
@@ -232,7 +235,7 @@ def profile_memory(runner, capture: Callable[[], None] | None, memory: CudaMemor
     before = memory.read()
     memory.reset_peak()
     with runner.scratch_steps():
-        runner.execute_model(step)
+        (run_step or runner.execute_model)(step)
         peak = memory.peak_reserved() - before.reserved
     graphs = 0
     if capture is not None:

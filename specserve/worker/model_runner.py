@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 from specserve.config import EngineConfig
+from specserve.distributed.communication import min_over_ranks
+from specserve.distributed.step_following import worker_step
 from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.models.arch_config import ArchConfig
 from specserve.outputs import Logprob
@@ -59,8 +61,11 @@ class RunnerOutput:
 
 
 class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
-    def __init__(self, model: torch.nn.Module, arch: ArchConfig, config: EngineConfig):
+    def __init__(self, model: torch.nn.Module, arch: ArchConfig, config: EngineConfig, tp_workers=None):
+        """arch: the architecture the model computes (a rank's shard under tensor parallelism). tp_workers: the
+        other ranks (distributed/workers.py), sent each step before it runs; None at tensor_parallel_size 1."""
         self.model = model
+        self.tp_workers = tp_workers
         self.arch = arch
         self.config = config
         self.device = torch.device(config.device)
@@ -128,15 +133,24 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         self.capture_seconds: float | None = None
         self.graph_memory_bytes: int | None = None
 
-    def initialize_kv_cache(self, backend) -> None:
+    def initialize_kv_cache(self, backend, profile_step: Callable[[SchedulerOutput], None] | None = None,
+                            capture: Callable[[], None] | None = None) -> None:
         """Size the KV cache pool (kv_sizing.py) and allocate it, once the models (and a drafter) are loaded and
-        before the graphs are captured. backend: the attention backend the models were built with."""
+        before the graphs are captured. backend: the attention backend the models were built with.
+        profile_step, capture: how the memory profile runs its step and records the graphs (default
+        execute_model and capture_graphs; ranks 1..N-1 follow rank 0's). Under tensor parallelism every rank
+        sizes its own share and all take the smallest count, so that every rank holds the same blocks."""
         mode = CUDAGraphMode(self.config.cudagraph_mode)
-        capture = None if mode is CUDAGraphMode.NONE else (
-            lambda: self.capture_graphs(mode, CudaGraphRecorder(self.device), backend))
-        self.kv_plan = plan_kv_cache(self, capture)
-        self.kv.allocate(self.kv_plan.num_blocks)
-        logger.info("%s", self.kv_plan.describe(self.config.max_model_len))
+        if mode is CUDAGraphMode.NONE:
+            capture = None
+        elif capture is None:
+            capture = lambda: self.capture_graphs(mode, CudaGraphRecorder(self.device), backend)  # noqa: E731
+        plan = plan_kv_cache(self, capture, profile_step or self.execute_model)
+        if self.config.tensor_parallel_size > 1:
+            plan = replace(plan, num_blocks=min_over_ranks(plan.num_blocks, self.device))
+        self.kv_plan = plan
+        self.kv.allocate(plan.num_blocks)
+        logger.info("%s", plan.describe(self.config.max_model_len))
 
     @property
     def num_blocks(self) -> int:
@@ -267,12 +281,17 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         plan = StepPlan.build(sched, sampling, draft_requests, inflight, drafts_on_device, self._row,
                               trees=self.tree is not None)
         self._tree_step = None
-        metadata = self.buffers.prepare(np.array(ids, dtype=np.int64), np.array(qlens, dtype=np.int64),
-                                        np.array(slens, dtype=np.int64), self.host_block_table.gather(rows),
-                                        self.block_size, plan.extras, *self._tree_layout(sched, offset))
+        ids, qlens_np, slens = (np.array(ids, dtype=np.int64), np.array(qlens, dtype=np.int64),
+                                np.array(slens, dtype=np.int64))
+        table = self.host_block_table.gather(rows)
+        tree_layout = self._tree_layout(sched, offset)
+        metadata = self.buffers.prepare(ids, qlens_np, slens, table, self.block_size, plan.extras, *tree_layout)
         b = self.buffers
         desc = self.dispatch(offset, qlens)
         path = self._choose_path(desc, sched)
+        if self.tp_workers is not None:
+            self.tp_workers.send_step(worker_step(ids, qlens_np, slens, table, tree_layout, plan, desc, path,
+                                                  self.tree.depth if self.tree else 0))
         handle = StepHandle(sched, sampling, path)
         self._previous = {sched.scheduled[i].request.request_id:
                           PreviousRow(i, len(sched.scheduled[i].spec_token_ids)) for i in sampling}

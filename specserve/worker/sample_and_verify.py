@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from specserve.distributed.communication import broadcast_from_rank0
 from specserve.engine.scheduler import SchedulerOutput
 from specserve.sample.argmax import greedy_argmax
 from specserve.sample.sampler import SamplerOutput, SamplingBatch, filtered_probs, sample_from_probs, token_logprobs
@@ -147,9 +148,16 @@ class SampleAndVerify:
         outcome = verify_tree(target, b.input_ids, index, num, tables, b.slot_mapping, self.kv.spare_slot,
                               where, self.outputs.accepted, self.outputs.tokens)
         move_kv(self.kv.stack, *outcome.moves)
+        if self.tp_workers is not None:
+            # The other ranks move their shards of the same slots (distributed/step_following.py).
+            broadcast_from_rank0(torch.stack(outcome.moves))
         self._tree_step = outcome
         if batch is not None and batch.max_logprobs is not None:
+            # The logits at each path node, among those of every node (a node's token index is unique in
+            # its request's row of index; padding repeats the last, whose logits are the same).
             path_tokens = outcome.path_tokens
-            raw = self.model.compute_logits(hidden.index_select(0, path_tokens.view(-1))).log_softmax(dim=-1)
-            result = token_logprobs(raw, outcome.tokens.flatten().clamp(min=0), batch.max_logprobs)
+            column = (index[:, None, :] == path_tokens[:, :, None]).int().argmax(dim=-1)
+            raw = logits.view(n, width, -1).gather(1, column[..., None].expand(-1, -1, logits.shape[-1]))
+            result = token_logprobs(raw.flatten(0, 1).log_softmax(dim=-1), outcome.tokens.flatten().clamp(min=0),
+                                    batch.max_logprobs)
             handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=path_tokens.shape[1]))

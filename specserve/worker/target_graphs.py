@@ -16,6 +16,8 @@ import time
 import torch
 
 from specserve.attention.metadata import AttentionMetadata
+from specserve.distributed.communication import broadcast_from_rank0
+from specserve.distributed.graph_following import CaptureDone, GraphPart, capture_message
 from specserve.spec_decode.draft_inputs import follow_tree_paths
 from specserve.spec_decode.greedy_verify import UniformVerifyInputs, greedy_verify
 from specserve.spec_decode.tree_verify import move_kv, verify_tree
@@ -44,6 +46,7 @@ class TargetGraphs:
             uniform_query_lens=(1, 1 + k) if k else (1,), recorder=recorder, debug=cfg.debug_cudagraph,
             splitter=splitter, single_request_query_lens=range(2, self.block_size + 1))
         start, used_before = time.perf_counter(), recorder.memory_in_use()
+        self._tell_workers(GraphPart.TARGET, self.graphs, self.graphs.capture_descriptors(), recorder)
         self.graphs.capture(self._target_forward, self._prepare_capture)
         query_lens = (1, 1 + k) if k else (1,)
         uniform = [d for d in self.graphs.capture_descriptors()
@@ -56,8 +59,9 @@ class TargetGraphs:
         self.greedy_graphs = CUDAGraphManager(
             "greedy sampling", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
             uniform_query_lens=greedy_lens, recorder=recorder, debug=cfg.debug_cudagraph)
-        self.greedy_graphs.capture(self._greedy_outputs, self._prepare_capture,
-                                   [d for d in uniform if d.query_len in greedy_lens])
+        greedy = [d for d in uniform if d.query_len in greedy_lens]
+        self._tell_workers(GraphPart.GREEDY, self.greedy_graphs, greedy, recorder)
+        self.greedy_graphs.capture(self._greedy_outputs, self._prepare_capture, greedy)
         drafter = self.speculator if self.speculator is not None and self.speculator.on_device else None
         if drafter is not None and hasattr(drafter, "capture_graphs"):
             drafter.capture_graphs(self.graphs, splitter, recorder, sizes, cfg.debug_cudagraph, self._prepare_capture,
@@ -69,13 +73,17 @@ class TargetGraphs:
             self.whole_step_graphs = CUDAGraphManager(
                 "whole tree step", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs,
                 cfg.max_num_batched_tokens, uniform_query_lens=(1 + k,), recorder=recorder)
-            self.whole_step_graphs.capture(self._whole_tree_step, self._prepare_capture,
-                                           [d for d in uniform if d.query_len == 1 + k])
+            whole = [d for d in uniform if d.query_len == 1 + k]
+            self._tell_workers(GraphPart.WHOLE_TREE_STEP, self.whole_step_graphs, whole, recorder, self.tree.depth)
+            self.whole_step_graphs.capture(self._whole_tree_step, self._prepare_capture, whole)
         elif not cfg.debug_cudagraph and (drafter is None or getattr(drafter, "greedy_loop_graphs", None)):
             self.whole_step_graphs = CUDAGraphManager(
                 "whole step", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                 uniform_query_lens=query_lens, recorder=recorder)
+            self._tell_workers(GraphPart.WHOLE_STEP, self.whole_step_graphs, uniform, recorder)
             self.whole_step_graphs.capture(self._whole_step, self._prepare_capture, uniform)
+        if self.tp_workers is not None:
+            self.tp_workers.send_step(CaptureDone())
         self.buffers.reset()
         # The greedy graphs' warm-up runs wrote outputs for rows no step has had yet.
         self.outputs.packed.zero_()
@@ -83,6 +91,13 @@ class TargetGraphs:
         self.graph_memory_bytes = recorder.memory_in_use() - used_before
         logger.info("CUDA graphs (%s): captured in %.1f s, %.0f MiB of GPU memory", mode.name, self.capture_seconds,
                     self.graph_memory_bytes / 2**20)
+
+    def _tell_workers(self, part: GraphPart, manager: CUDAGraphManager, descriptors, recorder,
+                      tree_depth: int = 0) -> None:
+        """Under tensor parallelism, have the other ranks record their body of `part` for the same descriptors
+        (distributed/graph_following.py) as this rank records its own."""
+        if self.tp_workers is not None:
+            self.tp_workers.send_step(capture_message(part, manager.mode, descriptors, recorder, tree_depth))
 
     def _prepare_capture(self, desc: BatchDescriptor) -> AttentionMetadata:
         # Recording executes nothing but the warm-up run, which must write no cache slot: every row is empty.
@@ -151,6 +166,8 @@ class TargetGraphs:
         outcome = verify_tree(target, b.input_ids, v.index[:n], v.num_drafts[:n], self.tree_tables, b.slot_mapping,
                               self.kv.spare_slot, rows, out.accepted, out.tokens)
         move_kv(self.kv.stack, *outcome.moves)
+        if self.tp_workers is not None:
+            broadcast_from_rank0(torch.stack(outcome.moves))  # the other ranks' shards move too
         self._gather_draft_inputs(desc, max_rows=n)
         spec = self.speculator
         follow_tree_paths(outcome.path_tokens, outcome.accepted, outcome.tokens, rows, b.positions, spec.next_ids,

@@ -1,0 +1,1 @@
+"""Tensor parallelism over torch.distributed (docs/design.md, 'Tensor parallelism')."""

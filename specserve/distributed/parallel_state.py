@@ -1,0 +1,66 @@
+"""This process's place in the tensor-parallel group: its rank and the group's size.
+
+The group is torch.distributed's default group: every process of the engine is one rank of it (one
+engine, on one node or several: rendezvous.py). Without init_tp_group the process is rank 0 of a group of
+one, and nothing communicates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int
+    size: int
+
+
+_group = TPGroup(0, 1)
+
+# A collective (the start-up rendezvous included) that waits longer raises: a rank that died or hangs fails
+# the others instead of hanging them. Long enough for the slowest rank to import torch and start.
+COLLECTIVE_TIMEOUT_S = 120.0
+
+
+def rank_device(device: str, local_rank: int) -> str:
+    """The device of the rank that is its node's local_rank-th: cuda:local_rank on GPUs (every rank, rank 0
+    included, binds its own with set_device, so that NCCL and the kernels of one process never touch another
+    rank's GPU), else the CPU."""
+    if not device.startswith("cuda"):
+        return device
+    torch.cuda.set_device(local_rank)
+    return f"cuda:{local_rank}"
+
+
+def init_tp_group(rank: int, size: int, init_method: str, device: str) -> None:
+    """Join the group of `size` ranks that meets at init_method (tcp://address:port): NCCL between GPUs (device:
+    this rank's GPU, bound already), gloo on the CPU."""
+    global _group
+    require_no_group()
+    on_gpu = device.startswith("cuda")
+    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=init_method, rank=rank,
+                            world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                            device_id=torch.device(device) if on_gpu else None)
+    _group = TPGroup(rank, size)
+
+
+def require_no_group() -> None:
+    """Raises if this process is a rank of a group already: torch.distributed has one default group."""
+    if dist.is_initialized():
+        raise RuntimeError("this process is already a rank of a tensor-parallel engine; close that engine "
+                           "(EngineCore.close) before starting another")
+
+
+def destroy_tp_group() -> None:
+    global _group
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _group = TPGroup(0, 1)
+
+
+def tp_group() -> TPGroup:
+    return _group

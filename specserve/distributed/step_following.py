@@ -1,0 +1,35 @@
+"""What ranks 1..N-1 must run of rank 0's step (docs/design.md, 'Tensor parallelism'): rank 0 chooses the
+step's path once (worker/step_path.py) and names here every collective that path makes, so that the
+others run the same ones in the same order without choosing anything themselves."""
+from __future__ import annotations
+
+import numpy as np
+
+from specserve.distributed.messages import WorkerStep
+from specserve.worker.cudagraph import BatchDescriptor
+from specserve.worker.staged_inputs import StagedExtra
+from specserve.worker.step_path import Sampling, StepPath, Verification, WholeStep
+from specserve.worker.step_plan import StepPlan
+
+# The parts that take logits (an all-gather of lm_head's shards) of the hidden rows the plan stages.
+_SAMPLING_LOGITS = (Sampling.ARGMAX, Sampling.SAMPLER)
+_VERIFYING_LOGITS = (Verification.GREEDY, Verification.REJECTION, Verification.TREE_ARGMAX, Verification.TREE_LOGITS)
+_TREES = (Verification.TREE_ARGMAX, Verification.TREE_LOGITS)
+
+
+def worker_step(input_ids: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
+                tree_layout: tuple[np.ndarray | None, np.ndarray | None], plan: StepPlan, desc: BatchDescriptor,
+                path: StepPath, tree_depth: int) -> WorkerStep:
+    """The step the other ranks follow: the forward's inputs, its descriptor and path (the graphs replayed:
+    the whole step's, or the target's and the greedy one's), lm_head over the rows rank 0 samples from (first)
+    and verifies at (then) outside graphs, and the KV moves of trees verified outside graphs, tree_depth per
+    verifying request."""
+    rows = []
+    if path.whole is WholeStep.NONE:
+        if path.sampling in _SAMPLING_LOGITS:
+            rows.append(plan.extras[StagedExtra.SAMPLE_INDEX])
+        if path.verification in _VERIFYING_LOGITS:
+            rows.append(plan.extras[StagedExtra.VERIFY_INDEX].reshape(-1))
+    moves = len(plan.verify_rows) * tree_depth if path.whole is WholeStep.NONE and path.verification in _TREES else 0
+    return WorkerStep(input_ids, query_lens, seq_lens, block_table, desc, path, *tree_layout, lm_head_rows=rows,
+                      num_tree_moves=moves)

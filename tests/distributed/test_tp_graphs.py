@@ -1,0 +1,64 @@
+"""Graphs under tensor parallelism with the CPU stand-in recorder (EagerRecorder, whose replay re-runs the
+recording): rank 0 records its graphs and the other rank records its body of each part for the same
+descriptors; every step the other rank replays the graph rank 0 names (it fails if it has none), and the
+tokens, drafts and acceptances equal TP=1's without graphs. On a GPU the same decisions replay NCCL inside
+CUDA graphs (tests/gpu/test_tensor_parallel_cuda.py)."""
+from __future__ import annotations
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.worker.cudagraph_mode import CUDAGraphMode as M
+from specserve.worker.graph_recorder import EagerRecorder
+from tests.conftest import repetitive_prompts
+from tests.heads import save_eagle_head
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+TREE = "[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]"
+ENGINE = dict(dtype="float32", device="cpu", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+              cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64])
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory, tiny_llama):
+    return save_eagle_head(tmp_path_factory.mktemp("tp-graphs") / "eagle3", tiny_llama[1].config, "eagle3", seed=2)
+
+
+def _spec(head, drafts: str | None):
+    if drafts is None:
+        return None
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    return {**spec, "speculative_token_tree": TREE} if drafts == "tree" else spec
+
+
+@pytest.mark.parametrize("drafts, mode", [(None, M.FULL_AND_PIECEWISE), ("chain", M.FULL_AND_PIECEWISE),
+                                          ("tree", M.FULL_AND_PIECEWISE), ("chain", M.PIECEWISE)],
+                         ids=["none-full", "chain-full", "tree-full", "chain-piecewise"])
+def test_tp2_graphs_follow_rank0_and_equal_tp1(tiny_llama, head, drafts, mode):
+    path, hf = tiny_llama
+    prompts = repetitive_prompts(hf.config.vocab_size, n=3, seed=17)
+    spec = _spec(head, drafts)
+    ref = LLM(str(path), speculative_config=spec, **ENGINE)
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, GREEDY, use_tqdm=False)]
+    want_stats = (ref.engine.spec_stats.num_drafted, ref.engine.spec_stats.num_accepted)
+    llm = LLM(str(path), speculative_config=spec, tensor_parallel_size=2, **ENGINE)
+    try:
+        runner = llm.engine.runner
+        runner.capture_graphs(mode, EagerRecorder(), llm.engine.attention_backend)
+        replays = {"target": [], "whole": []}
+        for name, manager in (("target", runner.graphs), ("whole", runner.whole_step_graphs)):
+            if manager is not None:
+                original = manager.run
+                manager.run = lambda desc, fn, md, name=name, original=original: (
+                    replays[name].append(desc.mode) or original(desc, fn, md))
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == want
+        assert (llm.engine.spec_stats.num_drafted, llm.engine.spec_stats.num_accepted) == want_stats
+        # Rank 0 replayed graphs, which the other rank followed: the whole step where full graphs are recorded,
+        # the target's piecewise graphs otherwise.
+        if mode is M.FULL_AND_PIECEWISE:
+            assert replays["whole"]
+        else:
+            assert M.PIECEWISE in replays["target"] and not replays["whole"]
+    finally:
+        llm.engine.core.close()
