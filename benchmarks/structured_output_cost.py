@@ -116,8 +116,8 @@ def engine_source(model: str, tokenizer: str | None) -> tuple[str, dict]:
         return model, {} if tokenizer is None else {"tokenizer": tokenizer}
     if tokenizer is None:
         raise SystemExit(f"--model {model} is a shape without a real vocabulary; give --tokenizer (e.g. smollm2-135m)")
-    vocab = len(load_tokenizer(open_model_source(tokenizer)))
     path = Path(prepare_model(model, Path(tempfile.mkdtemp()), torch.bfloat16).path)
+    vocab = len(load_tokenizer(open_model_source(str(path)), tokenizer))
     config = json.loads((path / "config.json").read_text()) | {"vocab_size": vocab}
     (path / "config.json").write_text(json.dumps(config))
     return str(path), {"tokenizer": tokenizer, "load_format": "dummy"}
