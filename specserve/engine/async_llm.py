@@ -32,6 +32,7 @@ from specserve.engine.core_process import CoreAddresses, run_engine_core
 from specserve.engine.messages import (CoreAbort, CoreFailed, CoreOutputs, CoreReady, CoreRequest, CoreShutdown,
                                        EngineStats, FromCore)
 from specserve.engine.output_processor import OutputProcessor
+from specserve.engine.parallel_sampling import sequence_requests
 from specserve.engine.request_stream import RequestStream
 from specserve.errors import (EngineUnavailableError, InvalidRequestError, QueueFullError, RequestTimeoutError,
                               SpecserveError)
@@ -196,6 +197,10 @@ class AsyncLLM:
         QueueFullError, RequestTimeoutError or EngineUnavailableError; closing the iterator early (a
         client that went away) aborts the request and frees its KV blocks."""
         self._check_available()
+        if params.n > self.max_waiting:
+            raise InvalidRequestError("n", f"is {params.n}, but each sequence waits for admission as a request "
+                                      f"and at most {self.max_waiting} may wait (the server's --max-waiting); "
+                                      "ask for fewer")
         request_id = uuid.uuid4().hex if request_id is None else request_id
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
@@ -206,13 +211,16 @@ class AsyncLLM:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         stream = RequestStream(params.output_kind, self.stream_interval)
         self._streams[request_id] = stream
-        self.processor.add_request(request_id, prompt if isinstance(prompt, str) else None, ids, params, arrival)
+        sequences = sequence_requests(request_id, params)
+        self.processor.add_request(request_id, prompt if isinstance(prompt, str) else None, ids, params, sequences,
+                                   arrival)
         if self.request_timeout is not None:
             self._deadlines[request_id] = asyncio.get_running_loop().call_later(
                 self.request_timeout, self._expire, request_id)
-        if not await self._send_while_alive(CoreRequest(request_id, ids, params)):
-            self._end(request_id)
-            raise EngineUnavailableError("the engine core is not connected: it exited")
+        for seq in sequences:
+            if not await self._send_while_alive(CoreRequest(seq.core_request_id, ids, seq.params)):
+                self._end(request_id)
+                raise EngineUnavailableError("the engine core is not connected: it exited")
         try:
             while True:
                 out = await stream.get()
@@ -222,9 +230,7 @@ class AsyncLLM:
         finally:
             # Still registered means the core still holds it: the caller stopped early.
             if self._streams.get(request_id) is stream:
-                self._end(request_id)
-                if self._unavailable is None:
-                    self._send(CoreAbort([request_id]))
+                self._abort(request_id)
 
     def _send(self, message) -> bool:
         """Hand a message to the core without waiting; False where no core is connected. A connected core
@@ -245,19 +251,26 @@ class AsyncLLM:
         if self._unavailable is not None:
             raise EngineUnavailableError(f"the engine is {self._unavailable}")
 
-    def _end(self, request_id: str) -> RequestStream | None:
-        """Forget a request on this side."""
-        self.processor.abort_request(request_id)
+    def _end(self, request_id: str) -> tuple[RequestStream | None, list[str]]:
+        """Forget a request on this side; returns its stream and the core requests of its sequences that
+        still run."""
+        running = self.processor.abort_request(request_id)
         timer = self._deadlines.pop(request_id, None)
         if timer is not None:
             timer.cancel()
-        return self._streams.pop(request_id, None)
+        return self._streams.pop(request_id, None), running
+
+    def _abort(self, request_id: str) -> RequestStream | None:
+        """Forget a request here and abort every sequence of it in the core; returns its stream."""
+        stream, running = self._end(request_id)
+        if running and self._unavailable is None:
+            self._send(CoreAbort(running))
+        return stream
 
     def _expire(self, request_id: str) -> None:
         self._deadlines.pop(request_id, None)
-        stream = self._end(request_id)
+        stream = self._abort(request_id)
         if stream is not None:
-            self._send(CoreAbort([request_id]))
             stream.put(RequestTimeoutError(f"the request did not finish within {self.request_timeout} s "
                                            "and was aborted"))
 
@@ -282,8 +295,10 @@ class AsyncLLM:
         outputs = msg.outputs
         if any(o.error is not None for o in outputs):
             for o in outputs:
-                if o.error is not None:
-                    stream = self._end(o.request_id)
+                request_id = self.processor.request_of(o.request_id) if o.error is not None else None
+                if request_id is not None:
+                    # A refused sequence fails its whole request; the core drops the others it admitted.
+                    stream = self._abort(request_id)
                     if stream is not None:
                         stream.put(_refusal(o.error))
             outputs = [o for o in outputs if o.error is None]
@@ -300,7 +315,7 @@ class AsyncLLM:
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self._streams):
-            self._end(request_id).put(error)
+            self._end(request_id)[0].put(error)
 
     def _core_exited(self) -> None:
         asyncio.get_running_loop().remove_reader(self._process.sentinel)
