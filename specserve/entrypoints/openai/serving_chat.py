@@ -27,29 +27,33 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
     if body.stream:
         return sse(_chunks(serving, body, request_id, outputs))
     final = await serving.finish(request, outputs)
-    c = final.outputs[0]
-    logprobs = None
-    if body.logprobs:
-        logprobs = chat_logprobs(serving.tokenizer, c.token_ids, c.logprobs, body.top_logprobs or 0)
-    choice = ChatChoice(message=ChatResponseMessage(content=c.text), logprobs=logprobs, finish_reason=c.finish_reason)
-    return ChatCompletionResponse(id=request_id, model=serving.model_name, choices=[choice], usage=usage(final))
+    choices = []
+    for c in final.outputs:
+        logprobs = None
+        if body.logprobs:
+            logprobs = chat_logprobs(serving.tokenizer, c.token_ids, c.logprobs, body.top_logprobs or 0)
+        choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
+                                  finish_reason=c.finish_reason))
+    return ChatCompletionResponse(id=request_id, model=serving.model_name, choices=choices, usage=usage(final))
 
 
 async def _chunks(serving: OpenAIServing, body: ChatCompletionRequest, request_id: str,
                   outputs: Outputs) -> AsyncIterator[bytes]:
     writer = ChunkWriter(request_id, "chat.completion.chunk", serving.model_name)
-    # As OpenAI does, the first chunk carries the role alone.
-    yield writer.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}])
+    # As OpenAI does, each choice's first chunk carries the role alone.
+    for index in range(body.n or 1):
+        yield writer.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}])
     async for out in outputs:
-        c = out.outputs[0]  # the new tokens since the previous output (RequestOutputKind.DELTA)
-        logprobs = None
-        if body.logprobs:
-            logprobs = chat_logprobs(serving.tokenizer, c.token_ids, c.logprobs, body.top_logprobs or 0)
-        # Steps whose text is held back (a possible stop string, an unfinished character) send nothing.
-        if c.text or out.finished or (logprobs and logprobs.content):
-            yield writer.chunk([{"index": 0, "delta": {"content": c.text},
-                                 "logprobs": None if logprobs is None else logprobs.model_dump(),
-                                 "finish_reason": c.finish_reason}])
+        # Each sequence that advanced, with its new tokens since the previous output (RequestOutputKind.DELTA).
+        for c in out.outputs:
+            logprobs = None
+            if body.logprobs:
+                logprobs = chat_logprobs(serving.tokenizer, c.token_ids, c.logprobs, body.top_logprobs or 0)
+            # Steps whose text is held back (a possible stop string, an unfinished character) send nothing.
+            if c.text or c.finish_reason is not None or (logprobs and logprobs.content):
+                yield writer.chunk([{"index": c.index, "delta": {"content": c.text},
+                                     "logprobs": None if logprobs is None else logprobs.model_dump(),
+                                     "finish_reason": c.finish_reason}])
     if body.include_usage:
         yield writer.chunk([], usage(out))
