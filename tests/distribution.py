@@ -32,9 +32,10 @@ def reference_first_two(hf, prompt_ids: list[int], temperature: float, top_k: in
 
 
 def p_value(counts: Counter, probs: dict) -> float:
-    """Chi-square goodness of fit; outcomes expected fewer than 5 times are pooled into one cell."""
-    outside = set(counts) - set(probs)
-    assert not outside, f"outcomes the reference gives probability 0: {outside}"
+    """Chi-square goodness of fit; outcomes expected fewer than 5 times are pooled into one cell. 0 when an
+    outcome has probability 0 in the reference."""
+    if set(counts) - set(probs):
+        return 0.0
     total = sum(counts.values())
     observed, expected, rest_observed, rest_expected = [], [], 0, 0.0
     for outcome, p in probs.items():
@@ -56,11 +57,21 @@ def sample_first_two(llm, prompt: str, params, requests: int) -> Counter:
     return Counter(tuple(c.token_ids) for o in outs for c in o.outputs)
 
 
-def first_two_tokens_test(llm, hf, prompt: str, params, requests: int) -> Counter:
-    """Assert the sampled first two tokens fit transformers' distribution; returns their counts."""
+def first_two_tokens_test(llm, hf, prompt: str, params, requests: int, wrong: dict | None = None) -> None:
+    """Assert the sampled first two tokens fit transformers' distribution, and that they do not fit `wrong` (a
+    reference computed with one of the parameters changed: the test can tell the difference)."""
     counts = sample_first_two(llm, prompt, params, requests)
     assert sum(counts.values()) == requests * params.n
-    reference = reference_first_two(hf, llm.engine.tokenize(prompt), params.temperature, params.top_k,
-                                    params.logit_bias)
+    ids = llm.engine.tokenize(prompt)
+    reference = reference_first_two(hf, ids, params.temperature, params.top_k, params.logit_bias)
     assert p_value(counts, reference) > P_MIN, (counts, reference)
-    return counts
+    if wrong is not None:
+        changed = {"temperature": params.temperature, "top_k": params.top_k, "bias": params.logit_bias, **wrong}
+        assert p_value(counts, reference_first_two(hf, ids, **changed)) < P_MIN, counts
+
+
+def drafted_tokens(hf, prompt_ids: list[int], temperature: float, top_k: int,
+                   bias: dict[int, float] | None = None) -> list[int]:
+    """Every token of the reference's support: the draft vocabulary of an EAGLE-3 head whose drafts the target
+    accepts (heads.save_eagle_head's draft_token_ids)."""
+    return sorted({t for pair in reference_first_two(hf, prompt_ids, temperature, top_k, bias) for t in pair})

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from conftest import hf_greedy
-from distribution import first_two_tokens_test
+from distribution import drafted_tokens, first_two_tokens_test
 from heads import save_eagle_head
 from specserve import LLM, SamplingParams
 from specserve.errors import InvalidRequestError
@@ -152,13 +152,22 @@ def test_n_out_of_bounds_is_refused_by_name(models):
             llm.generate(PROMPTS[0], SamplingParams(n=n), use_tqdm=False)
 
 
-@pytest.mark.parametrize("spec", [None, "eagle3"])
-def test_sampled_sequences_follow_the_model_distribution(models, spec):
-    """The first two tokens of 600 sequences (6 requests of n = 100), top-k 3 at temperature 1.5: their joint
-    distribution is the one transformers' logits give (the second token comes from verification when
-    speculating)."""
-    llm = make_llm(models, spec, max_num_seqs=128)
-    params = SamplingParams(n=100, temperature=1.5, top_k=3, max_tokens=2, ignore_eos=True)
-    first_two_tokens_test(llm, models["hf"], PROMPTS[0], params, requests=6)
-    if spec is not None:
-        assert llm.engine.spec_stats.num_drafted > 0
+@pytest.mark.parametrize("speculate", [False, True])
+def test_sampled_sequences_follow_the_model_distribution(models, tmp_path, speculate):
+    """The first two tokens of 800 sequences (8 requests of n = 100), top-k 3 at temperature 0.5: their joint
+    distribution is the one transformers' logits give, and not the one of temperature 1. Speculating, the second
+    token comes from verifying the drafts of an EAGLE-3 head that drafts only likely tokens, so that drafts are
+    both accepted and rejected."""
+    params = SamplingParams(n=100, temperature=0.5, top_k=3, max_tokens=2, ignore_eos=True)
+    spec = None
+    if speculate:
+        hf = models["hf"]
+        ids = make_llm(models, None).engine.tokenize(PROMPTS[0])
+        head = save_eagle_head(tmp_path / "head", hf.config, "eagle3", seed=2,
+                               draft_token_ids=drafted_tokens(hf, ids, 0.5, 3))
+        spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": str(head)}
+    llm = LLM(str(models["path"]), max_model_len=256, max_num_seqs=128, speculative_config=spec)
+    first_two_tokens_test(llm, models["hf"], PROMPTS[0], params, requests=8, wrong={"temperature": 1.0})
+    if speculate:
+        stats = llm.engine.spec_stats
+        assert 0 < stats.num_accepted < stats.num_drafted
