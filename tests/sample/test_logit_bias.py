@@ -15,6 +15,7 @@ from specserve.errors import InvalidRequestError
 from specserve.sample.logit_bias import apply_logit_bias
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,8 @@ def models(tiny_llama, tmp_path_factory):
     path, hf = tiny_llama
     head = save_eagle_head(tmp_path_factory.mktemp("bias") / "eagle3", hf.config, "eagle3", seed=2)
     return {"path": path, "hf": hf, None: None,
-            "eagle3": {"method": "eagle3", "num_speculative_tokens": 3, "model": str(head)}}
+            "eagle3": {"method": "eagle3", "num_speculative_tokens": 3, "model": str(head)},
+            "tree": {"method": "eagle3", "model": str(head), "speculative_token_tree": TREE}}
 
 
 def make_llm(models, spec: str | None, **kw) -> LLM:
@@ -81,7 +83,7 @@ def test_a_token_outside_the_vocabulary_is_refused_and_the_engine_serves_on(mode
     assert llm.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
 
 
-@pytest.mark.parametrize("spec", [None, "eagle3"])
+@pytest.mark.parametrize("spec", [None, "eagle3", "tree"])
 def test_plus_100_forces_and_minus_100_bans(models, spec):
     llm = make_llm(models, spec)
     ids = llm.engine.tokenize(PROMPT)
@@ -105,7 +107,7 @@ def test_plus_100_forces_and_minus_100_bans(models, spec):
     assert not any(banned in c.token_ids for c in out.outputs)
 
 
-@pytest.mark.parametrize("spec", [None, "eagle3"])
+@pytest.mark.parametrize("spec", [None, "eagle3", "tree"])
 def test_greedy_with_a_moderate_bias_is_transformers_biased_greedy(models, spec):
     llm = make_llm(models, spec)
     ids = llm.engine.tokenize(PROMPT)
@@ -121,11 +123,11 @@ def test_greedy_with_a_moderate_bias_is_transformers_biased_greedy(models, spec)
         assert llm.engine.spec_stats.num_drafted > 0
 
 
-@pytest.mark.parametrize("speculate", [False, True])
+@pytest.mark.parametrize("speculate", [None, "chain", "tree"])
 def test_sampled_distribution_is_softmax_of_biased_logits(models, tmp_path, speculate):
     """The first two tokens of 800 sequences under top-k 3 at temperature 0.5 with a bias that reorders the top
-    tokens: transformers' softmax(logits + bias), not softmax(logits). Speculating, an EAGLE-3 head that drafts
-    only likely tokens has its drafts both accepted and rejected."""
+    tokens: transformers' softmax(logits + bias), not softmax(logits). Speculating (a chain or a tree of drafts),
+    an EAGLE-3 head that drafts only likely tokens has its drafts both accepted and rejected."""
     hf = models["hf"]
     ids = make_llm(models, None).engine.tokenize(PROMPT)
     with torch.no_grad():
@@ -136,7 +138,8 @@ def test_sampled_distribution_is_softmax_of_biased_logits(models, tmp_path, spec
     if speculate:
         head = save_eagle_head(tmp_path / "head", hf.config, "eagle3", seed=2,
                                draft_token_ids=drafted_tokens(hf, ids, 0.5, 3, bias))
-        spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": str(head)}
+        spec = ({"method": "eagle3", "num_speculative_tokens": 3, "model": str(head)} if speculate == "chain"
+                else {"method": "eagle3", "model": str(head), "speculative_token_tree": TREE})
     llm = LLM(str(models["path"]), max_model_len=256, max_num_seqs=128, speculative_config=spec)
     first_two_tokens_test(llm, hf, PROMPT, params, requests=8, wrong={"bias": None})
     if speculate:
