@@ -27,8 +27,8 @@ class RequestOutputKind(enum.Enum):
 class SamplingParams:
     """How to pick tokens and when to stop; the names follow vLLM's.
 
-    Processing order (same as Hugging Face's generate): penalties, then
-    temperature, top-k, top-p, min-p. temperature == 0 means greedy.
+    Processing order (same as Hugging Face's generate): logit_bias, penalties,
+    then temperature, top-k, top-p, min-p. temperature == 0 means greedy.
     """
 
     # Independent sequences generated for the prompt, each a CompletionOutput (index 0..n-1) of one
