@@ -94,6 +94,10 @@ class EngineConfig:
     # Run every kernel shape a request can hit once at start-up (engine/warmup.py), so that no request waits
     # for a kernel to compile. None: on CUDA, where kernels compile; off on the CPU.
     warmup: bool | None = None
+    # Engine replicas behind one API server (as vLLM's --data-parallel-size), each an engine core process with
+    # GPUs of its own (docs/design.md, 'Data parallelism'). Only the server runs replicas; an engine in one
+    # process (LLM, LLMEngine) is one replica.
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         from specserve.spec_decode.config import SpeculativeConfig
@@ -139,6 +143,7 @@ class EngineConfig:
                f"must be >= 1, got {self.max_num_batched_tokens}")
         self._check_cudagraph_fields()
         self._check_async_scheduling()
+        self._check_data_parallel()
         if self.warmup is None:
             self.warmup = self.device.startswith("cuda")
         _check(isinstance(self.warmup, bool), "warmup", f"must be True, False or None, got {self.warmup!r}")
@@ -180,6 +185,26 @@ class EngineConfig:
                    f"must be a non-empty list of positive integers, got {sizes!r}")
             self.cudagraph_capture_sizes = sorted(set(sizes))
         self.debug_cudagraph = self.debug_cudagraph or os.environ.get("SPECSERVE_DEBUG_CUDAGRAPH", "0") not in ("", "0")
+
+    def _check_data_parallel(self) -> None:
+        from specserve.engine.data_parallel import visible_gpus
+
+        dp = self.data_parallel_size
+        _check(type(dp) is int and dp >= 1, "data_parallel_size", f"must be an integer >= 1, got {dp!r}")
+        if not self.device.startswith("cuda") or dp == 1:
+            return
+        _check(self.device == "cuda", "device",
+               f"is {self.device!r}, but with data_parallel_size={dp} each replica runs on GPUs of its own; give "
+               "device='cuda' and choose the GPUs with CUDA_VISIBLE_DEVICES")
+        per_replica, have = self.gpus_per_replica, len(visible_gpus())
+        _check(dp * per_replica <= have, "data_parallel_size",
+               f"{dp} replicas of {per_replica} GPU each need {dp * per_replica} GPUs, but {have} are visible; "
+               f"lower --data-parallel-size to {have // per_replica} or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+
+    @property
+    def gpus_per_replica(self) -> int:
+        """The GPUs one replica (one engine core) runs on: the whole model on one GPU."""
+        return 1
 
     @property
     def torch_dtype(self) -> torch.dtype:

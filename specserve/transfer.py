@@ -16,3 +16,22 @@ def to_device(values, device: torch.device | str, dtype: torch.dtype = torch.int
     if torch.device(device).type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor on its way to the host: the copy is queued behind the work already on the device
+    and the host goes on; wait() blocks until it has landed (on the CPU it is there at once)."""
+
+    def __init__(self, t: torch.Tensor):
+        if not t.is_cuda:
+            self.host, self.event = t.clone(), None
+            return
+        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self.host.copy_(t, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host

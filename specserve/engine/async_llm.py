@@ -1,21 +1,23 @@
-"""AsyncLLM: serve many asyncio clients from an engine core running in its own process.
+"""AsyncLLM: serve many asyncio clients from engine cores running in processes of their own.
 
 This process (the API server's) owns everything that deals in text: tokenization and chat templates
 run in a worker thread, off the event loop; detokenization, stop strings and output objects run on
-the loop as each step's message arrives. The core process (core_process.py) owns the model. They
-talk over ZMQ: requests and aborts one way, one CoreOutputs message per engine step the other.
+the loop as each step's message arrives. Each core process (core_process.py) owns a replica of the
+model; with data parallelism there are several, and each new request goes to the least loaded
+(docs/design.md, 'Data parallelism'). They talk over ZMQ: requests and aborts one way, one
+CoreOutputs message per engine step the other.
 
 Request lifetimes are decided here: deadlines (a timer per request, so a request ends on time even
-if nobody reads it), aborts when a caller goes away, and what happens when the core dies: every
-running and new request fails with EngineUnavailableError and `on_core_death` is called (the server
-exits then, so whatever supervises it can start it again).
+if nobody reads it), aborts when a caller goes away, and what happens when a core dies: its running
+requests and every new request fail with EngineUnavailableError and `on_core_death` is called (the
+server exits then, so whatever supervises it can start it again).
 """
 from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
-import multiprocessing
 import shutil
 import tempfile
 import time
@@ -23,14 +25,13 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import msgspec
 import zmq
 import zmq.asyncio
 
 from specserve.config import EngineConfig
-from specserve.engine.core_process import CoreAddresses, run_engine_core
-from specserve.engine.messages import (CoreAbort, CoreFailed, CoreOutputs, CoreReady, CoreRequest, CoreShutdown,
-                                       EngineStats, FromCore)
+from specserve.engine.core_client import CoreClient
+from specserve.engine.data_parallel import replica_gpus
+from specserve.engine.messages import CoreAbort, CoreFailed, CoreOutputs, CoreRequest, EngineStats
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.parallel_sampling import sequence_requests
 from specserve.engine.request_stream import RequestStream
@@ -50,7 +51,7 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
 
 
 class AsyncLLM:
-    """generate() is the whole client API; start() and shutdown() bracket the core process's life."""
+    """generate() is the whole client API; start() and shutdown() bracket the core processes' lives."""
 
     def __init__(self, config: EngineConfig, max_waiting: int = 512, request_timeout: float | None = None,
                  stream_interval: int = 1, core_factory: Callable | None = None):
@@ -71,96 +72,78 @@ class AsyncLLM:
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="specserve-tokenize")
         self._pool_tokenizer = copy.deepcopy(self.tokenizer)
         self.processor = OutputProcessor(self.tokenizer)
-        self.stats = EngineStats()
         self.max_model_len: int | None = None
         self.on_core_death: Callable[[], None] | None = None
+        self.replicas: list[CoreClient] = []
         self._streams: dict[str, RequestStream] = {}
+        self._replica_of: dict[str, CoreClient] = {}  # every request in _streams, and where it runs
         self._deadlines: dict[str, asyncio.TimerHandle] = {}
         self._unavailable: str | None = "not started"
         self._died_reason: str | None = None
-        self._process = None
         self._ipc_dir: str | None = None
         self._ctx: zmq.asyncio.Context | None = None
-        self._requests: zmq.asyncio.Socket | None = None
-        self._outputs: zmq.asyncio.Socket | None = None
-        self._reader: asyncio.Task | None = None
-        self._encoder = msgspec.msgpack.Encoder()
+        self._readers: list[asyncio.Task] = []
 
     # ---- lifetime -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the core process and wait until it has loaded the model; raises if it cannot start."""
+        """Start every replica's core process and wait until each has loaded the model; raises if one cannot
+        start."""
         self._ipc_dir = tempfile.mkdtemp(prefix="specserve-")
-        addresses = CoreAddresses(f"ipc://{self._ipc_dir}/requests", f"ipc://{self._ipc_dir}/outputs")
         self._ctx = zmq.asyncio.Context()
         # Unsent messages are dropped when a socket closes: an engine never shut down (its caller failed)
         # is then collected without the context's term() waiting forever on a core that is gone.
         self._ctx.setsockopt(zmq.LINGER, 0)
-        self._requests = self._ctx.socket(zmq.PUSH)
-        self._requests.setsockopt(zmq.SNDHWM, 0)
-        self._requests.bind(addresses.requests)
-        self._outputs = self._ctx.socket(zmq.PULL)
-        self._outputs.setsockopt(zmq.RCVHWM, 0)
-        self._outputs.bind(addresses.outputs)
-        spawn = multiprocessing.get_context("spawn")
-        self._process = spawn.Process(
-            target=run_engine_core, name="specserve-engine-core", daemon=True,
-            args=(self.config, addresses, self.max_waiting, logging.getLogger("specserve").getEffectiveLevel(),
-                  self._core_factory))
-        self._process.start()
+        num = self.config.data_parallel_size
+        on_cuda = self.config.device.startswith("cuda")
+        # Each replica is an engine of its own: the core refuses a configuration of several.
+        replica_config = dataclasses.replace(self.config, data_parallel_size=1)
+        self.replicas = [CoreClient(i, num, replica_config, self._ctx, self._ipc_dir,
+                                    replica_gpus(i, self.config.gpus_per_replica) if on_cuda and num > 1 else None)
+                         for i in range(num)]
+        log_level = logging.getLogger("specserve").getEffectiveLevel()
+        for replica in self.replicas:
+            replica.start(self.max_waiting, log_level, self._core_factory)
+        waits = [asyncio.ensure_future(r.wait_ready()) for r in self.replicas]
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [w.exception() for w in done if w.exception() is not None]
+        if failed:  # the others are not waited for: a model may take minutes to load
+            for w in pending:
+                w.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            await self._close()
+            raise failed[0]
+        self.max_model_len = waits[0].result().max_model_len
         loop = asyncio.get_running_loop()
-        exited = loop.create_future()
-        loop.add_reader(self._process.sentinel, lambda: exited.done() or exited.set_result(None))
-        decoder = msgspec.msgpack.Decoder(FromCore)
-        first = asyncio.ensure_future(self._outputs.recv())
-        await asyncio.wait({first, exited}, return_when=asyncio.FIRST_COMPLETED)
-        if not first.done():
-            first.cancel()
-            await self._close()
-            raise EngineUnavailableError(f"the engine core process exited during start-up "
-                                         f"(exit code {self._process.exitcode}); its log above says why")
-        msg = decoder.decode(first.result())
-        if not isinstance(msg, CoreReady):
-            await self._close()
-            raise EngineUnavailableError(f"the engine core could not start: {getattr(msg, 'message', msg)}")
-        self.max_model_len = msg.max_model_len
-        loop.remove_reader(self._process.sentinel)
-        loop.add_reader(self._process.sentinel, self._core_exited)
+        for replica in self.replicas:
+            loop.add_reader(replica.process.sentinel, self._core_exited, replica)
         self._unavailable = None
-        self._reader = asyncio.create_task(self._read_outputs(decoder), name="specserve-outputs")
-        logger.info("engine core running (pid %d): KV cache of %d blocks of %d tokens", self._process.pid,
-                    msg.num_kv_blocks, msg.block_size)
+        self._readers = [asyncio.create_task(self._read_outputs(r), name=f"specserve-outputs-{r.index}")
+                         for r in self.replicas]
 
     async def shutdown(self, grace_s: float = 0.0) -> None:
-        """Refuse new requests, let running ones finish for up to grace_s seconds, abort the rest."""
-        if self._process is None or self._unavailable in ("shut down", "shutting down"):
+        """Refuse new requests, let running ones finish for up to grace_s seconds, abort the rest. Requests of
+        replicas still alive run on after another replica died."""
+        if not self.replicas or self._unavailable in ("shut down", "shutting down"):
             return
-        dead = self._unavailable == "dead"
         self._unavailable = "shutting down"
         deadline = time.monotonic() + grace_s
-        while self._streams and not dead and time.monotonic() < deadline:
+        while self._streams and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        self._fail_all(EngineUnavailableError("the server shut down before the request finished"))
-        asyncio.get_running_loop().remove_reader(self._process.sentinel)
-        if self._process.is_alive():
-            self._send(CoreShutdown())  # not sent: the core is exiting anyway
-            await asyncio.to_thread(self._process.join, 10)
-            if self._process.is_alive():
-                logger.warning("the engine core did not stop within 10 s; killing it")
-                self._process.kill()
-                await asyncio.to_thread(self._process.join)
+        self._fail(None, EngineUnavailableError("the server shut down before the request finished"))
+        loop = asyncio.get_running_loop()
+        for replica in self.replicas:
+            loop.remove_reader(replica.process.sentinel)
+        await asyncio.gather(*(r.stop() for r in self.replicas))
         await self._close()
         self._unavailable = "shut down"
 
     async def _close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
-        if self._process is not None and self._process.is_alive():
-            self._process.kill()
-        for socket in (self._requests, self._outputs):
-            if socket is not None:
-                socket.close(linger=0)
+        for reader in self._readers:
+            reader.cancel()
+        await asyncio.gather(*self._readers, return_exceptions=True)
+        for replica in self.replicas:
+            replica.close()
         if self._ctx is not None:
             self._ctx.term()
         self._tokenizer_pool.shutdown(wait=False)
@@ -173,7 +156,7 @@ class AsyncLLM:
 
     @property
     def is_dead(self) -> bool:
-        """Whether the core stopped on its own (crashed or failed), rather than by shutdown()."""
+        """Whether a core stopped on its own (crashed or failed), rather than by shutdown()."""
         return self._died_reason is not None
 
     @property
@@ -181,8 +164,22 @@ class AsyncLLM:
         return len(self._streams)
 
     @property
-    def core_pid(self) -> int | None:
-        return None if self._process is None else self._process.pid
+    def core_pids(self) -> list[int]:
+        """The process id of each replica's core, by replica index."""
+        return [r.process.pid for r in self.replicas]
+
+    @property
+    def core_exit_codes(self) -> list[int | None]:
+        return [r.process.exitcode for r in self.replicas]
+
+    @property
+    def stats(self) -> EngineStats:
+        """Every replica's last reported state, summed."""
+        return EngineStats.total(self.replica_stats)
+
+    @property
+    def replica_stats(self) -> list[EngineStats]:
+        return [r.stats for r in self.replicas]
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -217,10 +214,14 @@ class AsyncLLM:
         if self.request_timeout is not None:
             self._deadlines[request_id] = asyncio.get_running_loop().call_later(
                 self.request_timeout, self._expire, request_id)
+        # Chosen and counted with no await in between, so a burst of requests spreads over the replicas. Every
+        # sequence of a request goes to the same replica, where they share the prompt's KV blocks.
+        replica = min(self.replicas, key=lambda r: (r.load, r.index))
+        self._replica_of[request_id] = replica
         for seq in sequences:
-            if not await self._send_while_alive(CoreRequest(seq.core_request_id, ids, seq.params)):
+            if not await replica.send_while_alive(CoreRequest(seq.core_request_id, ids, seq.params)):
                 self._end(request_id)
-                raise EngineUnavailableError("the engine core is not connected: it exited")
+                raise EngineUnavailableError(f"{replica.name} is not connected: it exited")
         try:
             while True:
                 out = await stream.get()
@@ -232,21 +233,6 @@ class AsyncLLM:
             if self._streams.get(request_id) is stream:
                 self._abort(request_id)
 
-    def _send(self, message) -> bool:
-        """Hand a message to the core without waiting; False where no core is connected. A connected core
-        never makes a send wait (no high-water mark), and one that has exited, before this loop has seen it
-        go, has no connection: a waiting send would wait for it forever."""
-        return self._requests.send(self._encoder.encode(message), flags=zmq.NOBLOCK).exception() is None
-
-    async def _send_while_alive(self, message) -> bool:
-        """_send, retried while the core process lives: its connection may still be coming up just after
-        start-up."""
-        while not self._send(message):
-            if not self._process.is_alive():
-                return False
-            await asyncio.sleep(0.001)
-        return True
-
     def _check_available(self) -> None:
         if self._unavailable is not None:
             raise EngineUnavailableError(f"the engine is {self._unavailable}")
@@ -255,16 +241,19 @@ class AsyncLLM:
         """Forget a request on this side; returns its stream and the core requests of its sequences that
         still run."""
         running = self.processor.abort_request(request_id)
+        self._replica_of.pop(request_id, None)
         timer = self._deadlines.pop(request_id, None)
         if timer is not None:
             timer.cancel()
         return self._streams.pop(request_id, None), running
 
     def _abort(self, request_id: str) -> RequestStream | None:
-        """Forget a request here and abort every sequence of it in the core; returns its stream."""
+        """Forget a request here and abort every sequence of it in its replica's core; returns its stream."""
+        replica = self._replica_of.get(request_id)
         stream, running = self._end(request_id)
-        if running and self._unavailable is None:
-            self._send(CoreAbort(running))
+        # A replica that is stopping or died holds nothing to abort (a send to one that exited is dropped).
+        if running and replica is not None and not replica.stopping:
+            replica.send(CoreAbort(running))
         return stream
 
     def _expire(self, request_id: str) -> None:
@@ -276,22 +265,22 @@ class AsyncLLM:
 
     # ---- outputs --------------------------------------------------------------------------
 
-    async def _read_outputs(self, decoder: msgspec.msgpack.Decoder) -> None:
+    async def _read_outputs(self, replica: CoreClient) -> None:
         try:
             while True:
-                msg = decoder.decode(await self._outputs.recv(copy=False))
+                msg = replica.decoder.decode(await replica.outputs.recv(copy=False))
                 if isinstance(msg, CoreFailed):
-                    self._died(f"the engine core failed: {msg.message}")
+                    self._died(f"{replica.name} failed: {msg.message}", replica)
                     return
-                self._deliver(msg)
+                self._deliver(replica, msg)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug here must not leave requests waiting forever
             logger.exception("the output loop died")
-            self._died(f"output processing failed: {type(e).__name__}: {e}")
+            self._died(f"output processing failed: {type(e).__name__}: {e}", None)
 
-    def _deliver(self, msg: CoreOutputs) -> None:
-        self.stats = msg.stats
+    def _deliver(self, replica: CoreClient, msg: CoreOutputs) -> None:
+        replica.note(msg)
         outputs = msg.outputs
         if any(o.error is not None for o in outputs):
             for o in outputs:
@@ -311,24 +300,31 @@ class AsyncLLM:
                 self._end(out.request_id)
             stream.put(out)
         if processed.to_abort:
-            self._send(CoreAbort(processed.to_abort))
+            replica.send(CoreAbort(processed.to_abort))
 
-    def _fail_all(self, error: BaseException) -> None:
-        for request_id in list(self._streams):
+    def _fail(self, replica: CoreClient | None, error: BaseException) -> None:
+        """End with `error` every request of `replica`, or every request where it is None."""
+        for request_id in [i for i, r in self._replica_of.items() if replica is None or r is replica]:
             self._end(request_id)[0].put(error)
 
-    def _core_exited(self) -> None:
-        asyncio.get_running_loop().remove_reader(self._process.sentinel)
-        if self._unavailable is None:
-            self._died(f"the engine core process exited unexpectedly (exit code {self._process.exitcode})")
+    def _core_exited(self, replica: CoreClient) -> None:
+        asyncio.get_running_loop().remove_reader(replica.process.sentinel)
+        if not replica.stopping:
+            self._died(f"{replica.name} process exited unexpectedly (exit code {replica.process.exitcode})", replica)
 
-    def _died(self, reason: str) -> None:
-        logger.error("%s; failing every request", reason)
-        self._unavailable = "dead"
-        self._died_reason = reason
-        self._fail_all(EngineUnavailableError(reason))
-        if self.on_core_death is not None:
-            self.on_core_death()
+    def _died(self, reason: str, replica: CoreClient | None) -> None:
+        """A core died (None: the front end cannot read the cores): fail its requests, refuse new ones, and
+        report it, once, to whoever must restart the server. The other replicas' requests run on until the
+        server's shutdown ends them."""
+        logger.error("%s; failing %s", reason, "its requests" if replica is not None else "every request")
+        if replica is not None:
+            replica.stopping = True
+        self._fail(replica, EngineUnavailableError(reason))
+        self._died_reason = self._died_reason or reason
+        if self._unavailable is None:
+            self._unavailable = "dead"
+            if self.on_core_death is not None:
+                self.on_core_death()
 
 
 def _refusal(error) -> SpecserveError:

@@ -16,7 +16,7 @@ from specserve.engine.messages import CoreOutput, CoreReady, CoreRequest, Engine
 from specserve.engine.request import Request, RequestStatus
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.warmup import warm_up
-from specserve.errors import InvalidRequestError
+from specserve.errors import ConfigError, InvalidRequestError
 from specserve.models.loader import ModelSource, build_model, load_tokenizer, open_model_source
 from specserve.spec_decode.factory import build_speculator
 from specserve.spec_decode.metrics import SpecDecodeStats
@@ -45,6 +45,12 @@ class EngineCore:
     def __init__(self, config: EngineConfig, tokenizer=None, source: ModelSource | None = None):
         """`tokenizer` and `source` are the front end's when it shares this process (the core reads only the
         tokenizer's EOS id), so the model's files are opened once."""
+        if config.data_parallel_size != 1:
+            n = config.data_parallel_size
+            raise ConfigError("data_parallel_size",
+                              f"is {n}, but an engine in one process is one replica: replicas run behind the API "
+                              f"server (specserve serve --data-parallel-size {n}); offline, run one LLM per GPU, "
+                              "each in a process of its own with its CUDA_VISIBLE_DEVICES")
         self.config = config
         source = source if source is not None else open_model_source(config.model, config.revision)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source, config.tokenizer)
@@ -119,9 +125,6 @@ class EngineCore:
         spec = params.structured_output
         if spec is None:
             return None
-        if self.scheduler.tree is not None:
-            raise InvalidRequestError("structured_output", "is not supported with a tree of drafts "
-                                      "(speculative_token_tree); serve with a chain of drafts or none")
         if self._structured is None:
             self._structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         return self._structured.grammar_for(spec)
@@ -146,10 +149,11 @@ class EngineCore:
         return len(self.scheduler.requests)
 
     def stats(self) -> EngineStats:
-        spec = self.spec_stats
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage,
-                           self.kv.prefix_cache_hit_rate, spec.num_drafted, spec.num_accepted,
-                           tuple(spec.acceptance_per_position), self.num_prompt_tokens, self.num_generated_tokens)
+        spec, pool = self.spec_stats, self.kv.pool
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
+                           self.kv.num_blocks - pool.num_free, self.kv.num_blocks, pool.queries, pool.hits,
+                           spec.num_drafted, spec.num_accepted, tuple(spec.drafted_per_position),
+                           tuple(spec.accepted_per_position), self.num_prompt_tokens, self.num_generated_tokens)
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -163,17 +167,24 @@ class EngineCore:
             done, self._inflight = self._inflight, None
             return self._complete(done)
         sched = self.scheduler.schedule()
-        launched = None if sched.is_empty else self.runner.launch(sched)
         self._drain = sched.stalled
-        if self.config.async_scheduling and not self.scheduler.num_grammar_requests:
-            done, self._inflight = self._inflight, launched
-            return [] if done is None else self._complete(done)
-        # Synchronous, and so while any request has a grammar: its mask for a step is built from every token
-        # before it, on the host, so no step may be launched before the previous one's tokens are read
-        # (docs/design.md, 'Structured output'). A step still in flight from before completes first.
-        outputs = [] if self._inflight is None else self._complete(self._inflight)
-        self._inflight = None
-        return outputs + ([] if launched is None else self._complete(launched))
+        if not self.config.async_scheduling:
+            return [] if sched.is_empty else self._complete(self.runner.launch(sched))
+        # The step in flight completes while this one runs: right after this one is launched, or, for a step
+        # with grammar masks, once its forward is enqueued, since its masks start from the tokens of the step
+        # in flight (ModelRunner.launch; docs/design.md, 'Structured output').
+        done, self._inflight = self._inflight, None
+        outputs: list[CoreOutput] = []
+
+        def complete_previous() -> None:
+            nonlocal done
+            if done is not None:
+                outputs.extend(self._complete(done))
+                done = None
+
+        self._inflight = None if sched.is_empty else self.runner.launch(sched, complete_previous)
+        complete_previous()
+        return outputs
 
     def _complete(self, handle: StepHandle) -> list[CoreOutput]:
         result = self.runner.resolve(handle)

@@ -83,6 +83,7 @@ class _CoreLoop:
         self.decoder = msgspec.msgpack.Decoder(ToCore)
         self.max_waiting = max_waiting
         self.parent_pid = parent_pid
+        self.num_requests_read = 0
 
     def run(self) -> None:
         while True:
@@ -93,7 +94,8 @@ class _CoreLoop:
             outputs = self.core.step() if self.core.has_unfinished_requests() else []
             # An abort changes the KV usage and queue lengths the front end reports, even with no output.
             if outputs or refused or read.aborted:
-                self.outbox.send(self.encoder.encode(CoreOutputs(refused + outputs, self.core.stats())))
+                self.outbox.send(self.encoder.encode(CoreOutputs(refused + outputs, self.core.stats(),
+                                                                 self.num_requests_read)))
 
     def _read_commands(self, refused: list[CoreOutput]) -> _Commands | None:
         """Apply every queued command, waiting for the first while there is nothing to step; None once
@@ -111,6 +113,7 @@ class _CoreLoop:
                 return read
             cmd = self.decoder.decode(frame.buffer)
             if isinstance(cmd, CoreRequest):
+                self.num_requests_read += 1
                 error = self._add(cmd)
                 if error is not None:
                     refused.append(CoreOutput(cmd.request_id, [], "abort", error=error))

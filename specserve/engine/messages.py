@@ -56,22 +56,56 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class EngineStats(msgspec.Struct, frozen=True):
-    """A snapshot of engine state after a step, for metrics; reading it never touches the engine."""
+    """A snapshot of engine state after a step, for metrics and load balancing; reading it never touches the
+    engine. Every field is a count, so the state of several replicas is their field-wise sum (`total`) and
+    its ratios are the ratios of the sums."""
 
     num_running: int = 0
     num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_hit_rate: float = 0.0
+    num_kv_blocks_used: int = 0
+    num_kv_blocks: int = 0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
     spec_num_drafted: int = 0
     spec_num_accepted: int = 0
-    spec_acceptance_per_position: tuple[float, ...] = ()
+    spec_drafted_per_position: tuple[int, ...] = ()
+    spec_accepted_per_position: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_kv_blocks_used / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        queried = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / queried if queried else 0.0
+
+    @property
+    def spec_acceptance_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.spec_accepted_per_position, self.spec_drafted_per_position)]
+
+    @classmethod
+    def total(cls, parts: list["EngineStats"]) -> "EngineStats":
+        """The field-wise sum of several engines' snapshots (per-position counts summed position by position)."""
+        sums = {}
+        for name in cls.__struct_fields__:
+            values = [getattr(p, name) for p in parts]
+            if name.endswith("_per_position"):
+                width = max(map(len, values), default=0)
+                sums[name] = tuple(sum(v[i] for v in values if i < len(v)) for i in range(width))
+            else:
+                sums[name] = sum(values)
+        return cls(**sums)
 
 
 class CoreOutputs(msgspec.Struct, tag=True):
     outputs: list[CoreOutput]
     stats: EngineStats
+    # Requests the core has read since it started, refused ones included. The front end balances replicas by
+    # load: a request it sent that is not read yet is in no snapshot, so it counts as one more waiting.
+    num_requests_read: int
 
 
 class CoreReady(msgspec.Struct, tag=True):

@@ -91,9 +91,10 @@ class Request:
 
     @property
     def needs_host_tokens(self) -> bool:
-        """Whether sampling this request reads its generated tokens on the host (penalties, min_tokens, a
-        grammar's mask), so its next step cannot be scheduled before the current one's tokens are back."""
-        return self.params.uses_penalties or self.params.min_tokens > 0 or self.grammar is not None
+        """Whether sampling this request reads its generated tokens on the host (penalties, min_tokens), so
+        its next step cannot be scheduled before the current one's tokens are back. A grammar's mask reads them
+        too, but only once the next step's forward is enqueued (ModelRunner.launch), so it does not count."""
+        return self.params.uses_penalties or self.params.min_tokens > 0
 
     def append_token(self, token_id: int) -> bool:
         """Append one generated token; True when it ends the request."""

@@ -81,13 +81,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.spec_stats = SpecDecodeStats()
-        # Requests with a grammar, which keep the engine's steps synchronous (EngineCore.step).
-        self.num_grammar_requests = 0
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self.waiting.append(req)
-        self.num_grammar_requests += req.grammar is not None
 
     @property
     def has_unfinished(self) -> bool:
@@ -239,5 +236,4 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         del self.requests[req.request_id]
-        self.num_grammar_requests -= req.grammar is not None
         self._finished_ids.append(req.request_id)

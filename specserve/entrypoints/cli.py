@@ -28,6 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    g.add_argument("--data-parallel-size", type=int, default=1, metavar="M",
+                   help="engine replicas behind one server (serve only), each on GPUs of its own; new requests go to "
+                        "the least loaded")
     g.add_argument("--speculative-config", help='JSON as in vLLM, e.g. \'{"method": "eagle3", "model": PATH, '
                    '"num_speculative_tokens": 4}\'; methods: eagle, eagle3, ngram, draft_model')
 
@@ -49,7 +52,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         enable_prefix_caching=not a.no_prefix_caching, enable_chunked_prefill=not a.no_chunked_prefill, seed=a.seed,
         speculative_config=a.speculative_config, gpu_memory_utilization=a.gpu_memory_utilization,
-        kv_cache_memory_bytes=a.kv_cache_memory,
+        kv_cache_memory_bytes=a.kv_cache_memory, data_parallel_size=a.data_parallel_size,
     )
 
 

@@ -23,6 +23,7 @@ from specserve.spec_decode.drafter_graphs import DrafterGraphs
 from specserve.spec_decode.speculator import DraftInput, Speculator
 from specserve.spec_decode.tree_drafting import draft_tree
 from specserve.spec_decode.tree_verify import TreeTables
+from specserve.structured_output.draft_masks import DraftMasks, mask_draft_logits
 from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager
 from specserve.worker.cudagraph_mode import CUDAGraphMode
 from specserve.worker.step_path import Drafting
@@ -169,8 +170,9 @@ class ModelDrafter(DrafterGraphs, Speculator):
             for rows in self._request_rows:
                 rows[n:].zero_()
             self._rows_in_use = n
-        if inp.drafting is Drafting.TREE_PASSES:
-            return self._draft_tree(for_logits, fed_back, last, inp.kv_moves, inp.base_positions, inp.block_table)
+        if inp.drafting in (Drafting.TREE_PASSES, Drafting.MASKED_TREE_PASSES):
+            return self._draft_tree(for_logits, fed_back, last, inp.kv_moves, inp.base_positions, inp.block_table,
+                                    masks=inp.masks)
         if inp.drafting is Drafting.TREE_GRAPH:
             if inp.kv_moves is not None:
                 self.move_kv(*inp.kv_moves)
@@ -185,7 +187,8 @@ class ModelDrafter(DrafterGraphs, Speculator):
             return self._replay_for(self.greedy_loop_graphs, n, self._greedy_loop)
         if for_logits is not None:
             h = for_logits.index_select(0, last)
-            current = self.greedy_tokens(h) if inp.sampling.all_greedy else self._pick(self.compute_logits(h), inp, 0)
+            current = (self.greedy_tokens(h) if inp.sampling.all_greedy and inp.masks is None
+                       else self._pick(self.compute_logits(h), inp, 0))
             drafts.append(current)
         step = 1
         while len(drafts) < k:
@@ -231,13 +234,14 @@ class ModelDrafter(DrafterGraphs, Speculator):
     def _draft_tree(self, for_logits: torch.Tensor, fed_back: torch.Tensor, last: torch.Tensor,
                     kv_moves: tuple[torch.Tensor, torch.Tensor] | None, base_positions: torch.Tensor,
                     block_table: torch.Tensor, num_reqs: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, masks: DraftMasks | None = None) -> torch.Tensor:
         """After the prefill: the verified trees' cache moves in the drafter's cache (its prefill wrote the tree
-        slots), then the next tree from the prefill's states at each last accepted token."""
+        slots), then the next tree from the prefill's states at each last accepted token (masked by the
+        grammars along its paths where masks are given)."""
         if kv_moves is not None:
             self.move_kv(*kv_moves)
         return draft_tree(self, self.tree_tables, for_logits.index_select(0, last), fed_back.index_select(0, last),
-                          base_positions, block_table, num_reqs, out)
+                          base_positions, block_table, num_reqs, out, masks)
 
     def _keep_feedback(self, n: int, fed_back: torch.Tensor | None, last: torch.Tensor) -> None:
         """The prefill's state to feed back at each request's last accepted token, into the decode steps' rows."""
@@ -264,11 +268,18 @@ class ModelDrafter(DrafterGraphs, Speculator):
         return graphs.run(desc, self._decode, metadata) if graphs else self._decode(desc, metadata)
 
     def _pick(self, logits: torch.Tensor, inp: DraftInput, j: int) -> torch.Tensor:
-        """Draft j of each request: argmax for greedy requests, else a sample from q kept for verification."""
+        """Draft j of each request: argmax for greedy requests, else a sample from q kept for verification.
+        In a grammar step the logits are masked with each request's grammar state after its drafts before j
+        first, so q is the masked, renormalised distribution the draft is really drawn from: rejection
+        sampling is exact only with the q the draft came from."""
         b = inp.sampling
+        if inp.masks is not None:
+            logits = mask_draft_logits(logits, inp.masks.masks(range(j, j + 1)))
         tokens = logits.argmax(dim=-1)
         if not b.all_greedy:
             q = filtered_probs(logits, b)
             tokens = torch.where(b.greedy, tokens, sample_from_probs(q, b.generators, self.generator))
             self.draft_probs[:, j].index_copy_(0, inp.rows, q)
+        if inp.masks is not None:
+            inp.masks.follow(tokens[:, None])
         return tokens

@@ -8,6 +8,7 @@ import torch
 from specserve.attention.metadata import AttentionMetadata
 from specserve.engine.request import Request
 from specserve.sample.sampler import SamplingBatch
+from specserve.structured_output.draft_masks import DraftMasks
 from specserve.worker.kv_layout import KVCacheLayout
 from specserve.worker.step_path import Drafting
 
@@ -46,6 +47,8 @@ class DraftInput:
     # Trees of drafts: the cache moves of the accepted nodes (tree_verify.kv_moves), which the drafter applies
     # to its own cache after its prefill wrote the tree's slots.
     kv_moves: tuple[torch.Tensor, torch.Tensor] | None = None
+    # A step with a grammar request (Drafting.masked): the grammar masks of each depth's drafts.
+    masks: DraftMasks | None = None
 
 
 class Speculator:

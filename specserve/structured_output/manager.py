@@ -22,7 +22,6 @@ class StructuredOutputManager:
         import xgrammar as xgr
 
         self._xgr = xgr
-        self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_token_ids))
         self.compiler = xgr.GrammarCompiler(info, max_threads=2)
@@ -42,4 +41,4 @@ class StructuredOutputManager:
     def grammar_for(self, spec: StructuredOutput) -> RequestGrammar:
         """A fresh grammar state for one request (it can roll back any number of tokens)."""
         matcher = self._xgr.GrammarMatcher(self.compiled(spec))
-        return RequestGrammar(matcher, self.vocab_size)
+        return RequestGrammar(matcher)

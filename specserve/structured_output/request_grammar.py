@@ -1,21 +1,21 @@
 """One request's grammar state: an xgrammar GrammarMatcher that has accepted exactly the request's output
 tokens so far (the request owns it; engine/request.py).
 
-What must hold: when a step that samples the request is launched, the matcher has accepted every output
-token before it (requests with a grammar are scheduled synchronously, Request.needs_host_tokens), so the
-masks fill_masks writes are those of the tokens the step really continues from. fill_masks walks the step's
-drafts and rolls back before it returns: the matcher moves forward only in accept(), with tokens the
-request keeps.
+What must hold: the matcher moves forward only in accept(), with tokens the request keeps. Masks are built
+from it once it has accepted every token before the step (structured_output/step_masks.py for the target's,
+draft_masks.py for the drafter's); fill_masks walks drafts (and the step's new tokens, for the drafter's masks)
+and rolls back before it returns.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 
 class RequestGrammar:
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher):
         self.matcher = matcher
-        self.vocab_size = vocab_size
 
     def accept(self, token_id: int) -> bool:
         """Advance past a token the request keeps; False when the grammar does not allow it (a masked
@@ -27,20 +27,43 @@ class RequestGrammar:
         """The grammar is complete and a stop token was accepted: the request ends."""
         return self.matcher.is_terminated()
 
-    def fill_masks(self, bitmask: torch.Tensor, first_row: int, drafts: list[int]) -> None:
-        """Write the allowed tokens of the position after the current tokens into bitmask[first_row], and of
-        the position after draft j into bitmask[first_row + 1 + j], for the drafts the grammar allows in order.
-        Rows past the first draft it refuses (or past a draft that ends the grammar) keep what they hold: the
-        verification rejects that draft, so no token is taken from a later position."""
+    def fill_masks(self, bitmask: torch.Tensor, first_row: int, drafts: Sequence[int],
+                   parents: Sequence[int] | None = None, nodes: Sequence[int] | None = None,
+                   prefix: Sequence[int] = ()) -> None:
+        """Write the tokens allowed after each node of a tree of drafts into bitmask[first_row + r], r the
+        node's place in `nodes` (default: every node, row r for node r).
+
+        Node 0 is the state after the request's tokens and then `prefix`; node j >= 1 is drafts[j - 1], a child
+        of node parents[j] (< j; parents None: a chain, the child of node j - 1). A node whose path the grammar
+        refuses, or ends (a stop token), keeps its row as it is: a verification rejects that path before it,
+        and a drafter's pick there is never accepted."""
         m = self.matcher
-        m.fill_next_token_bitmask(bitmask, first_row)
+        num_nodes = len(drafts) + 1
+        rows = {node: r for r, node in enumerate(range(num_nodes) if nodes is None else nodes)}
+        children: list[list[int]] = [[] for _ in range(num_nodes)]
+        # Only nodes on the way to a row are walked.
+        needed = [node in rows for node in range(num_nodes)]
+        for j in range(num_nodes - 1, 0, -1):
+            parent = j - 1 if parents is None else parents[j]
+            children[parent].append(j)
+            needed[parent] |= needed[j]
+
+        def visit(node: int) -> None:
+            if node in rows:
+                m.fill_next_token_bitmask(bitmask, first_row + rows[node])
+            for child in reversed(children[node]):
+                if needed[child] and m.accept_token(drafts[child - 1]):
+                    if not m.is_terminated():
+                        visit(child)
+                    m.rollback(1)
+
         walked = 0
-        for j, token in enumerate(drafts):
+        for token in prefix:
             if m.is_terminated() or not m.accept_token(token):
                 break
             walked += 1
-            if m.is_terminated():
-                break
-            m.fill_next_token_bitmask(bitmask, first_row + 1 + j)
+        else:
+            if not m.is_terminated():
+                visit(0)
         if walked:
             m.rollback(walked)

@@ -1,5 +1,5 @@
-"""What a request's output must match: a JSON schema, any JSON object, a regex, one of a list of strings, or
-an EBNF grammar. Validated when built, without a tokenizer: xgrammar parses the spec into a grammar, so a
+"""What a request's output must match: a JSON schema, any JSON object, a regex, one of a list of strings, an
+EBNF grammar, or an xgrammar structural tag (JSON schemas inside fixed text: how forced tool calls are written). Validated when built, without a tokenizer: xgrammar parses the spec into a grammar, so a
 bad schema, regex or grammar is refused at the request, naming the field, before it reaches the engine."""
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ class StructuredOutputKind(enum.Enum):
     REGEX = "regex"  # value: the pattern (xgrammar's regex dialect)
     CHOICE = "choice"  # value: the list of strings the output is one of
     GRAMMAR = "grammar"  # value: an EBNF grammar (GBNF as xgrammar reads it) whose start rule is `root`
+    STRUCTURAL_TAG = "structural_tag"  # value: an xgrammar StructuralTag (a dict, or its JSON text)
 
 
 @dataclass
@@ -45,12 +46,14 @@ class StructuredOutput:
             if value is not None:
                 raise InvalidRequestError(where, "takes no value; use json_schema to constrain the object")
             return None
-        if kind is StructuredOutputKind.JSON_SCHEMA:
+        if kind in (StructuredOutputKind.JSON_SCHEMA, StructuredOutputKind.STRUCTURAL_TAG):
             if isinstance(value, str):
                 try:
                     value = json.loads(value)
                 except json.JSONDecodeError as e:
-                    raise InvalidRequestError(where, f"is not valid JSON ({e}); give the schema as a JSON object")
+                    raise InvalidRequestError(where, f"is not valid JSON ({e}); give it as a JSON object")
+            if kind is StructuredOutputKind.STRUCTURAL_TAG and not isinstance(value, dict):
+                raise InvalidRequestError(where, f"must be a structural tag (an object), got {type(value).__name__}")
             if not isinstance(value, (dict, bool)):
                 raise InvalidRequestError(where, f"must be a JSON schema (an object), got {type(value).__name__}")
             return json.dumps(value, separators=(",", ":"))  # key order kept: it orders the output
@@ -84,6 +87,8 @@ class StructuredOutput:
             if kind is StructuredOutputKind.CHOICE:
                 # JSON string literals are EBNF string literals: the same escapes.
                 return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in self.value))
+            if kind is StructuredOutputKind.STRUCTURAL_TAG:
+                return xgr.Grammar.from_structural_tag(self.value)
             return xgr.Grammar.from_ebnf(self.value)
         except RuntimeError as e:
             raise InvalidRequestError(f"{FIELD}.{kind.value}", f"is not a valid {_WHAT[kind]}: {_reason(e)}")
@@ -97,7 +102,8 @@ _WHAT = {StructuredOutputKind.JSON_SCHEMA: "JSON schema xgrammar supports",
          StructuredOutputKind.JSON_OBJECT: "JSON object",
          StructuredOutputKind.REGEX: "regular expression",
          StructuredOutputKind.CHOICE: "list of choices",
-         StructuredOutputKind.GRAMMAR: "EBNF grammar (root ::= ...)"}
+         StructuredOutputKind.GRAMMAR: "EBNF grammar (root ::= ...)",
+         StructuredOutputKind.STRUCTURAL_TAG: "structural tag xgrammar supports"}
 
 
 def _reason(error: Exception) -> str:

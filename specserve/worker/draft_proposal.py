@@ -4,7 +4,9 @@ from the step just run, then its proposal of the next drafts (spec_decode/specul
 The accepted counts exist only on the device, so each drafting request's last accepted token, its
 position and its block table are gathered there by one kernel (spec_decode/draft_inputs.py; for trees of
 drafts, then along the accepted paths), and no host sync is needed before the drafter runs
-(docs/design.md, 'Draft inputs').
+(docs/design.md, 'Draft inputs'). A step with a grammar request is the exception: its drafts are masked
+with the grammar states along their paths, which the host builds from the tokens it reads back
+(Drafting.masked).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from specserve.engine.scheduler import SchedulerOutput
 from specserve.sample.sampler import SamplingBatch
 from specserve.spec_decode.draft_inputs import follow_tree_paths, gather_draft_inputs
 from specserve.spec_decode.speculator import DraftInput
+from specserve.structured_output.draft_masks import DraftMasks
 from specserve.worker.cudagraph import BatchDescriptor
 from specserve.worker.staged_inputs import StagedExtra
 from specserve.worker.step_path import Drafting
@@ -45,6 +48,13 @@ class DraftProposal:
                               b.staged_extra(StagedExtra.VERIFY_SLOTS), b.positions, spec.next_ids,
                               self.draft_last_indices, self.draft_base_positions)
         requests = [s.request for s in scheduled]
+        masks = None
+        if drafting.masked:
+            # The step's new tokens, read back while the drafter's prefill runs (docs/design.md,
+            # 'Structured output').
+            step_tokens = self.outputs.packed.index_select(0, b.staged_extra(StagedExtra.SAMPLING_ROWS))
+            masks = DraftMasks([r.grammar for r in requests], step_tokens,
+                               self.tree.parents if self.tree is not None else None, self.arch.vocab_size, self.device)
         inp = DraftInput(
             target_out=target_out,
             descriptor=desc,
@@ -59,6 +69,7 @@ class DraftProposal:
             sampling=SamplingBatch.build(requests, self.device),
             drafting=drafting,
             kv_moves=moves,
+            masks=masks,
         )
         drafts = spec.propose(inp)
         if sampling[-1] == n - 1:  # rows 0..n-1: every scheduled request drafts

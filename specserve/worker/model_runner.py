@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from specserve.config import EngineConfig
-from specserve.engine.scheduler import SchedulerOutput
+from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.models.arch_config import ArchConfig
 from specserve.outputs import Logprob
 from specserve.sample.sampler import Sampler
@@ -98,6 +99,8 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         # Request id -> its row in the last launched step, for a step scheduled before that one's results
         # were back.
         self._previous: dict[str, PreviousRow] = {}
+        # The drafts the last resolved step proposed, by request: those its successor verifies on the device.
+        self._resolved_drafts: dict[str, list[int]] = {}
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
@@ -169,7 +172,7 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
             yield
         finally:
             self.forget_requests(list(self.rows))
-            self._previous, self._tree_step = {}, None
+            self._previous, self._tree_step, self._resolved_drafts = {}, None, {}
             self.buffers.reset()
             self.outputs.packed.zero_()
             if self.speculator is not None:
@@ -230,9 +233,11 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         return self.resolve(self.launch(sched))
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput) -> StepHandle:
+    def launch(self, sched: SchedulerOutput, complete_previous: Callable[[], None] | None = None) -> StepHandle:
         """Enqueue the whole step on the device (inputs, forward, sampling, drafts, the copy of the results to
-        the host) without waiting for it; resolve() reads the results."""
+        the host) without waiting for it; resolve() reads the results. complete_previous: with a step still
+        in flight, completes it (resolves it and hands its tokens to the requests); a step with grammar masks
+        calls it once its forward is enqueued, as the masks start from every token before the step."""
         self.forget_requests(sched.finished + sched.preempted)
         ids, qlens, slens, rows, sampling = [], [], [], [], []
         inflight: list[InflightRequest] = []
@@ -286,12 +291,16 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         hidden = padded_hidden[:offset]
         if not sampling:
             return handle
-        masks = (StepMasks.build(sched, plan.sample_rows, plan.verify_rows, self.arch.vocab_size, self.device)
-                 if path.masked else None)
+        masks = None
+        if path.masked:
+            if complete_previous is not None:
+                complete_previous()
+            masks = StepMasks.build(sched, plan.sample_rows, plan.verify_rows, self.arch.vocab_size, self.device,
+                                    self._verified_drafts, self.tree.parents if self.tree is not None else None)
         if path.sampling is not Sampling.NONE:
             self._sample(hidden, sched, plan.sample_rows, handle, desc, path.sampling, masks)
         if path.verification in (Verification.TREE_ARGMAX, Verification.TREE_LOGITS):
-            self._verify_tree(hidden, sched, plan.verify_rows, handle, path.verification)
+            self._verify_tree(hidden, sched, plan.verify_rows, handle, path.verification, masks)
         elif path.verification is not Verification.NONE:
             self._verify(hidden, sched, plan.verify_rows, handle, desc, path.verification, masks)
         if path.drafts_on_device:
@@ -314,6 +323,13 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
                 shift[end - n:end] = self._tree_shift[:n]
                 bits[end - n:end] = self._tree_bits[:n]
         return shift, bits
+
+    def _verified_drafts(self, s: ScheduledRequest) -> list[int]:
+        """The drafts a scheduled request verifies: those of a row that takes them from the device are the ones
+        the previous step proposed, read back by its resolve()."""
+        if not s.from_device:
+            return s.spec_token_ids
+        return self._resolved_drafts.get(s.request.request_id, [])[:len(s.spec_token_ids)]
 
     def resolve(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step and return its tokens (and drafts) on the host."""
@@ -338,5 +354,6 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
             contexts = [r.all_token_ids + out.sampled[r.request_id] for r in reqs]
             for req, d in zip(reqs, self.speculator.propose_from_contexts(contexts)):
                 out.drafts[req.request_id] = d
+        self._resolved_drafts = out.drafts
         return out
 

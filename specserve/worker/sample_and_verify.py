@@ -121,10 +121,13 @@ class SampleAndVerify:
             handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=k + 1))
 
     def _verify_tree(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
-                     how: Verification) -> None:
+                     how: Verification, masks: StepMasks | None) -> None:
         """Verify each request's tree of drafts (tree_verify.py): the target's token at every node, argmax or
         sampled, then the walk from the root; then move the accepted nodes' keys and values to their
-        positions' slots. Keeps the accepted paths and the moves for the drafter (self._tree_step)."""
+        positions' slots. Keeps the accepted paths and the moves for the drafter (self._tree_step). A request
+        with a grammar has its logits at each node masked with the grammar's state along the node's path
+        (StepMasks), so the target's token there is one the grammar allows, and a node the grammar refuses
+        never carries it."""
         b, tables = self.buffers, self.tree_tables
         index, num, where = self._verified_tokens()
         n, width = index.shape[0], index.shape[1]
@@ -136,6 +139,8 @@ class SampleAndVerify:
             reqs = [sched.scheduled[i].request for i in batch_rows]
             batch = SamplingBatch.build(reqs, self.device)
             logits = self.model.compute_logits(verified)
+            if masks is not None:
+                StepMasks.apply(logits, masks.verify)
             apply_logit_bias(logits, reqs, width)
             target = greedy_argmax(logits)
             if not batch.all_greedy:

@@ -57,6 +57,15 @@ class Drafting(Enum):
     STEPS = "steps"  # one decode step per draft, each replaying its own graph where it has one
     TREE_GRAPH = "tree graph"  # a tree's passes, in the drafter's tree graph
     TREE_PASSES = "tree passes"  # a tree's passes, eagerly
+    # A step with a grammar request: the drafter's logits are masked by each draft path's grammar state,
+    # which the host builds from each depth's drafts, read back as they are picked (structured_output/
+    # draft_masks.py): one decode step per draft, or a tree's passes, eagerly.
+    MASKED_STEPS = "masked steps"
+    MASKED_TREE_PASSES = "masked tree passes"
+
+    @property
+    def masked(self) -> bool:
+        return self in (Drafting.MASKED_STEPS, Drafting.MASKED_TREE_PASSES)
 
 
 class SpeculatorKind(Enum):
@@ -209,6 +218,8 @@ def _drafting(rows: StepRows, graphs: GraphsReady, speculator: SpeculatorKind, t
         return Drafting.ON_HOST
     if in_whole_step:
         return Drafting.IN_WHOLE_STEP
+    if rows.sample.grammar or rows.verify.grammar:
+        return Drafting.MASKED_TREE_PASSES if trees else Drafting.MASKED_STEPS
     if trees:
         return Drafting.TREE_GRAPH if graphs.drafting else Drafting.TREE_PASSES
     greedy = rows.sample.all_greedy and rows.verify.all_greedy

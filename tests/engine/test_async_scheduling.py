@@ -8,6 +8,7 @@ import pytest
 
 from conftest import repetitive_prompts as prompts
 from heads import save_eagle_head, save_perturbed_copy
+from step_overlap import record_overlap
 from specserve import LLM, ConfigError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -34,23 +35,6 @@ def mixed_llm(models, async_scheduling: bool, spec: str | None, **kw) -> LLM:
     """A small token budget (chunked prefill) and a small KV pool (preemption)."""
     return LLM(str(models["path"]), max_model_len=256, max_num_batched_tokens=48, num_kv_blocks=17, block_size=16,
                speculative_config=models[spec] if spec else None, async_scheduling=async_scheduling, **kw)
-
-
-def record_overlap(llm: LLM) -> list[bool]:
-    """For every resolved step: whether a later step had been launched before it was resolved."""
-    runner, launched, overlapped = llm.engine.runner, [], []
-    launch, resolve = runner.launch, runner.resolve
-
-    def logged_launch(sched):
-        launched.append(launch(sched))
-        return launched[-1]
-
-    def logged_resolve(handle):
-        overlapped.append(launched[-1] is not handle)
-        return resolve(handle)
-
-    runner.launch, runner.resolve = logged_launch, logged_resolve
-    return overlapped
 
 
 def token_ids(outs) -> list[list[int]]:

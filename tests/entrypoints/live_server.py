@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specserve.config import EngineConfig
 from specserve.entrypoints.openai.api_server import GracefulServer, ServerConfig, build_app, build_engine, uvicorn_config
+from specserve.entrypoints.openai.tool_calling import ToolCallingConfig
 
 
 @contextlib.contextmanager
@@ -38,13 +39,15 @@ class LiveServer:
     def __init__(self, model: str, max_waiting: int = 512, request_timeout: float | None = None,
                  shutdown_grace_s: float = 1.0, stream_interval: int = 1, max_request_bytes: int = 8 * 2**20,
                  receive_timeout_s: float = 30.0, api_key: str | None = None, enable_docs: bool = False,
+                 chat_template: str | None = None, tool_calling: ToolCallingConfig = ToolCallingConfig(),
                  core_factory=None, **engine):
         self.model = model
         self.auth = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
         server = ServerConfig(max_waiting=max_waiting, request_timeout=request_timeout,
                               shutdown_grace_s=shutdown_grace_s, stream_interval=stream_interval,
                               max_request_bytes=max_request_bytes, receive_timeout_s=receive_timeout_s,
-                              api_key=api_key, enable_docs=enable_docs)
+                              api_key=api_key, enable_docs=enable_docs, chat_template=chat_template,
+                              tool_calling=tool_calling)
         self.engine = build_engine(EngineConfig(model=model, **engine), server, core_factory)
         self.app = build_app(self.engine, server)
         # Bound here and handed to uvicorn, so no other process can take the port in between.

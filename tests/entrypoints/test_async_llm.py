@@ -67,7 +67,7 @@ def test_cancel_aborts_and_shutdown_finishes_or_aborts(tiny_llama):
             await anext(engine.generate([5], SHORT))
 
     asyncio.run(run())
-    assert engine._process.exitcode == 0 and engine.num_active_requests == 0
+    assert engine.core_exit_codes == [0] and engine.num_active_requests == 0
 
 
 def test_core_failure_fails_requests_instead_of_hanging(tiny_llama):
@@ -94,7 +94,7 @@ def test_killed_core_fails_running_and_new_requests(tiny_llama):
         await engine.start()
         stream = engine.generate([5, 6, 7], LONG)
         await anext(stream)
-        os.kill(engine.core_pid, signal.SIGKILL)
+        os.kill(engine.core_pids[0], signal.SIGKILL)
         with pytest.raises(EngineUnavailableError, match="exited unexpectedly"):
             async for _ in stream:
                 pass

@@ -130,7 +130,7 @@ def test_a_dead_core_fails_running_and_new_requests_and_the_server_exits(tiny_ll
         with http.stream("POST", "/v1/completions", json=completion(live, max_tokens=480, stream=True)) as r:
             lines = r.iter_lines()
             next(lines)
-            os.kill(live.engine.core_pid, signal.SIGKILL)
+            os.kill(live.engine.core_pids[0], signal.SIGKILL)
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]"
         assert json.loads(rest[-2].removeprefix("data: "))["error"]["code"] == "engine_unavailable"

@@ -116,4 +116,4 @@ def test_shutdown_ends_open_streams_with_an_error_event(long_model):
     assert json.loads(rest[-2].removeprefix("data: "))["error"]["code"] == "engine_unavailable"
     assert time.monotonic() - start < 10
     # The core was told to stop (aborting what it held) and exited on its own.
-    assert live.engine.num_active_requests == 0 and live.engine._process.exitcode == 0
+    assert live.engine.num_active_requests == 0 and live.engine.core_exit_codes == [0]

@@ -69,7 +69,7 @@ def test_cuda_async_scheduling_equals_cpu(case, tmp_path, spec):
     assert llm.engine.config.async_scheduling
     runner, launched, overlapped = llm.engine.runner, [], []
     launch, resolve = runner.launch, runner.resolve
-    runner.launch = lambda sched: launched.append(launch(sched)) or launched[-1]
+    runner.launch = lambda sched, *args: launched.append(launch(sched, *args)) or launched[-1]
     runner.resolve = lambda handle: overlapped.append(launched[-1] is not handle) or resolve(handle)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
@@ -98,10 +98,10 @@ def test_launching_a_step_never_syncs_the_host(case, tmp_path, spec):
     runner = llm.engine.runner
     launch = runner.launch
 
-    def launch_without_sync(sched):
+    def launch_without_sync(sched, *args):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return launch(sched)
+            return launch(sched, *args)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 

@@ -1,6 +1,7 @@
 """End to end: grammar-constrained outputs match their grammar (20 JSON schemas validated with jsonschema), with
-and without speculation, and speculation keeps constrained decoding exact: greedy output equals constrained
-output without drafts token for token, and sampled output has the same distribution."""
+and without speculation (chains and trees of drafts, the drafter's logits masked by the grammar), and
+speculation keeps constrained decoding exact: greedy output equals constrained output without drafts token for
+token, and sampled output has the same distribution."""
 from __future__ import annotations
 
 import json
@@ -13,8 +14,10 @@ from scipy.stats import chi2_contingency
 from heads import save_eagle_head, save_perturbed_copy
 from schemas import SCHEMAS
 from specserve import LLM, SamplingParams
+from step_overlap import record_overlap
 
 PROMPTS = ["Give me JSON:", "Numbers: 1 2 3", "The quick brown fox"]
+TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
 
 
 def schema_params(schema: dict, **kw) -> SamplingParams:
@@ -24,15 +27,17 @@ def schema_params(schema: dict, **kw) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def models(tiny_llama, tmp_path_factory):
-    """The target; a random EAGLE-3 head (drafts mostly ungrammatical and rejected), a perturbed copy of the
-    target as a draft model (drafts often accepted) and n-gram drafts."""
+    """The target; a random EAGLE-3 head (its drafts, masked by the grammar, grammatical but often not the
+    target's), as a chain and as a tree, a perturbed copy of the target as a draft model (drafts often accepted)
+    and n-gram drafts (unmasked)."""
     path, hf = tiny_llama
     root = tmp_path_factory.mktemp("structured")
+    head = str(save_eagle_head(root / "eagle3", hf.config, "eagle3", seed=2))
     return {
         "path": path,
         None: None,
-        "eagle3": {"method": "eagle3", "num_speculative_tokens": 3,
-                   "model": str(save_eagle_head(root / "eagle3", hf.config, "eagle3", seed=2))},
+        "eagle3": {"method": "eagle3", "num_speculative_tokens": 3, "model": head},
+        "eagle3_tree": {"method": "eagle3", "model": head, "speculative_token_tree": TREE},
         "near": {"method": "draft_model", "num_speculative_tokens": 3,
                  "model": str(save_perturbed_copy(root / "near", path))},
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
@@ -62,22 +67,26 @@ def test_every_schema_yields_valid_json_without_speculation(reference):
     assert_valid(reference)
 
 
-@pytest.mark.parametrize("spec", ["eagle3", "near", "ngram"])
+@pytest.mark.parametrize("spec", ["eagle3", "eagle3_tree", "near", "ngram"])
 def test_greedy_with_speculation_equals_without(models, reference, spec):
-    """Small token budget (chunked prefill) and pool (preemption) in the mix; an engine with asynchronous
-    scheduling too (it runs steps synchronously while a grammar request runs)."""
-    for async_scheduling in (False, True) if spec == "near" else (False,):
+    """Small token budget (chunked prefill) and pool (preemption) in the mix; with asynchronous scheduling too,
+    where each step's masks wait for the step before it only once its forward is launched."""
+    for async_scheduling in (False, True) if spec != "ngram" else (False,):
         llm = make_llm(models, spec, max_num_batched_tokens=48, num_kv_blocks=24, block_size=16,
                        async_scheduling=async_scheduling)
+        overlapped = record_overlap(llm)
         outs = [o.outputs[0] for o in llm.generate(PROMPTS * 20, [schema_params(s) for s in SCHEMAS
                                                                   for _ in PROMPTS], use_tqdm=False)]
         assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+        if async_scheduling:
+            assert sum(overlapped) > len(overlapped) // 2
         assert_valid(outs)
         assert llm.engine.spec_stats.num_drafted > 0
 
 
-def test_requests_without_a_grammar_are_unchanged_beside_grammar_requests(models):
-    llm = make_llm(models, "near")
+@pytest.mark.parametrize("spec", ["near", "eagle3_tree"])
+def test_requests_without_a_grammar_are_unchanged_beside_grammar_requests(models, spec):
+    llm = make_llm(models, spec)
     free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     alone = llm.generate(PROMPTS, free, use_tqdm=False)
     mixed = llm.generate(PROMPTS * 2, [free] * 3 + [schema_params(SCHEMAS[i]) for i in range(3)], use_tqdm=False)
@@ -90,22 +99,38 @@ def test_requests_without_a_grammar_are_unchanged_beside_grammar_requests(models
 P_MIN = 1e-4
 
 
-def sampled_texts(llm: LLM, n: int) -> Counter:
-    params = [SamplingParams(temperature=1.0, max_tokens=8, seed=i,
-                             structured_output={"kind": "regex", "value": "[a-c]{2}"}) for i in range(n)]
+LETTERS = "abcde"
+LENGTH = 3
+
+
+def sampled_texts(llm: LLM, n: int) -> list[str]:
+    """At a low temperature the target and a drafter each favour letters of their own, so a draft distribution
+    given to the rejection sampler other than the one the drafts were drawn from (the drafter's unmasked q)
+    moves the output towards the drafter's favourites: far from the target's."""
+    params = [SamplingParams(temperature=0.3, max_tokens=8, seed=i,
+                             structured_output={"kind": "regex", "value": f"[{LETTERS[0]}-{LETTERS[-1]}]{{{LENGTH}}}"})
+              for i in range(n)]
     outs = llm.generate(["Numbers: 1 2 3"] * n, params, use_tqdm=False)
     assert all(o.outputs[0].finish_reason == "stop" for o in outs)
-    return Counter(o.outputs[0].text for o in outs)
+    texts = [o.outputs[0].text for o in outs]
+    assert all(len(t) == LENGTH and set(t) <= set(LETTERS) for t in texts), texts
+    return texts
 
 
-@pytest.mark.parametrize("spec", ["eagle3", "near"])
-def test_sampled_distribution_with_speculation_equals_without(models, spec):
-    n = 300
-    without = sampled_texts(make_llm(models, None), n)
+@pytest.mark.parametrize("spec", ["eagle3", "eagle3_tree", "near"])
+def test_sampled_distribution_with_speculation_equals_without(models, reference_samples, spec):
+    """The letter at each position, with speculation against without (the later ones are drafted)."""
     llm = make_llm(models, spec)
-    with_spec = sampled_texts(llm, n)
-    assert llm.engine.spec_stats.num_drafted > 0
-    outcomes = sorted(set(without) | set(with_spec))
-    assert set(outcomes) <= {a + b for a in "abc" for b in "abc"}
-    table = [[without[o] for o in outcomes], [with_spec[o] for o in outcomes]]
-    assert chi2_contingency(table).pvalue > P_MIN, table
+    with_spec = sampled_texts(llm, len(reference_samples))
+    assert llm.engine.spec_stats.num_accepted > 0
+    for position in range(LENGTH):
+        without = Counter(t[position] for t in reference_samples)
+        spec_counts = Counter(t[position] for t in with_spec)
+        seen = sorted(set(without) | set(spec_counts))
+        table = [[without[c] for c in seen], [spec_counts[c] for c in seen]]
+        assert chi2_contingency(table).pvalue > P_MIN / LENGTH, (position, table)
+
+
+@pytest.fixture(scope="module")
+def reference_samples(models) -> list[str]:
+    return sampled_texts(make_llm(models, None), 300)

@@ -171,8 +171,6 @@ def test_grammar_rows_take_the_logits_paths_and_are_masked():
     verified = path(full(4, 4), verify(4, 3, grammar))
     assert (verified.whole, verified.verification, verified.masked) == (WholeStep.NONE, Verification.REJECTION,
                                                                        True)
-    # The drafter's logits are not masked: a greedy batch still drafts in its loop graph.
-    assert verified.drafting is Drafting.GREEDY_LOOP_GRAPH
     assert not path(full(4, 1), decode(4)).masked and not path(full(4, 4), verify(4, 3, SAMPLED)).masked
 
 
@@ -190,3 +188,21 @@ def test_logit_bias_rows_take_the_logits_paths_unmasked():
     assert (RowsSampling() | biased).logit_bias and not (RowsSampling() | RowsSampling()).logit_bias
     request = Request("r", [1, 2], SamplingParams(temperature=0, logit_bias={5: 1.0}), set(), 64)
     assert RowsSampling.of([request]) == RowsSampling(logit_bias=True)
+
+
+def test_grammar_steps_draft_masked_steps_and_tree_passes_and_others_keep_their_graphs():
+    """The drafter's logits of a grammar step are masked depth by depth from host-built masks, so such a step
+    drafts eagerly, never in the loop or tree graph; a step without a grammar request keeps them."""
+    grammar = RowsSampling(needs_host_tokens=True, grammar=True)
+    assert path(full(4, 4), verify(4, 3, grammar)).drafting is Drafting.MASKED_STEPS
+    assert path(full(4, 1), decode(4, grammar)).drafting is Drafting.MASKED_STEPS
+    desc = BatchDescriptor(M.PIECEWISE, 16, 2)
+    assert path(desc, verify(2, 5, grammar), trees=True).drafting is Drafting.MASKED_TREE_PASSES
+    mixed = StepRows(2, (0, 3), num_sample=1, num_verify=1, verify=grammar)
+    assert path(BatchDescriptor(M.NONE, 5, 2), mixed).drafting is Drafting.MASKED_STEPS
+    assert Drafting.MASKED_STEPS.masked and Drafting.MASKED_TREE_PASSES.masked
+    assert not any(d.masked for d in Drafting if d not in (Drafting.MASKED_STEPS, Drafting.MASKED_TREE_PASSES))
+    # A host speculator's drafts are not masked.
+    assert path(full(4, 1), decode(4, grammar), speculator=SpeculatorKind.ON_HOST).drafting is Drafting.ON_HOST
+    assert path(full(4, 1), decode(4), GraphsReady(greedy=True, drafting=True)).drafting is Drafting.GREEDY_LOOP_GRAPH
+    assert path(desc, verify(2, 5), trees=True).drafting is Drafting.TREE_GRAPH

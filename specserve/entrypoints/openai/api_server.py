@@ -6,6 +6,7 @@ import signal
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import jinja2
 import uvicorn
 from fastapi import FastAPI, Request, Response
 
@@ -20,6 +21,7 @@ from specserve.entrypoints.openai.receive_deadline import receive_deadline_proto
 from specserve.entrypoints.openai.serving import OpenAIServing
 from specserve.entrypoints.openai.serving_chat import create_chat_completion
 from specserve.entrypoints.openai.serving_completion import create_completion
+from specserve.entrypoints.openai.tool_calling import ToolCallingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,8 @@ class ServerConfig:
     receive_timeout_s: float = 30.0
     api_key: str | None = field(default=None, repr=False)  # None: no key; else every route but /health needs it
     enable_docs: bool = False  # serve /docs, /redoc and /openapi.json (behind the key, if one is set)
+    chat_template: str | None = None  # a Jinja chat template's text, used in place of the tokenizer's
+    tool_calling: ToolCallingConfig = field(default_factory=ToolCallingConfig)
 
     def __post_init__(self) -> None:
         checks = [(0 <= self.port < 65536, "port", "must be in [0, 65535]"),
@@ -56,6 +60,11 @@ class ServerConfig:
             if not ok:
                 shown = "(hidden)" if name == "api_key" else repr(getattr(self, name))
                 raise ValueError(f"{name} {rule}, got {shown}")
+        if self.chat_template is not None:
+            try:  # with the extension transformers renders templates with
+                jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(self.chat_template)
+            except jinja2.TemplateSyntaxError as e:
+                raise ValueError(f"chat_template is not a valid Jinja template: {e} (line {e.lineno})") from None
 
 
 def build_engine(engine_config: EngineConfig, server: ServerConfig, core_factory=None) -> AsyncLLM:
@@ -66,7 +75,7 @@ def build_app(engine: AsyncLLM, server: ServerConfig):
     """An app serving `engine`; the engine core's process starts and stops with the app's lifespan."""
     served_model_name = server.served_model_name or engine.config.model
     metrics = ServerMetrics(engine)
-    serving = OpenAIServing(engine, served_model_name, metrics)
+    serving = OpenAIServing(engine, served_model_name, metrics, server.chat_template, server.tool_calling)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -8,9 +8,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from pathlib import Path
 
 from specserve.bench.cli import add_decode_parser
 from specserve.entrypoints.cli import add_engine_args, engine_kwargs
+from specserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 
 def _positive(cast):
@@ -47,6 +49,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "(default: $SPECSERVE_API_KEY; none if unset)")
     p.add_argument("--enable-docs", action="store_true",
                    help="serve /docs, /redoc and /openapi.json (behind the API key, if one is set)")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template to use in place of the tokenizer's (for tool calling: one that "
+                        "renders tools and tool calls)")
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                   help="the format the model writes tool calls in (hermes: Hermes, Qwen 2.5 and Qwen 3; "
+                        "llama3_json: Llama 3.1-3.3); needed for tool_choice auto, required or a named function")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto" (the default when a request has tools): the model decides '
+                        "whether to call; needs --tool-call-parser")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -64,13 +75,20 @@ def cmd_serve(a: argparse.Namespace) -> None:
     except ImportError as e:
         raise _missing_dependency(e) from e
 
+    from specserve.entrypoints.openai.tool_calling import ToolCallingConfig
+
     model = a.model_tag or a.model
+    try:
+        chat_template = Path(a.chat_template).read_text(encoding="utf-8") if a.chat_template else None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"error: cannot read --chat-template {a.chat_template}: {e}") from e
     try:
         server = ServerConfig(
             host=a.host, port=a.port, served_model_name=a.served_model_name or model, max_waiting=a.max_waiting,
             request_timeout=a.request_timeout, shutdown_grace_s=a.shutdown_grace, stream_interval=a.stream_interval,
             max_request_bytes=a.max_request_bytes, receive_timeout_s=a.receive_timeout, api_key=a.api_key,
-            enable_docs=a.enable_docs)
+            enable_docs=a.enable_docs, chat_template=chat_template,
+            tool_calling=ToolCallingConfig(a.tool_call_parser, a.enable_auto_tool_choice))
     except ValueError as e:
         raise SystemExit(f"error: {e}") from e
     run_server(EngineConfig(model=model, **engine_kwargs(a)), server)

@@ -19,6 +19,8 @@ from starlette.exceptions import HTTPException
 from specserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                                    ContentPart, ErrorInfo, ErrorResponse, NOT_SUPPORTED,
                                                    NOT_SUPPORTED_BECAUSE, StreamOptions)
+from specserve.entrypoints.openai.tool_fields import (CalledFunction, ChosenFunction, FunctionDefinition, FunctionTool,
+                                                      MessageToolCall, NamedToolChoice)
 from specserve.errors import EngineUnavailableError, InvalidRequestError, QueueFullError, RequestTimeoutError
 
 logger = logging.getLogger(__name__)
@@ -26,7 +28,9 @@ logger = logging.getLogger(__name__)
 # Names a validation error's location may hold; pydantic also puts the tried member types of a
 # union there ("str", "list[int]"), which are not part of the parameter's name.
 _FIELD_NAMES = set().union(*(m.model_fields for m in (CompletionRequest, ChatCompletionRequest, ChatMessage,
-                                                      ContentPart, StreamOptions)))
+                                                      ContentPart, StreamOptions, FunctionTool, FunctionDefinition,
+                                                      NamedToolChoice, ChosenFunction, MessageToolCall,
+                                                      CalledFunction)))
 _ENDPOINT_FIELDS = {"/v1/completions": set(CompletionRequest.model_fields),
                     "/v1/chat/completions": set(ChatCompletionRequest.model_fields)}
 

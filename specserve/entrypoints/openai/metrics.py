@@ -3,8 +3,9 @@ one process (tests, embedding) without their metric names clashing.
 
 Two kinds: per-request metrics (latencies, finish reasons) are observed by the
 server when a request ends; engine state (queue lengths, KV cache, token totals,
-speculative decoding) is read at scrape time from the snapshot that comes with the
-core's last step, so a scrape never touches the engine itself.
+speculative decoding) is read at scrape time from the snapshot that comes with each
+core's last step, so a scrape never touches an engine itself. Engine state is
+reported for the server and for each data-parallel replica.
 """
 from __future__ import annotations
 
@@ -22,34 +23,48 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
 
 
+# Engine state: (name, help, family, its value in a snapshot).
+_ENGINE_METRICS = [
+    ("num_requests_running", "Requests the engine is stepping.", GaugeMetricFamily, lambda s: s.num_running),
+    ("num_requests_waiting", "Requests queued for admission.", GaugeMetricFamily, lambda s: s.num_waiting),
+    ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", GaugeMetricFamily,
+     lambda s: s.kv_cache_usage),
+    ("prefix_cache_hit_rate", "Fraction of queried prompt tokens found in the prefix cache.", GaugeMetricFamily,
+     lambda s: s.prefix_cache_hit_rate),
+    ("prompt_tokens", "Prompt tokens of admitted requests.", CounterMetricFamily, lambda s: s.num_prompt_tokens),
+    ("generation_tokens", "Tokens generated, those of requests aborted later included.", CounterMetricFamily,
+     lambda s: s.num_generated_tokens),
+    ("spec_decode_num_drafted_tokens", "Draft tokens proposed.", CounterMetricFamily, lambda s: s.spec_num_drafted),
+    ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", CounterMetricFamily, lambda s: s.spec_num_accepted),
+]
+_PER_POSITION = ("spec_decode_acceptance_per_position", "Fraction of drafts accepted at each draft position.")
+
+
 class EngineStatsCollector(Collector):
+    """Each engine-state metric twice: under its name for the whole server (every replica's counts summed, its
+    ratios the ratios of the sums), and as `replica_<name>` with a `replica` label, one sample per data-parallel
+    replica. The two never share a name, so a sum over either counts each request once."""
+
     def __init__(self, engine: AsyncLLM):
         self.engine = engine
 
     def collect(self):
-        s = self.engine.stats
-        yield GaugeMetricFamily(PREFIX + "num_requests_running", "Requests the engine is stepping.",
-                                value=s.num_running)
-        yield GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests queued for admission.",
-                                value=s.num_waiting)
-        yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
-                                value=s.kv_cache_usage)
-        yield GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate",
-                                "Fraction of queried prompt tokens found in the prefix cache.",
-                                value=s.prefix_cache_hit_rate)
-        yield CounterMetricFamily(PREFIX + "prompt_tokens", "Prompt tokens of admitted requests.",
-                                  value=s.num_prompt_tokens)
-        yield CounterMetricFamily(PREFIX + "generation_tokens",
-                                  "Tokens generated, those of requests aborted later included.",
-                                  value=s.num_generated_tokens)
-        yield CounterMetricFamily(PREFIX + "spec_decode_num_drafted_tokens", "Draft tokens proposed.",
-                                  value=s.spec_num_drafted)
-        yield CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                                  value=s.spec_num_accepted)
-        per_pos = GaugeMetricFamily(PREFIX + "spec_decode_acceptance_per_position",
-                                    "Fraction of drafts accepted at each draft position.", labels=["position"])
-        for position, rate in enumerate(s.spec_acceptance_per_position):
+        total, replicas = self.engine.stats, self.engine.replica_stats
+        for name, doc, family, value in _ENGINE_METRICS:
+            yield family(PREFIX + name, doc + " All replicas.", value=value(total))
+            per_replica = family(PREFIX + "replica_" + name, doc + " One replica.", labels=["replica"])
+            for index, s in enumerate(replicas):
+                per_replica.add_metric([str(index)], value(s))
+            yield per_replica
+        name, doc = _PER_POSITION
+        per_pos = GaugeMetricFamily(PREFIX + name, doc + " All replicas.", labels=["position"])
+        for position, rate in enumerate(total.spec_acceptance_per_position):
             per_pos.add_metric([str(position)], rate)
+        yield per_pos
+        per_pos = GaugeMetricFamily(PREFIX + "replica_" + name, doc + " One replica.", labels=["replica", "position"])
+        for index, s in enumerate(replicas):
+            for position, rate in enumerate(s.spec_acceptance_per_position):
+                per_pos.add_metric([str(index), str(position)], rate)
         yield per_pos
 
 

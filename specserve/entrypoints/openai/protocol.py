@@ -7,13 +7,16 @@ is optional: null means "the default", as in OpenAI's API.
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from specserve.entrypoints.openai.structured_fields import ResponseFormat, StructuredOutputs
+from specserve.entrypoints.openai.tool_fields import FunctionTool, MessageToolCall, ToolChoice
+from specserve.entrypoints.openai.unicode_text import Text
 from specserve.errors import InvalidRequestError
 from specserve.sampling_params import RequestOutputKind, SamplingParams
 from specserve.structured_output import StructuredOutput
@@ -25,10 +28,10 @@ Seed = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 # Fields OpenAI defines that this server does not implement yet. A request that sets one is refused with a
 # message that says so (errors.py), never answered as if the field had been honoured.
 NOT_SUPPORTED = frozenset({
-    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+    "functions", "function_call",  # the deprecated forms of tools and tool_choice
     "best_of", "suffix", "echo", "audio", "modalities", "prediction", "web_search_options",
     "reasoning_effort", "verbosity", "service_tier", "prompt_cache_key",
-    "tool_calls", "tool_call_id", "refusal",  # in messages
+    "refusal",  # in messages
     "include_obfuscation",  # in stream_options
 })
 # Why some of them are refused, where the generic message would not say enough.
@@ -37,24 +40,8 @@ NOT_SUPPORTED_BECAUSE = {
                "which returns every sequence it generates",
 }
 # Roles a message may have. "developer" is OpenAI's newer name for "system" and reaches the chat template as
-# "system", as OpenAI maps it for models without a developer role; "tool" messages need tool calling.
-ROLES = ("system", "developer", "user", "assistant")
-
-
-def _valid_unicode(text: str) -> str:
-    """JSON may escape a lone UTF-16 surrogate ("\\ud800"), which is no character: no tokenizer can encode it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise PydanticCustomError(
-            "invalid_unicode", "is not valid Unicode: character {index} is a lone surrogate ({code}); "
-            "send UTF-8 text, with \\ud800-\\udfff escapes only as the pairs that encode one character",
-            {"index": e.start, "code": f"\\u{ord(text[e.start]):04x}"}) from None
-    return text
-
-
-# Every string of a request: none may hold what is not a character.
-Text = Annotated[str, AfterValidator(_valid_unicode)]
+# "system", as OpenAI maps it for models without a developer role; "tool" messages answer tool calls.
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class _Request(BaseModel):
@@ -130,15 +117,15 @@ class _SamplingRequest(_Request):
                                           'written as strings of digits, such as "50256"')
         return {int(key): value for key, value in self.logit_bias.items()}
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         structured_output: StructuredOutput | None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options", "is only allowed when stream is true; remove it or stream")
         given = dict(n=self.n, logit_bias=self._logit_bias(), temperature=self.temperature, top_p=self.top_p,
                      stop=self.stop, seed=self.seed,
                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                      top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-                     min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-                     structured_output=self._structured_output())
+                     min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, structured_output=structured_output)
         # A stream sends what is new at each step; a whole answer needs only the end.
         kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, output_kind=kind,
@@ -154,7 +141,8 @@ class CompletionRequest(_SamplingRequest):
 
     def to_sampling_params(self) -> SamplingParams:
         # OpenAI's default for completions is 16 tokens.
-        return self._sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        return self._sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs,
+                                     self._structured_output())
 
 
 class ContentPart(BaseModel):
@@ -170,23 +158,41 @@ class ChatMessage(_Request):
     role: str
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: Text | None = None  # the call a tool message answers
 
     @field_validator("role")
     @classmethod
     def _known_role(cls, role: str) -> str:
-        if role == "tool":
-            raise PydanticCustomError("unsupported_value", "tool messages answer tool calls, which this server does "
-                                      "not support yet; remove them")
         if role not in ROLES:
             raise PydanticCustomError("unknown_role", "must be one of {roles}, got {role}",
                                       {"roles": ", ".join(ROLES), "role": repr(role)})
         return role
 
-    def for_template(self, index: int) -> dict[str, str]:
-        """The message as chat templates take it; `name` is passed on for the templates that show it."""
+    def for_template(self, index: int) -> dict:
+        """The message as chat templates take it (transformers' shape); `name` is passed on for the templates
+        that show it. A call's arguments go as the object they encode, which is what templates write out."""
+        if self.tool_calls is not None and self.role != "assistant":
+            raise InvalidRequestError(f"messages[{index}].tool_calls", f"only assistant messages make tool calls, "
+                                      f"not {self.role} messages; remove tool_calls or make the role assistant")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise InvalidRequestError(f"messages[{index}].tool_call_id", "a tool message needs it: give the id of "
+                                      "the tool call whose result the message holds")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise InvalidRequestError(f"messages[{index}].tool_call_id", f"only tool messages answer a call, not "
+                                      f"{self.role} messages; remove it")
         message = {"role": "system" if self.role == "developer" else self.role, "content": self.text(index)}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:  # an empty list (as some clients send a reply back) is no call
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name,
+                              "arguments": _arguments(c.function.arguments,
+                                                      f"messages[{index}].tool_calls[{j}].function.arguments")}}
+                for j, c in enumerate(self.tool_calls)]
         return message
 
     def text(self, index: int) -> str:
@@ -204,12 +210,27 @@ class ChatMessage(_Request):
         return "".join(p.text for p in self.content)
 
 
+def _arguments(text: str, field: str) -> dict:
+    try:
+        arguments = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(field, f"is not valid JSON ({e}); give the call's arguments as a JSON object, "
+                                  "as the model wrote them") from None
+    if not isinstance(arguments, dict):
+        raise InvalidRequestError(field, f"must be a JSON object, got {type(arguments).__name__}")
+    return arguments
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    # Tool calling (tool_calling.py): tool_choice is "auto" when tools are given and it is not.
+    tools: list[FunctionTool] | None = Field(default=None, min_length=1)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def _structured_output(self) -> StructuredOutput | None:
         if self.response_format is not None and self.structured_outputs is not None:
@@ -221,15 +242,19 @@ class ChatCompletionRequest(_SamplingRequest):
     def param_name(self, engine_field: str) -> str:
         if engine_field == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
+        if engine_field == "structured_output" and self.tools and self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice"  # its grammar is the request's structured output (tool_calling.py)
         return {"prompt": "messages", "logprobs": "top_logprobs"}.get(engine_field, engine_field)
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, forced_calls: StructuredOutput | None = None) -> SamplingParams:
+        """forced_calls: the grammar of the tool calls tool_choice requires (tool_calling.py), which takes the
+        place of response_format and structured_outputs (never given with it)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs", "needs logprobs set to true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         # No limit by default: a chat reply runs until it stops or fills the context.
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, forced_calls or self._structured_output())
 
 
 # ---- responses ----------------------------------------------------------------------------
@@ -289,9 +314,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class ResponseFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # none when the reply is tool calls alone
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

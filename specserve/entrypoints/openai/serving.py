@@ -23,6 +23,7 @@ from specserve.engine.async_llm import AsyncLLM
 from specserve.entrypoints.openai.errors import OpenAIError, to_openai_error
 from specserve.entrypoints.openai.metrics import ServerMetrics
 from specserve.entrypoints.openai.protocol import PromptTokensDetails, Usage
+from specserve.entrypoints.openai.tool_calling import ToolCallingConfig
 from specserve.errors import EngineUnavailableError, InvalidRequestError, QueueFullError, RequestTimeoutError
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
@@ -64,8 +65,11 @@ def usage(out: RequestOutput) -> Usage:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_name: str, metrics: ServerMetrics):
+    def __init__(self, engine: AsyncLLM, model_name: str, metrics: ServerMetrics, chat_template: str | None = None,
+                 tool_calling: ToolCallingConfig = ToolCallingConfig()):
         self.engine = engine
+        self.chat_template = chat_template  # None: the tokenizer's
+        self.tool_calling = tool_calling
         # Used on the event loop only (logprob tokens); tokenization has its own in a worker thread.
         self.tokenizer = engine.tokenizer
         self.model_name = model_name

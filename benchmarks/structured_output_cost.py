@@ -1,0 +1,175 @@
+"""The cost of grammar-constrained decoding: output tokens/s with every request under a JSON schema beside the same
+requests unconstrained, at each batch size, with and without speculation, and the host time spent building the
+steps' grammar masks (StepMasks.build).
+
+    python benchmarks/structured_output_cost.py --model smollm2-135m --dataset mt_bench.jsonl \
+        [--spec '{"method": "eagle3", "model": "smollm2-135m-eagle3", "num_speculative_tokens": 3}'] \
+        [--batch-sizes 1,64] [--max-tokens 256] [--json OUT.json]
+    python benchmarks/structured_output_cost.py --model llama3-8b --tokenizer smollm2-135m --dataset ...
+
+A shape name (specserve/bench/models.py) as --model is that shape with random weights and the vocabulary of
+--tokenizer, whose grammar masks it then applies: the cost of the masks beside a larger model's step.
+
+Both arms generate exactly --max-tokens tokens per request, so their batches stay full equally long: the
+unconstrained arm ignores EOS, and the schema (an array of at least SCHEMA_MIN_ITEMS objects) cannot be complete
+in fewer tokens. Greedy, the model's own chat template, the same prompts in both arms. The table goes to stdout.
+The schema bounds no string's length: xgrammar's masks inside a string with maxLength cost some 50 times more
+host time (each length is a grammar state of its own), a cost of the grammar and not of the engine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specserve.bench.models import SHAPES, prepare_model
+from specserve.entrypoints.openai.bench_serve import load_prompts
+from specserve.llm import LLM
+from specserve.models.loader import load_tokenizer, open_model_source
+from specserve.sampling_params import SamplingParams
+from specserve.structured_output.spec import StructuredOutput, StructuredOutputKind
+from specserve.structured_output.step_masks import StepMasks
+
+SCHEMA_MIN_ITEMS = 200
+SCHEMA = {
+    "type": "object",
+    "properties": {"answers": {"type": "array", "minItems": SCHEMA_MIN_ITEMS, "items": {
+        "type": "object",
+        "properties": {"topic": {"type": "string"},
+                       "score": {"type": "integer", "minimum": 0, "maximum": 10},
+                       "kind": {"enum": ["fact", "opinion", "question"]}},
+        "required": ["topic", "score", "kind"]}}},
+    "required": ["answers"],
+}
+INSTRUCTION = "\n\nAnswer as JSON: a list of answers, each with a topic, a score from 0 to 10 and its kind."
+
+
+@dataclass
+class ArmResult:
+    output_tokens: int
+    duration_s: float
+    steps: int
+    mask_build_s: float
+    mean_acceptance_length: float | None
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.duration_s
+
+
+class MaskTimer:
+    """Accumulates the host time of StepMasks.build, the part of a step that grammars add on the host."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        build = StepMasks.build
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return build(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        StepMasks.build = staticmethod(timed)
+
+
+class StepCounter:
+    def __init__(self, runner) -> None:
+        self.steps = 0
+        launch = runner.launch
+
+        def counted(sched, *args):
+            self.steps += 1
+            return launch(sched, *args)
+
+        runner.launch = counted
+
+
+def run_arm(llm: LLM, inputs: list[list[int]], params: SamplingParams, repeats: int, masks: MaskTimer,
+            counter: StepCounter) -> ArmResult:
+    stats = llm.engine.spec_stats
+    before = (stats.num_steps, stats.num_emitted, masks.seconds, counter.steps)
+    tokens, start = 0, time.perf_counter()
+    for _ in range(repeats):
+        outs = llm.generate(inputs, params, use_tqdm=False)
+        for o in outs:
+            n = len(o.outputs[0].token_ids)
+            if n != params.max_tokens:
+                raise SystemExit(f"a request stopped after {n} of {params.max_tokens} tokens "
+                                 f"({o.outputs[0].finish_reason}); the arms would not be comparable")
+            tokens += n
+    duration = time.perf_counter() - start
+    spec_steps, emitted = stats.num_steps - before[0], stats.num_emitted - before[1]
+    return ArmResult(tokens, duration, counter.steps - before[3], masks.seconds - before[2],
+                     emitted / spec_steps if spec_steps else None)
+
+
+def engine_source(model: str, tokenizer: str | None) -> tuple[str, dict]:
+    """The model path and the LLM's extra arguments: a shape gets random weights and the tokenizer's vocabulary."""
+    if model not in SHAPES:
+        return model, {} if tokenizer is None else {"tokenizer": tokenizer}
+    if tokenizer is None:
+        raise SystemExit(f"--model {model} is a shape without a real vocabulary; give --tokenizer (e.g. smollm2-135m)")
+    vocab = len(load_tokenizer(open_model_source(tokenizer)))
+    path = Path(prepare_model(model, Path(tempfile.mkdtemp()), torch.bfloat16).path)
+    config = json.loads((path / "config.json").read_text()) | {"vocab_size": vocab}
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path), {"tokenizer": tokenizer, "load_format": "dummy"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--tokenizer", help="the tokenizer, in place of the model's own; needed for a shape")
+    ap.add_argument("--dataset", required=True)
+    ap.add_argument("--spec", help="speculative_config JSON measured besides no speculation")
+    ap.add_argument("--batch-sizes", default="1,64")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--min-tokens-per-size", type=int, default=4096,
+                    help="each batch size repeats its batch until it generates at least this many tokens")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    sizes = [int(x) for x in a.batch_sizes.split(",")]
+    prompts = load_prompts(a.dataset, max(sizes))
+    masks = MaskTimer()
+    constrained = SamplingParams(temperature=0.0, max_tokens=a.max_tokens,
+                                 structured_output=StructuredOutput(StructuredOutputKind.JSON_SCHEMA, SCHEMA))
+    free = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
+    model, extra = engine_source(a.model, a.tokenizer)
+    rows = []
+    for spec in [None] + ([json.loads(a.spec)] if a.spec else []):
+        llm = LLM(model, max_num_seqs=max(sizes), speculative_config=spec, **extra)
+        counter = StepCounter(llm.engine.core.runner)
+        inputs = [llm.apply_chat_template([{"role": "user", "content": p + INSTRUCTION}]) for p in prompts]
+        warm = SamplingParams(temperature=0.0, max_tokens=16, structured_output=constrained.structured_output)
+        llm.generate(inputs, warm, use_tqdm=False)  # compiles the grammar, captures, warms every batch size
+        for b in sizes:
+            repeats = max(1, -(-a.min_tokens_per_size // (b * a.max_tokens)))
+            arms = {name: run_arm(llm, inputs[:b], params, repeats, masks, counter)
+                    for name, params in (("free", free), ("json_schema", constrained))}
+            row = dict(spec="none" if spec is None else f"{spec['method']} k={spec.get('num_speculative_tokens')}",
+                       batch=b, **{name: asdict(r) | {"tok_s": r.tok_s} for name, r in arms.items()})
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if a.json:
+                a.json.write_text(json.dumps(rows, indent=1))
+        del llm
+    print("\n| speculation | batch | free tok/s | json_schema tok/s | constrained / free | mask build ms/step "
+          "| steps free / json | mean acceptance free / json |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        f, c = r["free"], r["json_schema"]
+        acc = ("-" if f["mean_acceptance_length"] is None
+               else f"{f['mean_acceptance_length']:.2f} / {c['mean_acceptance_length']:.2f}")
+        print(f"| {r['spec']} | {r['batch']} | {f['tok_s']:,.0f} | {c['tok_s']:,.0f} | {c['tok_s'] / f['tok_s']:.0%} "
+              f"| {1e3 * c['mask_build_s'] / max(c['steps'], 1):.3f} | {f['steps']} / {c['steps']} | {acc} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Grammar masks for a step's drafts: the drafter's logits of a grammar request at each draft are masked
+with the grammar's state along that draft's path, so the drafts it proposes are ones the grammar allows
+(docs/design.md, 'Structured output').
+
+The state a draft continues from is only known on the host, after the tokens before it: the step's new
+tokens (its accepted drafts and the token after them) and the drafts of the depths before. So a grammar
+step drafts depth by depth, reading each depth's drafts back as soon as they are picked: follow() queues
+the copy, and masks() waits for it, after the drafter has queued its next forward, so the host builds the
+masks while the device runs that forward. Only steps with a grammar request draft this way (worker/
+step_path.py, Drafting.masked); the matcher is rolled back after every mask (RequestGrammar.fill_masks).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specserve.structured_output.request_grammar import RequestGrammar
+from specserve.transfer import HostCopy, to_device
+
+# What the drafter's -inf logits (tokens outside an EAGLE-3 head's draft vocabulary) are raised to before
+# masking: far below any logit, so such a token is drafted only where the grammar allows no token the
+# drafter ranks, and then the grammar's tokens are drafted uniformly rather than an illegal one.
+UNRANKED_LOGIT = -1e4
+
+
+class DraftMasks:
+    """The masks of one step's drafts, for its n drafting requests (rows in the drafter's order)."""
+
+    def __init__(self, grammars: Sequence[RequestGrammar | None], step_tokens: torch.Tensor,
+                 tree_parents: tuple[int, ...] | None, vocab_size: int, device: torch.device):
+        """step_tokens [n, 2 + a + ...]: each drafting request's row of the step outputs (accepted count, then
+        the tokens emitted), on the device, copied back now; tree_parents: DraftTree.parents for trees,
+        None for chains."""
+        self.grammars = list(grammars)
+        self.tree_parents = tree_parents
+        self.vocab_size = vocab_size
+        self.device = device
+        self._step_tokens: HostCopy | None = HostCopy(step_tokens)
+        self._pending: list[HostCopy] = []
+        # Each request's tokens before its drafts this step, and its drafts so far in tree order.
+        self._prefix: list[list[int]] = []
+        self._drafts: list[list[int]] = [[] for _ in self.grammars]
+
+    def follow(self, drafts: torch.Tensor) -> None:
+        """The next drafts were picked, [n, m] on the device (a chain's next draft, or a tree's next depth in
+        tree order): start reading them back."""
+        self._pending.append(HostCopy(drafts))
+
+    def masks(self, nodes: range) -> torch.Tensor:
+        """[n * len(nodes), words] on the device: row i * len(nodes) + r allows the tokens after node nodes[r]
+        of request i (node 0: its last token this step; node j: its draft j, as RequestGrammar.fill_masks
+        numbers them); every token in rows of requests without a grammar and where the path is refused."""
+        import xgrammar as xgr
+
+        self._read_back()
+        width = len(nodes)
+        bitmask = xgr.allocate_token_bitmask(len(self.grammars) * width, self.vocab_size)
+        for i, grammar in enumerate(self.grammars):
+            if grammar is not None:
+                grammar.fill_masks(bitmask, i * width, self._drafts[i], self.tree_parents, nodes, self._prefix[i])
+        return to_device(bitmask, self.device, torch.int32)
+
+    def _read_back(self) -> None:
+        if self._step_tokens is not None:
+            rows = self._step_tokens.wait().tolist()
+            self._prefix = [row[1:row[0] + 2] for row in rows]
+            self._step_tokens = None
+        for copy in self._pending:
+            for drafts, new in zip(self._drafts, copy.wait().tolist()):
+                drafts.extend(new)
+        self._pending = []
+
+
+def mask_draft_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """The drafter's logits [rows, V] with the tokens each bitmask row refuses at -inf, in a new tensor (the
+    input may be a graph's output); tokens the drafter cannot propose rank below every other (UNRANKED_LOGIT)
+    but stay above the refused ones."""
+    import xgrammar as xgr
+
+    masked = logits.clamp(min=UNRANKED_LOGIT)
+    xgr.apply_token_bitmask_inplace(masked, bitmask)
+    return masked
