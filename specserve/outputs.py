@@ -13,10 +13,10 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
-    """Everything generated so far, or with RequestOutputKind.DELTA only what is new since the previous output
-    (cumulative_logprob stays a total)."""
+    """One sequence's output: everything generated so far, or with RequestOutputKind.DELTA only what is new
+    since the previous output (cumulative_logprob stays a total)."""
 
-    index: int
+    index: int  # which of the request's n sequences (SamplingParams.n), from 0
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
@@ -33,9 +33,9 @@ class CompletionOutput:
 @dataclass
 class RequestMetrics:
     num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
-    num_model_tokens: int = 0  # tokens the model actually ran for this request
+    num_output_tokens: int = 0  # of every sequence
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (to the first sequence)
+    num_model_tokens: int = 0  # tokens the model actually ran for this request (every sequence)
     num_preemptions: int = 0
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -48,9 +48,11 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    # One per sequence, in index order; with RequestOutputKind.DELTA only the sequences that advanced.
     outputs: list[CompletionOutput]
-    finished: bool
-    # What is new since the request's previous output (for streaming).
+    finished: bool  # every sequence is
+    # What is new since the request's previous output (for streaming), for a request of one sequence; empty
+    # when n > 1, whose CompletionOutputs say what is new in each.
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)

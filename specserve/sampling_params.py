@@ -8,6 +8,10 @@ from specserve.errors import InvalidRequestError
 from specserve.structured_output.spec import StructuredOutput
 
 MAX_LOGPROBS = 20
+# Most sequences one request may ask for (OpenAI's own bound on n).
+MAX_N = 128
+# A logit_bias value is added to a logit: OpenAI's range, where -100 bans a token and +100 forces it.
+MAX_LOGIT_BIAS = 100.0
 
 
 class RequestOutputKind(enum.Enum):
@@ -23,10 +27,14 @@ class RequestOutputKind(enum.Enum):
 class SamplingParams:
     """How to pick tokens and when to stop; the names follow vLLM's.
 
-    Processing order (same as Hugging Face's generate): penalties, then
-    temperature, top-k, top-p, min-p. temperature == 0 means greedy.
+    Processing order (same as Hugging Face's generate): logit_bias, penalties,
+    then temperature, top-k, top-p, min-p. temperature == 0 means greedy.
     """
 
+    # Independent sequences generated for the prompt, each a CompletionOutput (index 0..n-1) of one
+    # RequestOutput. They share the prompt's KV blocks (docs/design.md, 'Several sequences per request');
+    # with a seed, sequence i draws from seed + i.
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -38,6 +46,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # Token id -> a value in [-100, 100] added to its logit before anything else changes the logits
+    # (penalties, temperature, top-k, top-p, min-p), as OpenAI's logit_bias.
+    logit_bias: dict[int, float] | None = None
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -70,11 +81,14 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        self.logit_bias = _checked_logit_bias(self.logit_bias)
 
     def _validate(self) -> None:
         def bad(name: str, msg: str) -> None:
             raise InvalidRequestError(name, msg)
 
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not 0.0 <= self.temperature <= 100.0:
             bad("temperature", f"must be in [0, 100], got {self.temperature}; use 0 for greedy decoding")
         if not 0.0 < self.top_p <= 1.0:
@@ -117,3 +131,23 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _checked_logit_bias(bias) -> dict[int, float] | None:
+    """The bias as {token id: float}, None when empty; an entry that is not a token id with a value in
+    [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] is refused by its key. Whether an id is in the model's vocabulary is
+    checked when the engine admits the request."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise InvalidRequestError("logit_bias", f"must be a map of token id to bias, got {type(bias).__name__}")
+    out = {}
+    for key, value in bias.items():
+        if not isinstance(key, int) or isinstance(key, bool) or key < 0:
+            raise InvalidRequestError("logit_bias", f"key {key!r} is not a token id (a non-negative integer)")
+        if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise InvalidRequestError("logit_bias", f"the bias of token {key} must be a number in "
+                                      f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value!r}")
+        out[key] = float(value)
+    return out or None

@@ -25,9 +25,11 @@ def _layer(prefix: str, hidden: int, inter: int, heads: int, kv_heads: int, head
 
 
 def save_eagle_head(path: Path, target_cfg, method: str, seed: int = 0, hidden: int | None = None,
-                    draft_vocab: int | None = None, intermediate: int | None = None) -> Path:
+                    draft_vocab: int | None = None, intermediate: int | None = None,
+                    draft_token_ids: list[int] | None = None) -> Path:
     """A random head for target_cfg (a transformers config) in the layout vLLM loads; its MLP intermediate wide
-    (default: the target's)."""
+    (default: the target's). An EAGLE-3 head drafts from draft_vocab target ids chosen at random, or from
+    draft_token_ids (a head that drafts only tokens the target is likely to take has its drafts accepted)."""
     g = torch.Generator().manual_seed(seed)
     H = hidden or target_cfg.hidden_size
     heads, kv, hd = target_cfg.num_attention_heads, target_cfg.num_key_value_heads, H // target_cfg.num_attention_heads
@@ -40,7 +42,7 @@ def save_eagle_head(path: Path, target_cfg, method: str, seed: int = 0, hidden: 
         tensors = {"fc.weight": torch.randn(H, 2 * H, generator=g) * 0.08}
         tensors.update(_layer("layers.0.", H, inter, heads, kv, hd, H, g))
     else:
-        dv = draft_vocab or V // 2
+        dv = len(draft_token_ids) if draft_token_ids else draft_vocab or V // 2
         layers = target_cfg.num_hidden_layers
         aux = [min(2, layers - 1), layers // 2, max(layers - 3, 0)]
         cfg.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=dv,
@@ -52,7 +54,8 @@ def save_eagle_head(path: Path, target_cfg, method: str, seed: int = 0, hidden: 
                    "lm_head.weight": torch.randn(dv, H, generator=g) * 0.08}
         tensors.update(_layer("midlayer.", H, inter, heads, kv, hd, 2 * H, g))
         # Draft ids map to every other target id: target = draft + d2t[draft].
-        chosen = torch.randperm(V, generator=g)[:dv].sort().values
+        chosen = (torch.tensor(sorted(draft_token_ids)) if draft_token_ids
+                  else torch.randperm(V, generator=g)[:dv].sort().values)
         tensors["d2t"] = chosen - torch.arange(dv)
         tensors["t2d"] = torch.zeros(V, dtype=torch.bool).index_fill_(0, chosen, True)
     path.mkdir(parents=True, exist_ok=True)

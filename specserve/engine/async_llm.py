@@ -33,6 +33,7 @@ from specserve.engine.core_client import CoreClient
 from specserve.engine.data_parallel import replica_gpus
 from specserve.engine.messages import CoreAbort, CoreFailed, CoreOutputs, CoreRequest, EngineStats
 from specserve.engine.output_processor import OutputProcessor
+from specserve.engine.parallel_sampling import sequence_requests
 from specserve.engine.request_stream import RequestStream
 from specserve.errors import (EngineUnavailableError, InvalidRequestError, QueueFullError, RequestTimeoutError,
                               SpecserveError)
@@ -193,6 +194,10 @@ class AsyncLLM:
         QueueFullError, RequestTimeoutError or EngineUnavailableError; closing the iterator early (a
         client that went away) aborts the request and frees its KV blocks."""
         self._check_available()
+        if params.n > self.max_waiting:
+            raise InvalidRequestError("n", f"is {params.n}, but each sequence waits for admission as a request "
+                                      f"and at most {self.max_waiting} may wait (the server's --max-waiting); "
+                                      "ask for fewer")
         request_id = uuid.uuid4().hex if request_id is None else request_id
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
@@ -203,16 +208,20 @@ class AsyncLLM:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         stream = RequestStream(params.output_kind, self.stream_interval)
         self._streams[request_id] = stream
-        self.processor.add_request(request_id, prompt if isinstance(prompt, str) else None, ids, params, arrival)
+        sequences = sequence_requests(request_id, params)
+        self.processor.add_request(request_id, prompt if isinstance(prompt, str) else None, ids, params, sequences,
+                                   arrival)
         if self.request_timeout is not None:
             self._deadlines[request_id] = asyncio.get_running_loop().call_later(
                 self.request_timeout, self._expire, request_id)
-        # Chosen and counted with no await in between, so a burst of requests spreads over the replicas.
+        # Chosen and counted with no await in between, so a burst of requests spreads over the replicas. Every
+        # sequence of a request goes to the same replica, where they share the prompt's KV blocks.
         replica = min(self.replicas, key=lambda r: (r.load, r.index))
         self._replica_of[request_id] = replica
-        if not await replica.send_while_alive(CoreRequest(request_id, ids, params)):
-            self._end(request_id)
-            raise EngineUnavailableError(f"{replica.name} is not connected: it exited")
+        for seq in sequences:
+            if not await replica.send_while_alive(CoreRequest(seq.core_request_id, ids, seq.params)):
+                self._end(request_id)
+                raise EngineUnavailableError(f"{replica.name} is not connected: it exited")
         try:
             while True:
                 out = await stream.get()
@@ -222,30 +231,35 @@ class AsyncLLM:
         finally:
             # Still registered means the core still holds it: the caller stopped early.
             if self._streams.get(request_id) is stream:
-                self._end(request_id)
-                if self._unavailable is None:
-                    replica.send(CoreAbort([request_id]))
+                self._abort(request_id)
 
     def _check_available(self) -> None:
         if self._unavailable is not None:
             raise EngineUnavailableError(f"the engine is {self._unavailable}")
 
-    def _end(self, request_id: str) -> RequestStream | None:
-        """Forget a request on this side."""
-        self.processor.abort_request(request_id)
+    def _end(self, request_id: str) -> tuple[RequestStream | None, list[str]]:
+        """Forget a request on this side; returns its stream and the core requests of its sequences that
+        still run."""
+        running = self.processor.abort_request(request_id)
         self._replica_of.pop(request_id, None)
         timer = self._deadlines.pop(request_id, None)
         if timer is not None:
             timer.cancel()
-        return self._streams.pop(request_id, None)
+        return self._streams.pop(request_id, None), running
+
+    def _abort(self, request_id: str) -> RequestStream | None:
+        """Forget a request here and abort every sequence of it in its replica's core; returns its stream."""
+        replica = self._replica_of.get(request_id)
+        stream, running = self._end(request_id)
+        # A replica that is stopping or died holds nothing to abort (a send to one that exited is dropped).
+        if running and replica is not None and not replica.stopping:
+            replica.send(CoreAbort(running))
+        return stream
 
     def _expire(self, request_id: str) -> None:
         self._deadlines.pop(request_id, None)
-        replica = self._replica_of.get(request_id)
-        stream = self._end(request_id)
+        stream = self._abort(request_id)
         if stream is not None:
-            if replica is not None:
-                replica.send(CoreAbort([request_id]))
             stream.put(RequestTimeoutError(f"the request did not finish within {self.request_timeout} s "
                                            "and was aborted"))
 
@@ -270,8 +284,10 @@ class AsyncLLM:
         outputs = msg.outputs
         if any(o.error is not None for o in outputs):
             for o in outputs:
-                if o.error is not None:
-                    stream = self._end(o.request_id)
+                request_id = self.processor.request_of(o.request_id) if o.error is not None else None
+                if request_id is not None:
+                    # A refused sequence fails its whole request; the core drops the others it admitted.
+                    stream = self._abort(request_id)
                     if stream is not None:
                         stream.put(_refusal(o.error))
             outputs = [o for o in outputs if o.error is None]
@@ -289,7 +305,7 @@ class AsyncLLM:
     def _fail(self, replica: CoreClient | None, error: BaseException) -> None:
         """End with `error` every request of `replica`, or every request where it is None."""
         for request_id in [i for i, r in self._replica_of.items() if replica is None or r is replica]:
-            self._end(request_id).put(error)
+            self._end(request_id)[0].put(error)
 
     def _core_exited(self, replica: CoreClient) -> None:
         asyncio.get_running_loop().remove_reader(replica.process.sentinel)

@@ -123,6 +123,10 @@ class EngineCore:
         if bad:
             raise InvalidRequestError("prompt_token_ids", f"{bad[:3]} are not token ids of this model "
                                       f"(vocabulary size {self.arch.vocab_size})")
+        outside = [t for t in params.logit_bias or () if t >= self.arch.vocab_size]
+        if outside:
+            raise InvalidRequestError("logit_bias", f"key {outside[0]} is not a token id of this model "
+                                      f"(vocabulary size {self.arch.vocab_size})")
         limit = self.config.max_model_len
         if len(ids) >= limit:
             raise InvalidRequestError(

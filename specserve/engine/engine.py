@@ -7,6 +7,7 @@ from specserve.config import EngineConfig
 from specserve.engine.core import EngineCore
 from specserve.engine.messages import CoreRequest
 from specserve.engine.output_processor import OutputProcessor
+from specserve.engine.parallel_sampling import sequence_requests
 from specserve.errors import InvalidRequestError
 from specserve.models.loader import load_tokenizer, open_model_source
 from specserve.outputs import RequestOutput
@@ -69,14 +70,26 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", f"must be a SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._counter)) if request_id is None else request_id
+        if request_id in self.processor.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use; give each request its own id")
         ids = self.tokenize(prompt)
-        self.core.add_request(CoreRequest(request_id, ids, params))
-        self.processor.add_request(request_id, prompt if isinstance(prompt, str) else None, ids, params)
+        sequences = sequence_requests(request_id, params)
+        added = []
+        try:
+            for seq in sequences:
+                self.core.add_request(CoreRequest(seq.core_request_id, ids, seq.params))
+                added.append(seq.core_request_id)
+        except Exception:
+            for core_request_id in added:
+                self.core.abort_request(core_request_id)
+            raise
+        self.processor.add_request(request_id, prompt if isinstance(prompt, str) else None, ids, params, sequences)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
-        self.processor.abort_request(request_id)
-        return self.core.abort_request(request_id)
+        """Abort a request, every one of its sequences; False if it was not running."""
+        aborted = [self.core.abort_request(r) for r in self.processor.abort_request(request_id) or [request_id]]
+        return any(aborted)
 
     # ---- the step -------------------------------------------------------------------------
 

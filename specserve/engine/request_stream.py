@@ -14,13 +14,18 @@ from specserve.sampling_params import RequestOutputKind
 
 
 def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """The delta output covering a's tokens then b's."""
-    ca, cb = a.outputs[0], b.outputs[0]
-    logprobs = None if ca.logprobs is None or cb.logprobs is None else ca.logprobs + cb.logprobs
-    completion = CompletionOutput(0, ca.text + cb.text, ca.token_ids + cb.token_ids, cb.cumulative_logprob,
-                                  logprobs, cb.finish_reason, cb.stop_reason)
-    return RequestOutput(b.request_id, b.prompt, b.prompt_token_ids, [completion], b.finished,
-                         a.delta_text + b.delta_text, a.delta_token_ids + b.delta_token_ids, b.metrics)
+    """The delta output covering a's tokens then b's: each sequence in either, in index order."""
+    merged = {c.index: c for c in a.outputs}
+    for cb in b.outputs:
+        ca = merged.get(cb.index)
+        if ca is None:
+            merged[cb.index] = cb
+            continue
+        logprobs = None if ca.logprobs is None or cb.logprobs is None else ca.logprobs + cb.logprobs
+        merged[cb.index] = CompletionOutput(cb.index, ca.text + cb.text, ca.token_ids + cb.token_ids,
+                                            cb.cumulative_logprob, logprobs, cb.finish_reason, cb.stop_reason)
+    return RequestOutput(b.request_id, b.prompt, b.prompt_token_ids, [merged[i] for i in sorted(merged)],
+                         b.finished, a.delta_text + b.delta_text, a.delta_token_ids + b.delta_token_ids, b.metrics)
 
 
 class RequestStream:
@@ -42,7 +47,7 @@ class RequestStream:
             self._pending = item  # cumulative and final outputs hold everything so far
         p = self._pending
         if (isinstance(p, BaseException) or p.finished or not self._handed_over
-                or len(p.outputs[0].token_ids) >= self.stream_interval):
+                or max(len(c.token_ids) for c in p.outputs) >= self.stream_interval):
             self._ready.set()
 
     async def get(self) -> RequestOutput:

@@ -13,6 +13,7 @@ import torch
 from specserve.distributed.communication import broadcast_from_rank0
 from specserve.engine.scheduler import SchedulerOutput
 from specserve.sample.argmax import greedy_argmax
+from specserve.sample.logit_bias import apply_logit_bias
 from specserve.sample.sampler import SamplerOutput, SamplingBatch, filtered_probs, sample_from_probs, token_logprobs
 from specserve.spec_decode.greedy_verify import greedy_verify
 from specserve.spec_decode.rejection_sampler import draw_randomness, rejection_sample
@@ -43,7 +44,7 @@ class SampleAndVerify:
     def _sample(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
                 desc: BatchDescriptor, how: Sampling, masks: StepMasks | None) -> None:
         """The token of each request that samples without drafts. Only the sampler applies penalties,
-        min_tokens and grammar masks."""
+        min_tokens, grammar masks and logit_bias."""
         if how is Sampling.GREEDY_GRAPH:
             self.greedy_graphs.run(desc, self._greedy_outputs, None)
             return
@@ -51,10 +52,12 @@ class SampleAndVerify:
         if how is Sampling.ARGMAX:
             result = SamplerOutput(self.model.greedy_tokens(h))
         else:
-            batch = SamplingBatch.build([sched.scheduled[i].request for i in batch_rows], self.device)
+            reqs = [sched.scheduled[i].request for i in batch_rows]
+            batch = SamplingBatch.build(reqs, self.device)
             logits = self.model.compute_logits(h)
             if masks is not None:
                 StepMasks.apply(logits, masks.sample)
+            apply_logit_bias(logits, reqs)
             result = self.sampler(logits, batch)
         where = self.buffers.staged_extra(StagedExtra.SAMPLE_ROWS)
         self.outputs.accepted.index_fill_(0, where, 0)
@@ -90,6 +93,7 @@ class SampleAndVerify:
         logits = self.model.compute_logits(verified).view(n, k + 1, -1)
         if masks is not None:
             StepMasks.apply(logits.view(n * (k + 1), -1), masks.verify)
+        apply_logit_bias(logits.view(n * (k + 1), -1), reqs, k + 1)
         if batch.all_greedy:
             target_probs = logits
         else:
@@ -138,6 +142,7 @@ class SampleAndVerify:
             logits = self.model.compute_logits(verified)
             if masks is not None:
                 StepMasks.apply(logits, masks.verify)
+            apply_logit_bias(logits, reqs, width)
             target = greedy_argmax(logits)
             if not batch.all_greedy:
                 expanded = SamplingBatch.build([r for r in reqs for _ in range(width)], self.device)

@@ -84,17 +84,20 @@ class RowsSampling:
     # Some request's logits are masked by its grammar (structured_output/step_masks.py): only the paths that
     # compute logits apply masks, so such rows never take the argmax of the hidden states alone.
     grammar: bool = False
+    # Some request has a logit_bias (sample/logit_bias.py), which, like a mask, only the logits paths apply.
+    logit_bias: bool = False
 
     @classmethod
     def of(cls, requests: Sequence[Request]) -> RowsSampling:
         return cls(all(r.params.greedy for r in requests), any(r.params.logprobs is not None for r in requests),
-                   any(r.needs_host_tokens for r in requests), any(r.grammar is not None for r in requests))
+                   any(r.needs_host_tokens for r in requests), any(r.grammar is not None for r in requests),
+                   any(r.params.logit_bias is not None for r in requests))
 
     @property
     def argmax_only(self) -> bool:
-        """Every request takes the argmax of its unmasked logits and asks for no logprobs: the tokens alone
-        are needed."""
-        return self.all_greedy and not self.logprobs and not self.grammar
+        """Every request takes the argmax of its unmasked, unbiased logits and asks for no logprobs: the tokens
+        alone are needed."""
+        return self.all_greedy and not self.logprobs and not self.grammar and not self.logit_bias
 
     @property
     def samples_argmax(self) -> bool:
@@ -105,7 +108,8 @@ class RowsSampling:
     def __or__(self, other: RowsSampling) -> RowsSampling:
         """The parameters of both groups of rows together."""
         return RowsSampling(self.all_greedy and other.all_greedy, self.logprobs or other.logprobs,
-                            self.needs_host_tokens or other.needs_host_tokens, self.grammar or other.grammar)
+                            self.needs_host_tokens or other.needs_host_tokens, self.grammar or other.grammar,
+                            self.logit_bias or other.logit_bias)
 
 
 @dataclass(frozen=True)

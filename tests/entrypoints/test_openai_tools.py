@@ -149,6 +149,31 @@ def test_round_trip_streamed(served, tiny_llama, choice):
     answer_with_result(served, tiny_llama, calls, stream=True)
 
 
+def test_each_of_n_choices_has_its_own_calls(served):
+    """n choices are n replies: each one's calls are read from its own text, whole and streamed."""
+    server, client, _ = served
+    request = dict(model=server.model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=200)
+    # Sampled, one call each (as test_one_call_without_parallel_calls: sampled calls may go on past max_tokens).
+    reply = client.chat.completions.create(**request, n=3, temperature=1.0, seed=7, parallel_tool_calls=False)
+    assert sorted(c.index for c in reply.choices) == [0, 1, 2]
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+        assert_valid_calls(choice.message.tool_calls)
+    calls, finish = {0: {}, 1: {}}, {}
+    for chunk in client.chat.completions.create(**request, n=2, temperature=0, stream=True):
+        for choice in chunk.choices:
+            assert not choice.delta.content
+            for d in choice.delta.tool_calls or ():
+                call = calls[choice.index].setdefault(d.index, [d.function.name, ""])
+                call[1] += d.function.arguments or ""
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    # Greedy: each choice's calls are those of the reply of one choice.
+    whole = client.chat.completions.create(**request, temperature=0).choices[0].message.tool_calls
+    expected = [[c.function.name, c.function.arguments] for c in whole]
+    assert [calls[0][i] for i in sorted(calls[0])] == expected == [calls[1][i] for i in sorted(calls[1])]
+
+
 def test_one_call_without_parallel_calls(served):
     server, client, _ = served
     for seed in range(3):

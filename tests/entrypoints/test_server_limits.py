@@ -66,6 +66,23 @@ def test_full_queue_answers_503_then_recovers(server):
     server.wait_idle()
 
 
+def test_sequences_past_the_queue_fail_the_whole_request(long_model):
+    """n = 2 with one place left in the queue: the first sequence is queued, the second refused, and the whole
+    request is answered 503 with its queued sequence withdrawn."""
+    with LiveServer(long_model, max_waiting=2, **ENGINE) as s, ThreadPoolExecutor(1) as pool, \
+            httpx.Client(timeout=30) as http:
+        with http.stream("POST", s.url + "/v1/completions", json=body(s, CONTEXT - 100, True)) as running:
+            lines = running.iter_lines()
+            next(lines)  # the stream holds the only running slot
+            queued = pool.submit(post, s, body(s, 4))
+            s.wait_for(lambda m: m["specserve:num_requests_waiting"] == 1)
+            refused = post(s, {**body(s, 4), "n": 2})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_full", refused.text
+            s.wait_for(lambda m: m["specserve:num_requests_waiting"] == 1)
+        assert queued.result(timeout=30).status_code == 200
+        s.wait_idle()
+
+
 def test_deadline_aborts_and_reports(server):
     before = server.metrics().get("specserve:requests_total{finish_reason=timeout}", 0)
     with ThreadPoolExecutor(1) as pool, httpx.Client(timeout=30) as http:

@@ -174,6 +174,22 @@ def test_grammar_rows_take_the_logits_paths_and_are_masked():
     assert not path(full(4, 1), decode(4)).masked and not path(full(4, 4), verify(4, 3, SAMPLED)).masked
 
 
+def test_logit_bias_rows_take_the_logits_paths_unmasked():
+    """A bias changes the logits, so greedy rows with one never run the whole step, a greedy graph or the bare
+    argmax, for chains and trees alike; no grammar mask is built for them, and their tokens are not needed on
+    the host."""
+    biased = RowsSampling(logit_bias=True)
+    sampled = path(full(4, 1), decode(4, biased))
+    assert (sampled.whole, sampled.sampling, sampled.masked) == (WholeStep.NONE, Sampling.SAMPLER, False)
+    verified = path(full(4, 4), verify(4, 3, biased))
+    assert (verified.whole, verified.verification) == (WholeStep.NONE, Verification.REJECTION)
+    assert verified.drafting is Drafting.GREEDY_LOOP_GRAPH
+    assert path(full(2, 6), verify(2, 5, biased), trees=True).verification is Verification.TREE_LOGITS
+    assert (RowsSampling() | biased).logit_bias and not (RowsSampling() | RowsSampling()).logit_bias
+    request = Request("r", [1, 2], SamplingParams(temperature=0, logit_bias={5: 1.0}), set(), 64)
+    assert RowsSampling.of([request]) == RowsSampling(logit_bias=True)
+
+
 def test_grammar_steps_draft_masked_steps_and_tree_passes_and_others_keep_their_graphs():
     """The drafter's logits of a grammar step are masked depth by depth from host-built masks, so such a step
     drafts eagerly, never in the loop or tree graph; a step without a grammar request keeps them."""

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 
 from specserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                                    ContentPart, ErrorInfo, ErrorResponse, NOT_SUPPORTED,
-                                                   StreamOptions)
+                                                   NOT_SUPPORTED_BECAUSE, StreamOptions)
 from specserve.entrypoints.openai.tool_fields import (CalledFunction, ChosenFunction, FunctionDefinition, FunctionTool,
                                                       MessageToolCall, NamedToolChoice)
 from specserve.errors import EngineUnavailableError, InvalidRequestError, QueueFullError, RequestTimeoutError
@@ -103,6 +103,8 @@ def _validation_error(exc: RequestValidationError, path: str) -> OpenAIError:
 
 
 def _unknown_field(name: str, known) -> str:
+    if name in NOT_SUPPORTED_BECAUSE:
+        return NOT_SUPPORTED_BECAUSE[name]
     if name in NOT_SUPPORTED:
         return "is not supported by this server yet; remove it from the request"
     close = difflib.get_close_matches(name, sorted(known), n=1)

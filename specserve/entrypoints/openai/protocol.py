@@ -29,11 +29,16 @@ Seed = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 # message that says so (errors.py), never answered as if the field had been honoured.
 NOT_SUPPORTED = frozenset({
     "functions", "function_call",  # the deprecated forms of tools and tool_choice
-    "logit_bias", "best_of", "suffix", "echo", "audio", "modalities", "prediction", "web_search_options",
+    "best_of", "suffix", "echo", "audio", "modalities", "prediction", "web_search_options",
     "reasoning_effort", "verbosity", "service_tier", "prompt_cache_key",
     "refusal",  # in messages
     "include_obfuscation",  # in stream_options
 })
+# Why some of them are refused, where the generic message would not say enough.
+NOT_SUPPORTED_BECAUSE = {
+    "best_of": "is not supported: it would generate best_of sequences and return the n most likely; use n, "
+               "which returns every sequence it generates",
+}
 # Roles a message may have. "developer" is OpenAI's newer name for "system" and reaches the chat template as
 # "system", as OpenAI maps it for models without a developer role; "tool" messages answer tool calls.
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -63,6 +68,9 @@ class _SamplingRequest(_Request):
     frequency_penalty: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Token id (a JSON object's key is a string) -> bias. Keys are checked in _logit_bias and values in
+    # SamplingParams, so that an error names the key it is about.
+    logit_bias: dict[Text, object] | None = None
     # Extensions, as in vLLM.
     top_k: TopK | None = None
     min_p: float | None = None
@@ -99,13 +107,22 @@ class _SamplingRequest(_Request):
     def _structured_output(self) -> StructuredOutput | None:
         return None if self.structured_outputs is None else self.structured_outputs.structured_output()
 
+    def _logit_bias(self) -> dict[int, float] | None:
+        """logit_bias with its keys read as token ids."""
+        if self.logit_bias is None:
+            return None
+        for key in self.logit_bias:
+            if not (key.isascii() and key.isdigit()):
+                raise InvalidRequestError("logit_bias", f"key {key!r} is not a token id; keys are token ids "
+                                          'written as strings of digits, such as "50256"')
+        return {int(key): value for key, value in self.logit_bias.items()}
+
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          structured_output: StructuredOutput | None) -> SamplingParams:
-        if self.n not in (None, 1):
-            raise InvalidRequestError("n", f"only n=1 is supported, got {self.n}; send separate requests instead")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options", "is only allowed when stream is true; remove it or stream")
-        given = dict(temperature=self.temperature, top_p=self.top_p, stop=self.stop, seed=self.seed,
+        given = dict(n=self.n, logit_bias=self._logit_bias(), temperature=self.temperature, top_p=self.top_p,
+                     stop=self.stop, seed=self.seed,
                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                      top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                      min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, structured_output=structured_output)

@@ -31,13 +31,15 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
     if body.stream:
         return sse(_chunks(serving, body, plan, request_id, outputs))
     final = await serving.finish(request, outputs)
-    c = final.outputs[0]
-    logprobs = None
-    if body.logprobs:
-        logprobs = chat_logprobs(serving.tokenizer, c.token_ids, c.logprobs, body.top_logprobs or 0)
-    message, finish_reason = _reply(plan, c.text, c.finish_reason)
-    choice = ChatChoice(message=message, logprobs=logprobs, finish_reason=finish_reason)
-    return ChatCompletionResponse(id=request_id, model=serving.model_name, choices=[choice], usage=usage(final))
+    choices = []
+    for c in final.outputs:
+        logprobs = None
+        if body.logprobs:
+            logprobs = chat_logprobs(serving.tokenizer, c.token_ids, c.logprobs, body.top_logprobs or 0)
+        # Each choice is its own reply: its calls are read from its own text.
+        message, finish_reason = _reply(plan, c.text, c.finish_reason)
+        choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish_reason))
+    return ChatCompletionResponse(id=request_id, model=serving.model_name, choices=choices, usage=usage(final))
 
 
 def _reply(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
@@ -59,28 +61,34 @@ def _finish(reason: str | None) -> str | None:
 async def _chunks(serving: OpenAIServing, body: ChatCompletionRequest, plan: ToolPlan, request_id: str,
                   outputs: Outputs) -> AsyncIterator[bytes]:
     writer = ChunkWriter(request_id, "chat.completion.chunk", serving.model_name)
-    calls = None if plan.parser is None else ToolCallStream(plan.parser, plan.max_calls)
-    # As OpenAI does, the first chunk carries the role alone.
-    yield writer.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}])
+    num_choices = body.n or 1
+    # Per choice: its calls, read from its own text as it streams.
+    calls = [None if plan.parser is None else ToolCallStream(plan.parser, plan.max_calls) for _ in range(num_choices)]
+    # As OpenAI does, each choice's first chunk carries the role alone.
+    for index in range(num_choices):
+        yield writer.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}])
     async for out in outputs:
-        c = out.outputs[0]  # the new tokens since the previous output (RequestOutputKind.DELTA)
-        logprobs = None
-        if body.logprobs:
-            logprobs = chat_logprobs(serving.tokenizer, c.token_ids, c.logprobs, body.top_logprobs or 0)
-        delta, finish_reason = {"content": c.text}, c.finish_reason
-        if calls is not None:
-            new = calls.feed(c.text, out.finished)
-            delta = {"content": new.content}
-            if new.calls:
-                delta["tool_calls"] = [d.wire() for d in new.calls]
-            if calls.called:
-                finish_reason = _finish(finish_reason)
-        # Steps whose text is held back (a possible stop string, an unfinished character, the start of what
-        # may be a call) send nothing.
-        if delta["content"] or "tool_calls" in delta or out.finished or (logprobs and logprobs.content):
-            yield writer.chunk([{"index": 0, "delta": delta,
-                                 "logprobs": None if logprobs is None else logprobs.model_dump(),
-                                 "finish_reason": finish_reason}])
+        # Each sequence that advanced, with its new tokens since the previous output (RequestOutputKind.DELTA).
+        for c in out.outputs:
+            logprobs = None
+            if body.logprobs:
+                logprobs = chat_logprobs(serving.tokenizer, c.token_ids, c.logprobs, body.top_logprobs or 0)
+            finished = c.finish_reason is not None
+            delta, finish_reason = {"content": c.text}, c.finish_reason
+            choice_calls = calls[c.index]
+            if choice_calls is not None:
+                new = choice_calls.feed(c.text, finished)
+                delta = {"content": new.content}
+                if new.calls:
+                    delta["tool_calls"] = [d.wire() for d in new.calls]
+                if choice_calls.called:
+                    finish_reason = _finish(finish_reason)
+            # Steps whose text is held back (a possible stop string, an unfinished character, the start of what
+            # may be a call) send nothing.
+            if delta["content"] or "tool_calls" in delta or finished or (logprobs and logprobs.content):
+                yield writer.chunk([{"index": c.index, "delta": delta,
+                                     "logprobs": None if logprobs is None else logprobs.model_dump(),
+                                     "finish_reason": finish_reason}])
     if body.include_usage:
         yield writer.chunk([], usage(out))

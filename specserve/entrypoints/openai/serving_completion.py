@@ -24,27 +24,30 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, req
     if body.stream:
         return sse(_chunks(serving, body, request_id, outputs))
     final = await serving.finish(request, outputs)
-    c = final.outputs[0]
-    logprobs = None
-    if body.logprobs is not None:
-        logprobs, _ = completion_logprobs(serving.tokenizer, c.token_ids, c.logprobs, 0)
-    choice = CompletionChoice(text=c.text, logprobs=logprobs, finish_reason=c.finish_reason)
-    return CompletionResponse(id=request_id, model=serving.model_name, choices=[choice], usage=usage(final))
+    choices = []
+    for c in final.outputs:
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs, _ = completion_logprobs(serving.tokenizer, c.token_ids, c.logprobs, 0)
+        choices.append(CompletionChoice(index=c.index, text=c.text, logprobs=logprobs, finish_reason=c.finish_reason))
+    return CompletionResponse(id=request_id, model=serving.model_name, choices=choices, usage=usage(final))
 
 
 async def _chunks(serving: OpenAIServing, body: CompletionRequest, request_id: str,
                   outputs: Outputs) -> AsyncIterator[bytes]:
     writer = ChunkWriter(request_id, "text_completion", serving.model_name)
-    text_offset = 0  # where the text of the tokens whose logprobs went out ends
+    text_offsets = [0] * (body.n or 1)  # per choice: where the text of the tokens whose logprobs went out ends
     async for out in outputs:
-        c = out.outputs[0]  # the new tokens since the previous output (RequestOutputKind.DELTA)
-        logprobs = None
-        if body.logprobs is not None:
-            logprobs, text_offset = completion_logprobs(serving.tokenizer, c.token_ids, c.logprobs, text_offset)
-        # Steps whose text is held back (a possible stop string, an unfinished character) send nothing.
-        if c.text or out.finished or (logprobs and logprobs.tokens):
-            yield writer.chunk([{"index": 0, "text": c.text,
-                                 "logprobs": None if logprobs is None else logprobs.model_dump(),
-                                 "finish_reason": c.finish_reason}])
+        # Each sequence that advanced, with its new tokens since the previous output (RequestOutputKind.DELTA).
+        for c in out.outputs:
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs, text_offsets[c.index] = completion_logprobs(serving.tokenizer, c.token_ids, c.logprobs,
+                                                                      text_offsets[c.index])
+            # Steps whose text is held back (a possible stop string, an unfinished character) send nothing.
+            if c.text or c.finish_reason is not None or (logprobs and logprobs.tokens):
+                yield writer.chunk([{"index": c.index, "text": c.text,
+                                     "logprobs": None if logprobs is None else logprobs.model_dump(),
+                                     "finish_reason": c.finish_reason}])
     if body.include_usage:
         yield writer.chunk([], usage(out))
