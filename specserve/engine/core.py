@@ -67,7 +67,8 @@ class EngineCore:
         except BaseException:
             # The workers wait in a collective or for a message that will not come: stop them and leave the
             # group now, not when the failed core is collected, so that the next engine of this process starts.
-            self.close()
+            if self.tp_workers is not None:
+                self.tp_workers.abort()
             raise
 
     def _build(self, config: EngineConfig, tokenizer, source: ModelSource, backend) -> None:

@@ -3,6 +3,7 @@ failure raises an error naming its cause instead of hanging, and leaves the proc
 from __future__ import annotations
 
 import multiprocessing
+import socket
 import time
 
 import pytest
@@ -45,3 +46,27 @@ def test_a_failed_start_leaves_the_process_free_for_the_next_engine(tiny_llama, 
     del failure  # its traceback holds the failed core
     prompts = repetitive_prompts(hf.config.vocab_size, n=2, seed=2)
     assert _tokens(path, prompts, tensor_parallel_size=2) == _tokens(path, prompts)
+
+
+def test_a_taken_port_is_refused_before_any_rank_starts(tiny_llama):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(ConfigError, match=f"master_port: port {port} .* in use"):
+            LLM(str(tiny_llama[0]), device="cpu", num_kv_blocks=32, tensor_parallel_size=2, master_port=port)
+        assert time.monotonic() - start < 10
+    assert not dist.is_initialized()
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("specserve-tp-rank")]
+
+
+def test_two_engines_in_turn_meet_at_the_same_port(tiny_llama):
+    """A second engine of the process meets where the first did (the port it closed is in TIME_WAIT)."""
+    path, hf = tiny_llama
+    prompts = repetitive_prompts(hf.config.vocab_size, n=2, seed=4)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first = _tokens(path, prompts, tensor_parallel_size=2, master_port=port)
+    assert _tokens(path, prompts, tensor_parallel_size=2, master_port=port) == first == _tokens(path, prompts)
