@@ -70,5 +70,24 @@ class Rendezvous:
         """Rank 0's listener for the ranks of other nodes."""
         return self.master_addr, self.master_port + 1
 
+    def require_free_ports(self) -> None:
+        """Raises ConfigError naming the port if one that node 0 listens at is taken by a listening socket:
+        torch.distributed's store at master_port (bound on every interface) and, with other nodes, the listener
+        at master_port + 1. Checked before any rank starts, since ranks that meet at a port some other program
+        holds wait there until the collective timeout. A port an earlier engine of this process closed (in
+        TIME_WAIT) is free: both bind with address reuse."""
+        ports = [("", self.master_port)] + ([self.listener_address] if self.nnodes > 1 else [])
+        for addr, port in ports:
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind((addr, port))
+                except OSError as e:
+                    raise ConfigError("master_port", (
+                        f"port {port} of {addr or 'this host'}, where the tensor-parallel ranks meet, is in use "
+                        f"({e.strerror}): another engine or program listens there. Pass another master_port "
+                        "(--master-port, MASTER_PORT; port + 1 too with several nodes), or leave it out on one "
+                        "node to take a free port")) from None
+
     def ranks_per_node(self, tensor_parallel_size: int) -> int:
         return tensor_parallel_size // self.nnodes

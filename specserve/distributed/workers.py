@@ -28,6 +28,10 @@ from specserve.models.loader import ModelSource
 from specserve.models.parallel_layers import shard_arch
 
 
+# How long close() waits for each worker of node 0 to leave before it kills it.
+STOP_WAIT_S = 30.0
+
+
 @dataclass
 class _Rank:
     rank: int
@@ -39,13 +43,14 @@ class _Rank:
                                                       "(on another node)")
 
 
-def _stop(ranks: list[_Rank]) -> None:
-    """Close the connections (each worker then leaves its loop), wait for node 0's workers, leave the group."""
+def _stop(ranks: list[_Rank], wait_s: list[float]) -> None:
+    """Close the connections (each worker then leaves its loop), wait up to wait_s[0] for each of node 0's
+    workers (then kill it), leave the group."""
     for r in ranks:
         r.conn.close()
     for r in ranks:
         if r.process is not None:
-            r.process.join(timeout=30)
+            r.process.join(timeout=wait_s[0])
             if r.process.is_alive():
                 r.process.kill()
                 r.process.join()
@@ -62,8 +67,13 @@ class TPWorkers:
         shard_arch(ArchConfig.from_hf_config(source.hf_config), TPGroup(0, size))
         require_no_group()
         rendezvous = config.rendezvous()
+        rendezvous.require_free_ports()
         self.ranks: list[_Rank] = []
-        self._finalizer = weakref.finalize(self, _stop, self.ranks)
+        # How long a worker may take to leave once its connection closed: one that follows steps leaves at
+        # once; during start-up it may wait in the rendezvous or a collective that rank 0 will never join
+        # (abort), where waiting is pointless.
+        self._wait_s = [STOP_WAIT_S]
+        self._finalizer = weakref.finalize(self, _stop, self.ranks, self._wait_s)
         spawn = multiprocessing.get_context("spawn")
         level = logging.getLogger("specserve").getEffectiveLevel()
         for rank in range(1, rendezvous.ranks_per_node(size)):
@@ -78,7 +88,7 @@ class TPWorkers:
         try:
             init_tp_group(0, size, rendezvous.init_method, config.device)
         except RuntimeError as e:  # torch.distributed's rendezvous timed out: some rank never joined
-            self.close()
+            self.abort()
             raise EngineUnavailableError(f"the {size} tensor-parallel ranks did not all meet at "
                                          f"{rendezvous.init_method} ({e}); the workers' logs say why") from e
 
@@ -98,7 +108,7 @@ class TPWorkers:
         if len(conns) < len(expected):
             for conn in conns:
                 conn.close()
-            self.close()
+            self.abort()
             addr, port = rendezvous.listener_address
             raise EngineUnavailableError(
                 f"{len(conns)} of the {len(expected)} tensor-parallel ranks of other nodes connected to {addr}:{port} "
@@ -107,7 +117,7 @@ class TPWorkers:
         for conn in conns:
             hello = conn.recv()
             if not isinstance(hello, WorkerHello) or hello.rank not in expected:
-                self.close()
+                self.abort()
                 raise EngineUnavailableError(f"a node sent {hello!r} where one of ranks {sorted(expected)} was "
                                              "expected; start every node with the same --tensor-parallel-size "
                                              "and --nnodes")
@@ -154,9 +164,14 @@ class TPWorkers:
         return [r.process for r in self.ranks if r.process is not None]
 
     def _fail(self, rank: _Rank, what: str):
-        self.close()
+        self.abort()
         raise EngineUnavailableError(f"{rank.describe()} {what}; the engine cannot run without it. Its log says "
                                      "why; start a new engine")
 
     def close(self) -> None:
+        self._finalizer()
+
+    def abort(self) -> None:
+        """Stop the workers of an engine that failed: kill node 0's at once, whatever they wait for."""
+        self._wait_s[0] = 0
         self._finalizer()

@@ -62,6 +62,17 @@ class EngineCore:
         if config.tensor_parallel_size > 1:
             config.device = rank_device(config.device, 0)
             self.tp_workers = TPWorkers(config, source)
+        try:
+            self._build(config, tokenizer, source, backend)
+        except BaseException:
+            # The workers wait in a collective or for a message that will not come: stop them and leave the
+            # group now, not when the failed core is collected, so that the next engine of this process starts.
+            if self.tp_workers is not None:
+                self.tp_workers.abort()
+            raise
+
+    def _build(self, config: EngineConfig, tokenizer, source: ModelSource, backend) -> None:
+        """Everything after the other ranks started: the model, the runner, the KV cache, graphs, scheduler."""
         self.model, self.arch = build_model(source, config.torch_dtype, config.device, backend,
                                              load_format=config.load_format, seed=config.seed, tp=tp_group())
         config.finalize(self.arch.max_context)
