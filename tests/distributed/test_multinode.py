@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from specserve import LLM, SamplingParams
 from specserve.distributed.rendezvous import Rendezvous
 from specserve.errors import ConfigError
 from tests.conftest import repetitive_prompts
+from tests.distributed.greedy_tokens import greedy_tokens
 
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -26,11 +25,7 @@ def _free_port() -> int:
 
 
 def _tokens(path, prompts, **kwargs):
-    llm = LLM(str(path), dtype="float32", device="cpu", **kwargs)
-    try:
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    finally:
-        llm.engine.core.close()
+    return greedy_tokens(path, prompts, 12, **kwargs)
 
 
 def test_two_nodes_of_one_rank_each_equal_tp1(tiny_llama):

@@ -9,19 +9,15 @@ import time
 import pytest
 import torch.distributed as dist
 
-from specserve import LLM, SamplingParams
+from specserve import LLM
 from specserve.errors import ConfigError
 from tests.conftest import repetitive_prompts
+from tests.distributed.greedy_tokens import greedy_tokens
 
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 def _tokens(path, prompts, **kwargs):
-    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=32, **kwargs)
-    try:
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    finally:
-        llm.engine.core.close()
+    return greedy_tokens(path, prompts, 8, max_model_len=128, num_kv_blocks=32, **kwargs)
 
 
 def test_tp2_with_the_start_up_warm_up(tiny_llama):
