@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from specserve.distributed.parallel_state import leave_process_group
 from specserve.distributed.rendezvous import Rendezvous
 
 
@@ -62,10 +63,11 @@ def _rank(rank: int, args: argparse.Namespace, init_method: str, results) -> Non
                 with torch.cuda.graph(graph):
                     step()
                 graphed = _per_call_us(graph.replay, device, calls, args.repeats)
+                del graph  # a graph holding the group's collectives must go before the group
             if rank == 0:
                 results.append((tokens, tokens * args.hidden * x.element_size(), eager, graphed))
     finally:
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 def main() -> None:

@@ -55,10 +55,23 @@ def require_no_group() -> None:
                            "(EngineCore.close) before starting another")
 
 
+def leave_process_group() -> None:
+    """Leave torch.distributed's default group, whatever the other ranks do. The caller must first drop every
+    CUDA graph that holds a collective of the group. Over NCCL the communicator is aborted, a local call: the
+    graceful shutdown (ncclCommFinalize) waits for the other ranks, which may be gone or be waiting for this
+    one, and a rank that leaves has no collective in flight once its device is synchronised."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        torch.cuda.synchronize()
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
+
+
 def destroy_tp_group() -> None:
     global _group
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave_process_group()
     _group = TPGroup(0, 1)
 
 

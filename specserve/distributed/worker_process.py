@@ -46,6 +46,7 @@ def run_worker(config: EngineConfig, source: ModelSource, rank: int, local_rank:
                 break
             _follow(runner, follower, msg)
     finally:
+        runner.release_graphs()  # they hold the group's collectives, which must go before the group
         destroy_tp_group()
 
 

@@ -44,17 +44,18 @@ class _Rank:
 
 
 def _stop(ranks: list[_Rank], wait_s: list[float]) -> None:
-    """Close the connections (each worker then leaves its loop), wait up to wait_s[0] for each of node 0's
-    workers (then kill it), leave the group."""
+    """Close the connections (each worker then leaves its loop and the group), leave the group, wait up to
+    wait_s[0] for each of node 0's workers (then kill it). Leaving is local (parallel_state.py), so no rank
+    waits for another to leave."""
     for r in ranks:
         r.conn.close()
+    destroy_tp_group()
     for r in ranks:
         if r.process is not None:
             r.process.join(timeout=wait_s[0])
             if r.process.is_alive():
                 r.process.kill()
                 r.process.join()
-    destroy_tp_group()
 
 
 class TPWorkers:

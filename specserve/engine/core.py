@@ -115,6 +115,7 @@ class EngineCore:
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (also done when the core is collected); nothing to do at 1."""
         if self.tp_workers is not None:
+            self.runner.release_graphs()  # they hold the group's collectives, which must go before the group
             self.tp_workers.close()
 
     def ready_message(self) -> CoreReady:
