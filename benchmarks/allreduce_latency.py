@@ -1,13 +1,16 @@
-"""The time of one decode step's collectives at tensor parallelism N, eager and inside a CUDA graph.
+"""The time of one decode step's all-reduces at tensor parallelism N: NCCL's and the one-shot all-reduce over
+symmetric memory (specserve/distributed/one_shot_all_reduce.py), eager and inside a CUDA graph.
 
 A step of the target runs 2 * layers + 1 all-reduces of tokens x hidden (distributed/collective_probe.py); at
 batch 1 each is a few KiB, so its latency, not the link's bandwidth, is what it costs. This replays a step's
-all-reduces over torch.distributed on N processes (NCCL on GPUs, gloo on the CPU) and prints, per message
-size, the microseconds of one all-reduce: issued eagerly one by one (what the benchmark's 'collectives
-ms/step' times), and replayed from a CUDA graph that holds all of them (what an engine's graphed step pays).
-NCCL's variables (NCCL_PROTO, NCCL_ALGO, NCCL_MAX_NCHANNELS, NCCL_GRAPH_MIXING_SUPPORT, ...) reach every rank:
+all-reduces on N processes (NCCL on GPUs, gloo on the CPU) and prints, per message size, the microseconds
+of one all-reduce: issued eagerly one by one (what the benchmark's 'collectives ms/step' times), and
+replayed from a CUDA graph that holds all of them (what an engine's graphed step pays). With --write-table
+it records, for this device and N, the largest size up to which the one-shot all-reduce was faster than
+NCCL's in the graph at every size measured: the engine uses it up to that size. NCCL's variables
+(NCCL_PROTO, NCCL_ALGO, ...) reach every rank:
 
-    python benchmarks/allreduce_latency.py --ranks 2 --hidden 4096 --layers 32 --tokens 1 4 64
+    python benchmarks/allreduce_latency.py --ranks 2 --hidden 4096 --layers 32 --tokens 1 4 64 256 1024 --write-table
     NCCL_PROTO=LL python benchmarks/allreduce_latency.py --ranks 2 --tokens 1
 """
 from __future__ import annotations
@@ -15,11 +18,13 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from specserve.distributed.one_shot_all_reduce import TABLE_PATH, OneShotAllReduce, write_max_bytes
 from specserve.distributed.parallel_state import leave_process_group
 from specserve.distributed.rendezvous import Rendezvous
 
@@ -39,6 +44,34 @@ def _per_call_us(fn, device: torch.device, calls: int, repeats: int) -> float:
     return 1e6 * (time.perf_counter() - start) / (repeats * calls)
 
 
+@dataclass
+class SizeResult:
+    tokens: int
+    nbytes: int
+    nccl_eager_us: float
+    nccl_graphed_us: float | None  # None: not on GPUs
+    one_shot_eager_us: float | None = None  # None: not on GPUs, or symmetric memory unavailable
+    one_shot_graphed_us: float | None = None
+
+
+def _time(reduce, x: torch.Tensor, device: torch.device, calls: int, repeats: int) -> tuple[float, float | None]:
+    """Microseconds of one of `calls` back-to-back reduce(x), eagerly and replayed from a graph (GPU only)."""
+
+    def step() -> None:
+        for _ in range(calls):
+            reduce(x)
+
+    eager = _per_call_us(step, device, calls, repeats)
+    if device.type != "cuda":
+        return eager, None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graphed = _per_call_us(graph.replay, device, calls, repeats)
+    del graph  # a graph holding the group's collectives must go before the group
+    return eager, graphed
+
+
 def _rank(rank: int, args: argparse.Namespace, init_method: str, results) -> None:
     on_gpu = args.device == "cuda"
     if on_gpu:
@@ -48,26 +81,36 @@ def _rank(rank: int, args: argparse.Namespace, init_method: str, results) -> Non
                             world_size=args.ranks, device_id=device if on_gpu else None)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     calls = 2 * args.layers + 1
+    one_shot = None
     try:
+        if on_gpu:
+            largest = max(args.tokens) * args.hidden * dtype.itemsize
+            one_shot = OneShotAllReduce.join(device, largest)
         for tokens in args.tokens:
             x = torch.zeros(tokens, args.hidden, dtype=dtype, device=device)
-
-            def step() -> None:
-                for _ in range(calls):
-                    dist.all_reduce(x)
-
-            eager = _per_call_us(step, device, calls, args.repeats)
-            graphed = None
-            if on_gpu:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    step()
-                graphed = _per_call_us(graph.replay, device, calls, args.repeats)
-                del graph  # a graph holding the group's collectives must go before the group
+            r = SizeResult(tokens, x.numel() * x.element_size(), *_time(dist.all_reduce, x, device, calls,
+                                                                         args.repeats))
+            if one_shot is not None:
+                r.one_shot_eager_us, r.one_shot_graphed_us = _time(one_shot, x, device, calls, args.repeats)
             if rank == 0:
-                results.append((tokens, tokens * args.hidden * x.element_size(), eager, graphed))
+                results.append(r)
     finally:
+        one_shot = None
         leave_process_group()
+
+
+def _us(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def one_shot_max_bytes(results: list[SizeResult]) -> int:
+    """The largest size up to which the graphed one-shot all-reduce beat NCCL's at every size measured."""
+    best = 0
+    for r in sorted(results, key=lambda r: r.nbytes):
+        if r.one_shot_graphed_us is None or r.one_shot_graphed_us >= r.nccl_graphed_us:
+            break
+        best = r.nbytes
+    return best
 
 
 def main() -> None:
@@ -78,21 +121,34 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=32, help="decoder layers: 2 all-reduces each, and the embedding's")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64], help="tokens per step (batch x (1 + k))")
     p.add_argument("--repeats", type=int, default=50, help="timed steps per size, after one untimed")
+    p.add_argument("--write-table", action="store_true",
+                   help=f"record where the one-shot all-reduce wins in {TABLE_PATH.name} (GPU only)")
     args = p.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
         p.error(f"{args.ranks} ranks need {args.ranks} GPUs, torch sees {torch.cuda.device_count()}")
+    if args.write_table and args.device != "cuda":
+        p.error("--write-table records a GPU's figures; run it on the GPUs it is for")
     nccl = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
     print(f"{args.ranks} ranks on {args.device}, hidden {args.hidden}, {2 * args.layers + 1} all-reduces a step; "
           f"NCCL variables: {nccl or 'none'}")
     with mp.Manager() as manager:
-        results = manager.list()
-        mp.spawn(_rank, args=(args, Rendezvous.resolve(args.ranks).init_method, results), nprocs=args.ranks)
-        print("| tokens | bytes | eager us/all-reduce | graphed us/all-reduce | graphed ms/step |")
-        print("| ---: | ---: | ---: | ---: | ---: |")
-        for tokens, nbytes, eager, graphed in results:
-            g = "-" if graphed is None else f"{graphed:.1f}"
-            step = "-" if graphed is None else f"{graphed * (2 * args.layers + 1) / 1e3:.2f}"
-            print(f"| {tokens} | {nbytes:,} | {eager:.1f} | {g} | {step} |")
+        shared = manager.list()
+        mp.spawn(_rank, args=(args, Rendezvous.resolve(args.ranks).init_method, shared), nprocs=args.ranks)
+        results = list(shared)
+    calls = 2 * args.layers + 1
+    print("| tokens | bytes | NCCL eager us | NCCL graphed us | one-shot eager us | one-shot graphed us | "
+          "graphed ms/step NCCL / one-shot |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in results:
+        per_step = "-" if r.nccl_graphed_us is None else f"{r.nccl_graphed_us * calls / 1e3:.2f}"
+        if r.one_shot_graphed_us is not None:
+            per_step += f" / {r.one_shot_graphed_us * calls / 1e3:.2f}"
+        print(f"| {r.tokens} | {r.nbytes:,} | {_us(r.nccl_eager_us)} | {_us(r.nccl_graphed_us)} | "
+              f"{_us(r.one_shot_eager_us)} | {_us(r.one_shot_graphed_us)} | {per_step} |")
+    if args.write_table:
+        name, max_bytes = torch.cuda.get_device_name(0), one_shot_max_bytes(results)
+        write_max_bytes(name, args.ranks, max_bytes)
+        print(f"{TABLE_PATH}: {name}, {args.ranks} ranks: one-shot up to {max_bytes:,} bytes")
 
 
 if __name__ == "__main__":
