@@ -1,16 +1,17 @@
-"""The time of one decode step's all-reduces at tensor parallelism N: NCCL's and the one-shot all-reduce over
-symmetric memory (specserve/distributed/one_shot_all_reduce.py), eager and inside a CUDA graph.
+"""The time of one decode step's all-reduces at tensor parallelism N: NCCL's beside torch's one-shot all-reduce
+over symmetric memory, eager and inside a CUDA graph.
 
 A step of the target runs 2 * layers + 1 all-reduces of tokens x hidden (distributed/collective_probe.py); at
 batch 1 each is a few KiB, so its latency, not the link's bandwidth, is what it costs. This replays a step's
 all-reduces on N processes (NCCL on GPUs, gloo on the CPU) and prints, per message size, the microseconds
 of one all-reduce: issued eagerly one by one (what the benchmark's 'collectives ms/step' times), and
-replayed from a CUDA graph that holds all of them (what an engine's graphed step pays). With --write-table
-it records, for this device and N, the largest size up to which the one-shot all-reduce was faster than
-NCCL's in the graph at every size measured: the engine uses it up to that size. NCCL's variables
-(NCCL_PROTO, NCCL_ALGO, ...) reach every rank:
+replayed from a CUDA graph that holds all of them (what an engine's graphed step pays). On GPUs it times
+beside them torch's one-shot all-reduce (torch.distributed._symmetric_memory: every rank's buffer mapped
+into every other rank, one kernel that copies the input in, meets the others at a barrier and sums the
+buffers over NVLink; no multicast needed): the candidate for a custom all-reduce (BENCHMARKS.md, 'Tensor
+parallelism', says why the engine keeps NCCL). NCCL's variables (NCCL_PROTO, NCCL_ALGO, ...) reach every rank:
 
-    python benchmarks/allreduce_latency.py --ranks 2 --hidden 4096 --layers 32 --tokens 1 4 64 256 1024 --write-table
+    python benchmarks/allreduce_latency.py --ranks 2 --hidden 4096 --layers 32 --tokens 1 4 16 64 256 1024
     NCCL_PROTO=LL python benchmarks/allreduce_latency.py --ranks 2 --tokens 1
 """
 from __future__ import annotations
@@ -24,7 +25,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from specserve.distributed.one_shot_all_reduce import TABLE_PATH, OneShotAllReduce, write_max_bytes
 from specserve.distributed.parallel_state import leave_process_group
 from specserve.distributed.rendezvous import Rendezvous
 
@@ -72,6 +72,21 @@ def _time(reduce, x: torch.Tensor, device: torch.device, calls: int, repeats: in
     return eager, graphed
 
 
+def _one_shot_all_reduce(device: torch.device, max_bytes: int):
+    """torch's one-shot all-reduce on a symmetric buffer of max_bytes joined by every rank (a collective)."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    group_name = dist.group.WORLD.group_name
+    buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+    symm_mem.rendezvous(buffer, group_name)
+
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+        staging = buffer[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+        return torch.ops.symm_mem.one_shot_all_reduce_copy(staging, x, "sum", group_name)
+
+    return reduce
+
+
 def _rank(rank: int, args: argparse.Namespace, init_method: str, results) -> None:
     on_gpu = args.device == "cuda"
     if on_gpu:
@@ -85,7 +100,7 @@ def _rank(rank: int, args: argparse.Namespace, init_method: str, results) -> Non
     try:
         if on_gpu:
             largest = max(args.tokens) * args.hidden * dtype.itemsize
-            one_shot = OneShotAllReduce.join(device, largest)
+            one_shot = _one_shot_all_reduce(device, largest)
         for tokens in args.tokens:
             x = torch.zeros(tokens, args.hidden, dtype=dtype, device=device)
             r = SizeResult(tokens, x.numel() * x.element_size(), *_time(dist.all_reduce, x, device, calls,
@@ -103,16 +118,6 @@ def _us(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f}"
 
 
-def one_shot_max_bytes(results: list[SizeResult]) -> int:
-    """The largest size up to which the graphed one-shot all-reduce beat NCCL's at every size measured."""
-    best = 0
-    for r in sorted(results, key=lambda r: r.nbytes):
-        if r.one_shot_graphed_us is None or r.one_shot_graphed_us >= r.nccl_graphed_us:
-            break
-        best = r.nbytes
-    return best
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=2)
@@ -121,13 +126,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=32, help="decoder layers: 2 all-reduces each, and the embedding's")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64], help="tokens per step (batch x (1 + k))")
     p.add_argument("--repeats", type=int, default=50, help="timed steps per size, after one untimed")
-    p.add_argument("--write-table", action="store_true",
-                   help=f"record where the one-shot all-reduce wins in {TABLE_PATH.name} (GPU only)")
     args = p.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
         p.error(f"{args.ranks} ranks need {args.ranks} GPUs, torch sees {torch.cuda.device_count()}")
-    if args.write_table and args.device != "cuda":
-        p.error("--write-table records a GPU's figures; run it on the GPUs it is for")
     nccl = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
     print(f"{args.ranks} ranks on {args.device}, hidden {args.hidden}, {2 * args.layers + 1} all-reduces a step; "
           f"NCCL variables: {nccl or 'none'}")
@@ -145,10 +146,6 @@ def main() -> None:
             per_step += f" / {r.one_shot_graphed_us * calls / 1e3:.2f}"
         print(f"| {r.tokens} | {r.nbytes:,} | {_us(r.nccl_eager_us)} | {_us(r.nccl_graphed_us)} | "
               f"{_us(r.one_shot_eager_us)} | {_us(r.one_shot_graphed_us)} | {per_step} |")
-    if args.write_table:
-        name, max_bytes = torch.cuda.get_device_name(0), one_shot_max_bytes(results)
-        write_max_bytes(name, args.ranks, max_bytes)
-        print(f"{TABLE_PATH}: {name}, {args.ranks} ranks: one-shot up to {max_bytes:,} bytes")
 
 
 if __name__ == "__main__":

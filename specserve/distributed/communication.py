@@ -7,7 +7,6 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from specserve.distributed.one_shot_all_reduce import OneShotAllReduce
 from specserve.errors import EngineUnavailableError
 
 
@@ -20,22 +19,9 @@ def _failing_engine(what: str):
                                      "and the engine cannot continue; start a new engine") from e
 
 
-# The group's one-shot all-reduce over symmetric memory (one_shot_all_reduce.py), where it is faster than
-# NCCL; set by parallel_state.py while this process is a rank of a group on GPUs.
-_one_shot: OneShotAllReduce | None = None
-
-
-def use_one_shot_all_reduce(one_shot: OneShotAllReduce | None) -> None:
-    global _one_shot
-    _one_shot = one_shot
-
-
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of x over the ranks (x itself, or a new tensor): each rank holds a partial sum of a
-    row-parallel projection."""
+    """The sum of x over the ranks, in place: each rank holds a partial sum of a row-parallel projection."""
     with _failing_engine("all-reduce"):
-        if _one_shot is not None and _one_shot.takes(x):
-            return _one_shot(x)
         dist.all_reduce(x)
     return x
 

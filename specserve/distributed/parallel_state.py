@@ -12,9 +12,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from specserve.distributed.communication import use_one_shot_all_reduce
-from specserve.distributed.one_shot_all_reduce import join_one_shot_all_reduce
-
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -49,8 +46,6 @@ def init_tp_group(rank: int, size: int, init_method: str, device: str) -> None:
                             world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
                             device_id=torch.device(device) if on_gpu else None)
     _group = TPGroup(rank, size)
-    if on_gpu:
-        use_one_shot_all_reduce(join_one_shot_all_reduce(torch.device(device), size))
 
 
 def require_no_group() -> None:
@@ -65,7 +60,6 @@ def leave_process_group() -> None:
     CUDA graph that holds a collective of the group. Over NCCL the communicator is aborted, a local call: the
     graceful shutdown (ncclCommFinalize) waits for the other ranks, which may be gone or be waiting for this
     one, and a rank that leaves has no collective in flight once its device is synchronised."""
-    use_one_shot_all_reduce(None)
     if not dist.is_initialized():
         return
     if dist.get_backend() == "nccl":
