@@ -26,10 +26,12 @@ from dataclasses import dataclass
 # Modules whose functions the suite's code category asks to complete: never a training document.
 SUITE_CODE_MODULES = ("textwrap", "shlex", "difflib", "statistics", "calendar", "ipaddress", "heapq", "pprint",
                       "configparser")
+# Not typing or collections: their help holds the whole of str's (Text, UserString), as the Language
+# Reference's string methods do.
 DOCUMENT_MODULES = (
-    "json", "argparse", "collections", "functools", "itertools", "pathlib", "re", "posixpath", "datetime",
+    "json", "argparse", "functools", "itertools", "pathlib", "re", "posixpath", "datetime",
     "logging", "subprocess", "threading", "asyncio", "socket", "http.client", "urllib.parse", "email.message",
-    "sqlite3", "unittest", "typing", "dataclasses", "enum", "random", "decimal", "string", "struct", "zipfile",
+    "sqlite3", "unittest", "dataclasses", "enum", "random", "decimal", "string", "struct", "zipfile",
     "tarfile", "shutil", "tempfile", "inspect", "ast", "dis", "pickle", "copy", "contextlib", "abc", "queue",
     "sched", "secrets", "hashlib", "uuid", "html.parser", "xml.etree.ElementTree", "gzip", "lzma", "io", "codecs",
     "locale", "gettext", "selectors", "weakref", "traceback", "warnings", "timeit", "pstats", "glob", "fnmatch",
@@ -75,10 +77,24 @@ class Section:
 MIN_PROMPT_TOKENS = SECTION_TOKENS[0] + 64
 # pydoc's last part names the file the module was read from: a path of the machine, not documentation.
 _FILE_PART = re.compile(r"\nFILE\n.*\Z", re.DOTALL)
+# What a class inherits from a built-in type (str's methods under StrEnum ...) is the built-in's own
+# documentation, repeated in every module with such a class, and the Language Reference's (the suite's) too.
+_INHERITED_FROM_BUILTINS = re.compile(r"^ *\| +[\w ]+ inherited from builtins\.\w+:$")
+_CLASS_PART_RULE = re.compile(r"^ *\| +-{10,}$")
 
 
 def module_help(name: str) -> str:
-    return _FILE_PART.sub("", pydoc.render_doc(importlib.import_module(name), renderer=pydoc.plaintext))
+    """The module's pydoc help as plain text, without what it inherits from built-ins or its file's path."""
+    text = _FILE_PART.sub("", pydoc.render_doc(importlib.import_module(name), renderer=pydoc.plaintext))
+    kept, skipping = [], False
+    for line in text.splitlines():
+        if _INHERITED_FROM_BUILTINS.match(line):
+            skipping = True
+        elif skipping and (_CLASS_PART_RULE.match(line) or not line.lstrip().startswith("|")):
+            skipping = False
+        if not skipping:
+            kept.append(line)
+    return "\n".join(kept)
 
 
 # Counts the tokens of each of a list of texts (one call for many: a tokenizer encodes a batch fastest).
