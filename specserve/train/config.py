@@ -44,7 +44,7 @@ class TrainConfig:
     max_new_tokens: int = 384
     # Covers the longest document prompt and its answer. Training memory grows with the longest sequence of a
     # batch (batches group similar lengths): a batch of 32 such sequences holds about 150k tokens of the
-    # head's activations, each kept for every unrolled step (README, 'Training data').
+    # head's activations, each kept for every unrolled step (README.md gives the memory this takes).
     max_seq_len: int = 4608
     # Every prompt is answered greedily; this fraction is answered again at sampled_temperature,
     # so the data resembles both greedy and sampled serving.
