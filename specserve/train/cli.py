@@ -99,8 +99,9 @@ def cmd_train_eagle(a: argparse.Namespace) -> None:
               "from the work directory")
     else:
         d = summary.data
-        print(f"data: {d.prompts} prompts ({d.documents} long-document), {d.follow_ups} follow-ups, {d.sequences} answers, {d.tokens} answer "
-              f"tokens; engine loaded in {d.load_seconds:.1f} s, prompts written in {d.question_seconds:.1f} s, "
+        print(f"data: {d.prompts} prompts ({d.documents} long-document), {d.follow_ups} follow-ups, {d.sequences} "
+              f"answers, {d.tokens} answer tokens; engine loaded in {d.load_seconds:.1f} s, prompts written in "
+              f"{d.question_seconds:.1f} s, "
               f"answers in {d.answer_seconds:.1f} s ({d.tokens / max(d.answer_seconds, 1e-9):.0f} tokens/s)")
     print(f"draft vocabulary covers {100 * summary.vocab_coverage:.1f}% of answer tokens; {summary.steps} steps")
     if summary.validation is not None:
