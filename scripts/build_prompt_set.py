@@ -30,8 +30,9 @@ from pathlib import Path
 
 import yaml
 
+from specserve.text_ngrams import ngrams, normalized, words
+
 MIN_CHARS, MAX_CHARS = 10, 3000
-NGRAM = 8
 # One eval of the OpenAI evals registry can hold thousands of near-identical templated rows; a
 # per-eval cap keeps any one of them from dominating. Chatterbot lines are short small talk, so
 # only a sample of them is worth having.
@@ -282,7 +283,6 @@ SOURCES: list[tuple[Package, Callable[[Path], Iterable[Prompt]]]] = [
 
 # ----------------------------------------------------------------------------- filters
 
-WORD = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
 # English function words that are not also common words of the other Latin-script languages in the
 # evals registry (Portuguese, Italian, Polish ...), whose text passes an ASCII test.
 ENGLISH_WORDS = frozenset({
@@ -307,14 +307,6 @@ SCORER_FORMAT = re.compile(
     re.IGNORECASE)
 
 
-def words(text: str) -> list[str]:
-    return WORD.findall(text.lower())
-
-
-def normalized(text: str) -> str:
-    return " ".join(words(text))
-
-
 def is_english(text: str) -> bool:
     return sum(c.isascii() for c in text) / len(text) >= 0.95
 
@@ -330,10 +322,6 @@ def reads_as_request(text: str) -> bool:
     if len(CHOICE_LINE.findall(text)) >= 2 or INLINE_CHOICES.search(text) or OPEN_ENDED.search(text.strip()):
         return False
     return not SCORER_FORMAT.search(text)
-
-
-def ngrams(tokens: list[str]) -> set[tuple[str, ...]]:
-    return {tuple(tokens[i:i + NGRAM]) for i in range(len(tokens) - NGRAM + 1)}
 
 
 class MtBench:

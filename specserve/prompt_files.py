@@ -9,11 +9,15 @@ Each line becomes a conversation ending at its first user turn (a system
 message before it is kept): acceptance and training data are about how the
 model answers a fresh request, and later turns would need the model's own
 earlier answers, which a file written by another model does not hold.
+load_dialogues also keeps the user's later turns (MT-bench's second turn, a
+chat's later user messages; the file's own assistant turns are dropped), for
+a caller that plays them after the model's own answers.
 Other fields (ids, categories) are ignored.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from specserve.errors import PromptFileError
@@ -28,8 +32,21 @@ _SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "
                    "chatgpt": "assistant", "bard": "assistant", "bing": "assistant"}
 
 
+@dataclass(frozen=True)
+class Dialogue:
+    """One line of a prompt file: the conversation up to its first user turn, and the user's later turns."""
+
+    opening: list[dict]
+    later_turns: tuple[str, ...] = ()
+
+
 def load_prompt_file(path: str | Path, limit: int | None = None) -> list[list[dict]]:
     """The conversations of a JSONL prompt file, at most `limit` of them, in file order."""
+    return [d.opening for d in load_dialogues(path, limit)]
+
+
+def load_dialogues(path: str | Path, limit: int | None = None) -> list[Dialogue]:
+    """The dialogues of a JSONL prompt file, at most `limit` of them, in file order."""
     path = Path(path).expanduser()
     if not path.is_file():
         what = "a directory" if path.is_dir() else "no such file"
@@ -47,7 +64,7 @@ def load_prompt_file(path: str | Path, limit: int | None = None) -> list[list[di
     return conversations
 
 
-def _parse_line(line: str, where: str) -> list[dict]:
+def _parse_line(line: str, where: str) -> Dialogue:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
@@ -63,14 +80,15 @@ def _parse_line(line: str, where: str) -> list[dict]:
     key = present[0]
     value = row[key]
     if key == "prompt":
-        return [{"role": "user", "content": _text(value, where, "prompt")}]
+        return Dialogue([{"role": "user", "content": _text(value, where, "prompt")}])
     if key == "turns":
         if not isinstance(value, list) or not value:
             raise PromptFileError(f"{where}: 'turns' must be a non-empty list of strings")
-        return [{"role": "user", "content": _text(value[0], where, "turns[0]")}]
+        texts = [_text(t, where, f"turns[{i}]") for i, t in enumerate(value)]
+        return Dialogue([{"role": "user", "content": texts[0]}], tuple(texts[1:]))
     if key == "conversations":
-        return _first_user_turn(value, where, key, "from", "value", _SHAREGPT_ROLES)
-    return _first_user_turn(value, where, key, "role", "content", {r: r for r in ("system", "user", "assistant")})
+        return _dialogue(value, where, key, "from", "value", _SHAREGPT_ROLES)
+    return _dialogue(value, where, key, "role", "content", {r: r for r in ("system", "user", "assistant")})
 
 
 def _text(value, where: str, field: str) -> str:
@@ -79,7 +97,7 @@ def _text(value, where: str, field: str) -> str:
     return value
 
 
-def _first_user_turn(turns, where: str, key: str, role_key: str, text_key: str, roles: dict) -> list[dict]:
+def _dialogue(turns, where: str, key: str, role_key: str, text_key: str, roles: dict) -> Dialogue:
     if not isinstance(turns, list):
         raise PromptFileError(f"{where}: {key!r} must be a list of turns")
     messages = []
@@ -91,9 +109,11 @@ def _first_user_turn(turns, where: str, key: str, role_key: str, text_key: str, 
             raise PromptFileError(f"{where}: {key}[{i}] has unknown {role_key} {turn[role_key]!r}; "
                                   f"known: {', '.join(sorted(roles))}")
         messages.append({"role": role, "content": _text(turn[text_key], where, f"{key}[{i}].{text_key}")})
-        if role == "user":
-            return messages
-    raise PromptFileError(f"{where}: {key!r} has no user turn to answer")
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first_user is None:
+        raise PromptFileError(f"{where}: {key!r} has no user turn to answer")
+    later = tuple(m["content"] for m in messages[first_user + 1:] if m["role"] == "user")
+    return Dialogue(messages[:first_user + 1], later)
 
 
 def prompt_token_ids(llm, messages: list[dict]) -> list[int]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from specserve.errors import PromptFileError
-from specserve.prompt_files import load_prompt_file
+from specserve.prompt_files import Dialogue, load_dialogues, load_prompt_file
 
 MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench.jsonl"
 
@@ -37,6 +37,23 @@ def test_every_shape_becomes_the_conversation_up_to_its_first_user_turn(tmp_path
     assert len(load_prompt_file(path, limit=2)) == 2
 
 
+def test_dialogues_keep_the_users_later_turns_and_drop_the_files_answers(tmp_path):
+    path = write(
+        tmp_path,
+        {"prompt": "Explain rainbows."},
+        {"turns": ["Write a haiku.", "Now another.", "Rhyme it."]},
+        {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi?"},
+                           {"from": "gpt", "value": "Hello."}, {"from": "human", "value": "More"}]},
+        {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
+    )
+    assert load_dialogues(path) == [
+        Dialogue([{"role": "user", "content": "Explain rainbows."}]),
+        Dialogue([{"role": "user", "content": "Write a haiku."}], ("Now another.", "Rhyme it.")),
+        Dialogue([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}], ("More",)),
+        Dialogue([{"role": "user", "content": "2+2?"}]),
+    ]
+
+
 @pytest.mark.skipif(not MT_BENCH.is_file(), reason="shared/data/mt_bench.jsonl is not beside the repo")
 def test_mt_bench_first_turns():
     conversations = load_prompt_file(MT_BENCH)
@@ -52,6 +69,7 @@ def test_mt_bench_first_turns():
     ({"prompt": "  "}, r":2: 'prompt' must be a non-empty string"),
     ({"prompt": 3}, r":2: 'prompt' must be a non-empty string"),
     ({"turns": []}, r":2: 'turns' must be a non-empty list"),
+    ({"turns": ["a", ""]}, r":2: 'turns\[1\]' must be a non-empty string"),
     ({"conversations": [{"from": "robot", "value": "x"}]}, r":2: conversations\[0\] has unknown from 'robot'"),
     ({"conversations": [{"from": "gpt", "value": "only an answer"}]}, r":2: 'conversations' has no user turn"),
     ({"messages": [{"role": "user"}]}, r":2: messages\[0\] must be an object with 'role' and 'content'"),

@@ -1,5 +1,9 @@
 """`specserve eval-acceptance`: how many tokens a speculator gets accepted, over temperatures and k.
 
+Over one prompt file (--prompts), or per category of a suite (--suite,
+acceptance_suite.py); --all-turns plays a line's later user turns too, each
+after the model's own answer to the one before.
+
 For each k one engine is built with the speculative config at
 num_speculative_tokens = k, and every temperature runs the prompts through
 it. Figures come from the engine's own acceptance statistics
@@ -29,6 +33,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from specserve.prompt_files import Dialogue
 from specserve.spec_decode.metrics import SpecDecodeStats
 
 
@@ -98,16 +103,43 @@ class TimedRun:
     stats: SpecDecodeStats | None
 
 
-def timed_run(llm, prompts: list[list[int]], temperature: float, max_tokens: int, speculative: bool) -> TimedRun:
-    """One timed generate over the prompts, with the acceptance statistics it added to the engine's."""
+@dataclass(frozen=True)
+class PreparedDialogue:
+    """A dialogue with its opening already tokenized, so that timed runs do not tokenize it again."""
+
+    dialogue: Dialogue
+    opening_ids: list[int]
+
+
+def timed_run(llm, prompts: list[PreparedDialogue], temperature: float, max_tokens: int,
+              speculative: bool) -> TimedRun:
+    """One timed run over the prompts, with the acceptance statistics it added to the engine's: every
+    dialogue's opening in one generate, then each round of later turns in another, each turn after the
+    model's own answer to the one before. Only the generate calls are timed."""
+    from specserve.prompt_files import prompt_token_ids
     from specserve.sampling_params import SamplingParams
 
     before = copy.deepcopy(llm.engine.spec_stats)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=temperature, max_tokens=max_tokens), use_tqdm=False)
-    seconds = time.perf_counter() - start
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
+    histories = [list(p.dialogue.opening) for p in prompts]
+    ids = [p.opening_ids for p in prompts]
+    live, turn, tokens, seconds = list(range(len(prompts))), 0, 0, 0.0
+    while live:
+        start = time.perf_counter()
+        outs = llm.generate([ids[i] for i in live], params, use_tqdm=False)
+        seconds += time.perf_counter() - start
+        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+        going_on = []
+        for i, out in zip(live, outs):
+            later = prompts[i].dialogue.later_turns
+            if turn < len(later):
+                histories[i] += [{"role": "assistant", "content": out.outputs[0].text},
+                                 {"role": "user", "content": later[turn]}]
+                ids[i] = prompt_token_ids(llm, histories[i])
+                going_on.append(i)
+        live, turn = going_on, turn + 1
     stats = stats_between(before, llm.engine.spec_stats) if speculative else None
-    return TimedRun(sum(len(o.outputs[0].token_ids) for o in outs), seconds, stats)
+    return TimedRun(tokens, seconds, stats)
 
 
 def collect(temperature: float, k: int | None, runs: list[TimedRun]) -> RunResult:
@@ -117,7 +149,7 @@ def collect(temperature: float, k: int | None, runs: list[TimedRun]) -> RunResul
     return RunResult(temperature, k, sum(r.tokens for r in runs), sum(r.seconds for r in runs), stats, rates)
 
 
-def run_prompts(llm, prompts: list[list[int]], temperature: float, max_tokens: int, k: int | None,
+def run_prompts(llm, prompts: list[PreparedDialogue], temperature: float, max_tokens: int, k: int | None,
                 repeats: int = 1) -> RunResult:
     return collect(temperature, k, [timed_run(llm, prompts, temperature, max_tokens, k is not None)
                                     for _ in range(repeats)])
@@ -132,17 +164,16 @@ def prime_prefix_cache(llm, prompts: list[list[int]]) -> None:
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
 
 
-def evaluate(model: str, spec_config: dict, prompt_file: str, temperatures: list[float], ks: list[int],
-             max_tokens: int, num_prompts: int | None, baseline: bool, engine_kwargs: dict, repeats: int = 1,
-             interleave: bool = False) -> dict:
-    """Run every (k, temperature) and the baseline; returns the report as JSON-ready data."""
+def run_prompt_sets(model: str, spec_config: dict, sets: dict[str, list[Dialogue]], temperatures: list[float],
+                    ks: list[int], max_tokens: int, baseline: bool, engine_kwargs: dict, repeats: int = 1,
+                    interleave: bool = False) -> dict[str, list[RunResult]]:
+    """Every (k, temperature), and the baseline, over each named set of prompts: one engine per k serves
+    every set, so the sets' figures compare like with like."""
     from specserve.config import EngineConfig
     from specserve.llm import LLM
-    from specserve.prompt_files import load_prompt_file, prompt_token_ids
+    from specserve.prompt_files import prompt_token_ids
 
-    conversations = load_prompt_file(prompt_file, limit=num_prompts)
     settings = ([None] if baseline else []) + list(ks)
-
     kwargs = dict(engine_kwargs)
     if interleave and kwargs.get("kv_cache_memory_bytes") is None:
         # The engines live side by side: each sizes its cache within its part of the GPU's share.
@@ -152,34 +183,59 @@ def evaluate(model: str, spec_config: dict, prompt_file: str, temperatures: list
     def ready(k: int | None):
         spec = None if k is None else {**spec_config, "num_speculative_tokens": k}
         llm = LLM(model, speculative_config=spec, **kwargs)
-        prompts = [prompt_token_ids(llm, c) for c in conversations]
-        prime_prefix_cache(llm, prompts)
-        return llm, prompts
+        prepared = {name: [PreparedDialogue(d, prompt_token_ids(llm, d.opening)) for d in dialogues]
+                    for name, dialogues in sets.items()}
+        prime_prefix_cache(llm, [p.opening_ids for ps in prepared.values() for p in ps])
+        return llm, prepared
 
-    runs: list[RunResult] = []
     if interleave:
         engines = [(k, *ready(k)) for k in settings]
-        timed: dict[tuple, list[TimedRun]] = {(k, t): [] for k in settings for t in temperatures}
+        timed: dict[tuple, list[TimedRun]] = {(n, k, t): [] for n in sets for k in settings for t in temperatures}
         for _ in range(repeats):
-            for k, llm, prompts in engines:
-                for t in temperatures:
-                    timed[k, t].append(timed_run(llm, prompts, t, max_tokens, k is not None))
-        runs = [collect(t, k, timed[k, t]) for k in settings for t in temperatures]
+            for k, llm, prepared in engines:
+                for name, prompts in prepared.items():
+                    for t in temperatures:
+                        timed[name, k, t].append(timed_run(llm, prompts, t, max_tokens, k is not None))
         del engines
         gc.collect()
-    else:
-        for k in settings:
-            llm, prompts = ready(k)
-            runs += [run_prompts(llm, prompts, t, max_tokens, k, repeats) for t in temperatures]
-            # Free this engine's KV cache and graphs before the next one allocates its own.
-            del llm
-            gc.collect()
+        return {n: [collect(t, k, timed[n, k, t]) for k in settings for t in temperatures] for n in sets}
+    runs: dict[str, list[RunResult]] = {name: [] for name in sets}
+    for k in settings:
+        llm, prepared = ready(k)
+        for name, prompts in prepared.items():
+            runs[name] += [run_prompts(llm, prompts, t, max_tokens, k, repeats) for t in temperatures]
+        # Free this engine's KV cache and graphs before the next one allocates its own.
+        del llm
+        gc.collect()
+    return runs
+
+
+def runs_report(runs: list[RunResult], interleave: bool) -> dict:
+    """The baseline and speculative runs of one prompt set, JSON-ready, each speedup over its temperature's
+    baseline."""
     base = {r.temperature: r for r in runs if r.k is None}
+    return {"baseline": [r.as_dict(None) for r in runs if r.k is None],
+            "results": [r.as_dict(base.get(r.temperature), paired=interleave) for r in runs if r.k is not None]}
+
+
+def selected_turns(dialogues: list[Dialogue], all_turns: bool) -> list[Dialogue]:
+    """The dialogues as played: every user turn with all_turns, else the opening alone."""
+    return dialogues if all_turns else [Dialogue(d.opening) for d in dialogues]
+
+
+def evaluate(model: str, spec_config: dict, prompt_file: str, temperatures: list[float], ks: list[int],
+             max_tokens: int, num_prompts: int | None, baseline: bool, engine_kwargs: dict, repeats: int = 1,
+             interleave: bool = False, all_turns: bool = False) -> dict:
+    """Run every (k, temperature) and the baseline; returns the report as JSON-ready data."""
+    from specserve.prompt_files import load_dialogues
+
+    dialogues = selected_turns(load_dialogues(prompt_file, limit=num_prompts), all_turns)
+    runs = run_prompt_sets(model, spec_config, {prompt_file: dialogues}, temperatures, ks, max_tokens, baseline,
+                           engine_kwargs, repeats, interleave)[prompt_file]
     return {
-        "model": model, "speculative_config": spec_config, "prompts": prompt_file, "num_prompts": len(conversations),
-        "max_tokens": max_tokens, "repeats": repeats, "interleaved": interleave,
-        "baseline": [r.as_dict(None) for r in runs if r.k is None],
-        "results": [r.as_dict(base.get(r.temperature), paired=interleave) for r in runs if r.k is not None],
+        "model": model, "speculative_config": spec_config, "prompts": prompt_file, "num_prompts": len(dialogues),
+        "max_tokens": max_tokens, "repeats": repeats, "interleaved": interleave, "all_turns": all_turns,
+        **runs_report(runs, interleave),
     }
 
 
@@ -211,8 +267,15 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     from specserve.entrypoints.cli import add_engine_args
 
     p = sub.add_parser("eval-acceptance", help="measure a speculator's acceptance over temperatures and k")
-    p.add_argument("--prompts", required=True,
-                   help="JSONL prompts: {'prompt'}, MT-bench {'turns'} (first turn), ShareGPT {'conversations'}")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompts", help="JSONL prompts: {'prompt'}, MT-bench {'turns'} (first turn), ShareGPT "
+                        "{'conversations'}, OpenAI {'messages'}")
+    source.add_argument("--suite", metavar="DIR", help="a directory of JSONL prompt files, one per category (e.g. "
+                        "benchmarks/acceptance_suite): figures per category, every user turn played")
+    p.add_argument("--categories", nargs="+", help="with --suite: only these categories (default: all)")
+    p.add_argument("--all-turns", action="store_true",
+                   help="with --prompts: play every user turn of a line, each after the model's own answer to the "
+                        "one before (default: the first turn only)")
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0], help="temperatures to run")
     p.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6], help="numbers of speculative tokens")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens generated per prompt at most")
@@ -257,11 +320,23 @@ def cmd_eval_acceptance(a: argparse.Namespace) -> None:
     for name, value in (("max_tokens", a.max_tokens), ("num_prompts", a.num_prompts), ("repeats", a.repeats)):
         if value is not None and value < 1:
             raise ConfigError(name, f"must be >= 1, got {value}")
+    if a.categories and not a.suite:
+        raise ConfigError("categories", "picks categories of a suite; give --suite DIR, or leave --categories out")
+    if a.all_turns and a.suite:
+        raise ConfigError("all_turns", "is for --prompts; --suite always plays every turn")
     kwargs = engine_kwargs(a)
     del kwargs["speculative_config"]
-    report = evaluate(a.model, spec, a.prompts, a.temperature, a.k, a.max_tokens, a.num_prompts,
-                      not a.no_baseline, kwargs, a.repeats, a.interleave)
-    print(format_table(report))
+    if a.suite:
+        from specserve.entrypoints.acceptance_suite import evaluate_suite, format_suite_table, load_suite
+
+        load_suite(a.suite, a.categories)  # a wrong directory or category fails before any model loads
+        report = evaluate_suite(a.model, spec, a.suite, a.temperature, a.k, a.max_tokens, a.num_prompts,
+                                not a.no_baseline, kwargs, a.categories, a.repeats, a.interleave)
+        print(format_suite_table(report))
+    else:
+        report = evaluate(a.model, spec, a.prompts, a.temperature, a.k, a.max_tokens, a.num_prompts,
+                          not a.no_baseline, kwargs, a.repeats, a.interleave, a.all_turns)
+        print(format_table(report))
     if a.json == "-":
         json.dump(report, sys.stdout, indent=2)
         print()

@@ -16,6 +16,8 @@ _HELP = {
     "resume": "reuse the work directory's data and continue from its checkpoint",
     "data_only": "stop once the data is in the work directory; a later --resume run trains on it",
     "num_prompts": "prompts to answer (written by the target, or the first ones of --prompts)",
+    "document_prompts": "long-document requests answered beside the other prompts: summaries, questions over "
+                        "retrieved passages and extraction over the standard library's pydoc help (0: none)",
     "max_new_tokens": "longest answer",
     "max_seq_len": "longest prompt + answer",
     "sampled_fraction": "share of prompts answered a second time by sampling",
@@ -97,8 +99,9 @@ def cmd_train_eagle(a: argparse.Namespace) -> None:
               "from the work directory")
     else:
         d = summary.data
-        print(f"data: {d.prompts} prompts, {d.follow_ups} follow-ups, {d.sequences} answers, {d.tokens} answer "
-              f"tokens; engine loaded in {d.load_seconds:.1f} s, prompts written in {d.question_seconds:.1f} s, "
+        print(f"data: {d.prompts} prompts ({d.documents} long-document), {d.follow_ups} follow-ups, {d.sequences} "
+              f"answers, {d.tokens} answer tokens; engine loaded in {d.load_seconds:.1f} s, prompts written in "
+              f"{d.question_seconds:.1f} s, "
               f"answers in {d.answer_seconds:.1f} s ({d.tokens / max(d.answer_seconds, 1e-9):.0f} tokens/s)")
     print(f"draft vocabulary covers {100 * summary.vocab_coverage:.1f}% of answer tokens; {summary.steps} steps")
     if summary.validation is not None:

@@ -1,10 +1,11 @@
 """TrainConfig: everything `specserve train-eagle` can be told, validated at construction.
 
 The defaults are sized for SmolLM2-135M on one H100 within about seven
-minutes: at most four for the data (the target writing ~1000 prompts and
-answering ~1500 requests, a few hundred thousand tokens) and two and a half
-for training (20 epochs, or fewer when they would not fit: the time budgets
-cut a phase short rather than let a slower machine overrun).
+minutes: at most four for the data (the target writing ~1000 prompts, and
+answering them and 512 long-document requests, ~2000 requests and a few
+hundred thousand tokens) and two and a half for training (20 epochs, or fewer
+when they would not fit: the time budgets cut a phase short rather than let a
+slower machine overrun).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from specserve.errors import ConfigError
+from specserve.train.documents import MIN_PROMPT_TOKENS
 from specserve.train.initial_head import InitialHead
 
 DEFAULT_DRAFT_VOCAB_SIZE = 8192
@@ -36,8 +38,14 @@ class TrainConfig:
 
     # ---- data ----
     num_prompts: int = 1024
+    # Long-document requests (documents.py: summaries, questions over retrieved passages, extraction, with
+    # prompts of up to 3,800 tokens) answered beside the other prompts; 0: none.
+    document_prompts: int = 512
     max_new_tokens: int = 384
-    max_seq_len: int = 1024
+    # Covers the longest document prompt and its answer. Training memory grows with the longest sequence of a
+    # batch (batches group similar lengths): a batch of 32 such sequences holds about 150k tokens of the
+    # head's activations, each kept for every unrolled step (README.md gives the memory this takes).
+    max_seq_len: int = 4608
     # Every prompt is answered greedily; this fraction is answered again at sampled_temperature,
     # so the data resembles both greedy and sampled serving.
     sampled_fraction: float = 0.5
@@ -125,6 +133,12 @@ class TrainConfig:
         check(not (self.data_only and self.resume), "data_only",
               "makes new data and resume reuses the old: give one of --data-only and --resume")
         check(self.max_seq_len >= 16, "max_seq_len", f"must be >= 16 tokens, got {self.max_seq_len}")
+        check(isinstance(self.document_prompts, int) and self.document_prompts >= 0, "document_prompts",
+              f"must be an integer >= 0, got {self.document_prompts!r}")
+        room = self.max_seq_len - self.max_new_tokens
+        check(self.document_prompts == 0 or room >= MIN_PROMPT_TOKENS, "document_prompts",
+              f"need prompts of {MIN_PROMPT_TOKENS} tokens or more, and max_seq_len {self.max_seq_len} leaves {room} "
+              f"beside max_new_tokens {self.max_new_tokens}; raise --max-seq-len or give --document-prompts 0")
         for name in ("sampled_fraction", "follow_up_fraction", "templated_fraction", "word_topic_fraction"):
             check(0.0 <= getattr(self, name) <= 1.0, name, f"must be in [0, 1], got {getattr(self, name)}")
         for name in ("sampled_temperature", "question_temperature", "lr", "grad_clip", "step_weight_decay",

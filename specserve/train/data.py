@@ -3,7 +3,8 @@
 A head is trained to predict what the target will say, so the target writes
 the data: with a prompt file it answers those prompts; without one it first
 writes the prompts itself (questions.py), beside requests built from
-hand-written templates (request_templates.py); a second round then follows up on
+hand-written templates (request_templates.py); long-document requests
+(documents.py) join either; a second round then follows up on
 its greedy answers (another turn, or the answer as a passage to work on).
 Every prompt is answered greedily and a share of them again by sampling, so
 the data resembles both the greedy and the sampled serving the head will
@@ -27,6 +28,7 @@ from specserve.outputs import RequestOutput
 from specserve.prompt_files import load_prompt_file, prompt_token_ids
 from specserve.sampling_params import RequestOutputKind, SamplingParams
 from specserve.train.config import TrainConfig
+from specserve.train.documents import document_requests
 from specserve.train.questions import STOP, follow_up_conversations, question_seeds, topic_mix, vocabulary_words
 from specserve.train.request_templates import templated_requests
 from specserve.worker.cudagraph import default_capture_sizes
@@ -56,6 +58,7 @@ class Sequence:
 @dataclass
 class DataStats:
     prompts: int = 0
+    documents: int = 0  # long-document requests among the prompts
     follow_ups: int = 0  # second-round prompts built on the target's first answers
     sequences: int = 0
     tokens: int = 0
@@ -173,6 +176,9 @@ def generate_data(cfg: TrainConfig, work: Path) -> tuple[list[Sequence], DataSta
                                    for r in templated_requests(templated, cfg.seed, topics)]
         # Both kinds in every stretch of the queue, so a data budget that runs out cuts them alike.
         random.Random(f"{cfg.seed}:prompt-order").shuffle(conversations)
+    documents = long_documents(llm, cfg)
+    spread(conversations, documents, cfg.seed)
+    if not cfg.prompts:
         save_prompts(work / "prompts.jsonl", conversations)
     stats.question_seconds = time.monotonic() - start - stats.load_seconds
     first_deadline = None
@@ -187,9 +193,31 @@ def generate_data(cfg: TrainConfig, work: Path) -> tuple[list[Sequence], DataSta
     sequences = [s for _, s, _ in answered]
     stats.answer_seconds = time.monotonic() - start - stats.load_seconds - stats.question_seconds
     stats.prompts, stats.follow_ups, stats.sequences = len(conversations), len(follow_ups), len(sequences)
+    stats.documents = len(documents)
     stats.tokens = sum(len(s.response_ids) for s in sequences)
     save_sequences(work / "sequences.jsonl", sequences)
     return sequences, stats
+
+
+def long_documents(llm, cfg: TrainConfig) -> list[list[dict]]:
+    """cfg.document_prompts long-document requests (documents.py), each leaving room for a whole answer."""
+    if not cfg.document_prompts:
+        return []
+
+    def count_tokens(texts: list[str]) -> list[int]:
+        return [len(ids) for ids in llm.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    requests = document_requests(cfg.document_prompts, cfg.seed, count_tokens, cfg.max_seq_len - cfg.max_new_tokens)
+    logger.info("%d long-document requests", len(requests))
+    return [[{"role": "user", "content": r}] for r in requests]
+
+
+def spread(conversations: list[list[dict]], added: list[list[dict]], seed: int) -> None:
+    """Insert `added` at seeded places among `conversations`, whose own order stays: a data budget that runs
+    out then cuts both alike."""
+    rng = random.Random(f"{seed}:spread")
+    for conversation in added:
+        conversations.insert(rng.randrange(len(conversations) + 1), conversation)
 
 
 def save_prompts(path: Path, conversations: list[list[dict]]) -> None:

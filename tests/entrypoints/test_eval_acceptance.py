@@ -175,3 +175,92 @@ def test_bad_prompt_file_names_the_line(setup, tmp_path, capsys):
     assert main(["eval-acceptance", "--model", model, "--speculative-config", json.dumps(spec),
                  "--prompts", str(bad)]) == 2
     assert "bad.jsonl:2: has fields ['text']" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    root = tmp_path_factory.mktemp("suite")
+    (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"turns": ["The quick brown fox", "Again, slower.", "Once more."]},
+        {"messages": [{"role": "user", "content": "Paged attention"}, {"role": "assistant", "content": "ignored"},
+                      {"role": "user", "content": "Keys and values"}]}]))
+    (root / "code.jsonl").write_text(json.dumps({"prompt": "def add(a, b):", "source": "written"}) + "\n")
+    (root / "notes.txt").write_text("not a category")
+    return str(root)
+
+
+def played_by_hand(llm, dialogue, max_tokens):
+    """Output tokens of a dialogue played turn by turn, each later turn after the model's own answer."""
+    messages, tokens = list(dialogue.opening), 0
+    for turn in (*dialogue.later_turns, None):
+        (out,) = llm.generate([prompt_token_ids(llm, messages)], SamplingParams(temperature=0, max_tokens=max_tokens),
+                              use_tqdm=False)
+        tokens += len(out.outputs[0].token_ids)
+        if turn is not None:
+            messages += [{"role": "assistant", "content": out.outputs[0].text}, {"role": "user", "content": turn}]
+    return tokens
+
+
+def test_suite_reports_each_category_with_every_turn_played(setup, suite):
+    from specserve.entrypoints.acceptance_suite import evaluate_suite
+    from specserve.prompt_files import load_dialogues
+
+    model, spec, _ = setup
+    report = evaluate_suite(model, spec, suite, [0.0], [2], max_tokens=8, num_prompts=None, baseline=False,
+                            engine_kwargs=ENGINE)
+    assert [c["category"] for c in report["categories"]] == ["chat", "code"]
+    chat, code = report["categories"]
+    assert (chat["num_prompts"], chat["num_turns"], code["num_turns"]) == (2, 5, 1)
+    for category in report["categories"]:
+        llm = LLM(model, **ENGINE, speculative_config={**spec, "num_speculative_tokens": 2})
+        tokens = sum(played_by_hand(llm, d, 8) for d in load_dialogues(category["prompts"]))
+        (result,) = category["results"]
+        want = llm.engine.spec_stats.as_dict()
+        assert result["output_tokens"] == tokens
+        for key in ("num_steps", "num_drafted", "num_accepted", "mean_acceptance_length"):
+            assert result[key] == want[key], (category["category"], key)
+
+
+def test_suite_command_prints_a_table_per_category_and_a_summary(setup, suite, tmp_path, capsys):
+    model, spec, _ = setup
+    out = tmp_path / "suite.json"
+    rc = main(["eval-acceptance", "--model", model, "--speculative-config", json.dumps(spec), "--suite", suite,
+               "--categories", "code", "chat", "--k", "1", "--temperature", "0", "1", "--max-tokens", "4",
+               "--max-model-len", "256", "--no-baseline", "--json", str(out)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert [c["category"] for c in report["categories"]] == ["code", "chat"]
+    assert "== code: 1 prompts, 1 turns" in table and "== chat: 2 prompts, 5 turns" in table
+    summary = table.split("mean acceptance length per category\n", 1)[1].splitlines()
+    assert summary[0].split() == ["category", "k=1", "T=0", "k=1", "T=1"]
+    for line, category in zip(summary[2:], report["categories"]):
+        assert line.split() == [category["category"]] + [f"{r['mean_acceptance_length']:.2f}"
+                                                         for r in category["results"]]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--suite", "/no/such/dir"], "suite: /no/such/dir is not a directory"),
+    (["--suite", "SUITE", "--categories", "math"], "categories: ['math'] are not categories of"),
+    (["--prompts", "PROMPTS", "--categories", "chat"], "categories: picks categories of a suite"),
+    (["--suite", "SUITE", "--all-turns"], "all_turns: is for --prompts"),
+])
+def test_bad_suite_arguments_fail_before_loading_anything(setup, suite, capsys, args, message):
+    model, _, prompts = setup
+    args = [{"SUITE": suite, "PROMPTS": prompts}.get(x, x) for x in args]
+    assert main(["eval-acceptance", "--model", model, "--speculative-config", '{"method": "ngram"}'] + args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_all_turns_plays_mt_benchs_second_turn(setup):
+    model, spec, prompts = setup
+    first = evaluate(model, spec, prompts, [0.0], [2], max_tokens=8, num_prompts=1, baseline=False,
+                     engine_kwargs=ENGINE)
+    both = evaluate(model, spec, prompts, [0.0], [2], max_tokens=8, num_prompts=1, baseline=False,
+                    engine_kwargs=ENGINE, all_turns=True)
+    llm = LLM(model, **ENGINE, speculative_config={**spec, "num_speculative_tokens": 2})
+    from specserve.prompt_files import load_dialogues
+
+    (dialogue,) = load_dialogues(prompts, limit=1)
+    assert both["results"][0]["output_tokens"] == played_by_hand(llm, dialogue, 8)
+    assert first["results"][0]["output_tokens"] < both["results"][0]["output_tokens"]

@@ -55,7 +55,7 @@ def config(target, out, **kw) -> TrainConfig:
     base = dict(target=str(target), out=str(out), num_prompts=18, max_new_tokens=24, max_seq_len=96,
                 follow_up_fraction=0.0, max_num_seqs=32, kv_cache_memory=10 << 20, data_seconds=None,
                 draft_vocab_size=200, epochs=12, batch_size=4, lr=5e-3, ttt_steps=3, val_fraction=0.2,
-                train_seconds=None, save_every=5, device="cpu", progress=False, soft_labels=False)
+                train_seconds=None, save_every=5, device="cpu", progress=False, soft_labels=False, document_prompts=0)
     return TrainConfig(**{**base, **kw})
 
 
@@ -376,3 +376,14 @@ def test_settings_the_target_rules_out_fail_before_any_work(target, tmp_path, ca
     assert main(args + ["--prompts", str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl is not a file" in capsys.readouterr().err
     assert not (tmp_path / "h.work").exists()
+
+
+def test_long_document_requests_are_answered_beside_the_prompts(target, prompt_file, tmp_path):
+    cfg = config(target, tmp_path / "head", prompts=str(prompt_file), num_prompts=4, max_new_tokens=8,
+                 max_seq_len=512, sampled_fraction=0.0, document_prompts=3)
+    sequences, stats = generate_data(cfg, tmp_path / "work")
+    assert (stats.prompts, stats.documents, stats.sequences) == (7, 3, 7)
+    plain = LLM(str(target), **{**ENGINE, "max_model_len": 512})
+    file_prompts = {tuple(prompt_token_ids(plain, c)) for c in load_prompt_file(prompt_file, limit=4)}
+    long = [s for s in sequences if tuple(s.prompt_ids) not in file_prompts]
+    assert len(long) == 3 and all(300 <= len(s.prompt_ids) <= 504 and s.response_ids for s in long)
