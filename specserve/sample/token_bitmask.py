@@ -8,7 +8,20 @@ serves steps with and without grammar rows (worker/staged_inputs.py, MASKED).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class TokenMask:
+    """The masks of some logits rows: bitmask row i masks logits row i, where switch (None: always) is set."""
+
+    bitmask: torch.Tensor  # int32 [>= rows, ceil(vocab / 32)]
+    switch: torch.Tensor | None = None
+
+    def apply(self, logits: torch.Tensor) -> None:
+        apply_token_bitmask(logits, self.bitmask, self.switch)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, enabled: torch.Tensor | None = None,
