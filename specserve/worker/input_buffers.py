@@ -34,7 +34,8 @@ class TokenBitmaskBuffer:
 
     def copy(self, rows: int) -> torch.Tensor:
         """The first rows of host, on their way to the device (queued behind the work already there)."""
-        self.device[:rows].copy_(self.host[:rows], non_blocking=True)
+        if self.host is not self.device:
+            self.device[:rows].copy_(self.host[:rows], non_blocking=True)
         return self.device[:rows]
 
 
@@ -67,10 +68,10 @@ class InputBuffers:
         self._staging = 0
         self._layout: StagedLayout | None = None
         words = -(-vocab_size // 32)
-        self.token_bitmask = TokenBitmaskBuffer(
-            torch.full((bitmask_rows, words), -1, dtype=i32, device=device),
-            torch.full((bitmask_rows, words), -1, dtype=i32).pin_memory() if pin else
-            torch.full((bitmask_rows, words), -1, dtype=i32), self.staged[MASKED:MASKED + 1])
+        bitmask = torch.full((bitmask_rows, words), -1, dtype=i32, device=device)
+        # On the CPU the device's memory is the host's: the host fills the buffer the steps read.
+        self.token_bitmask = TokenBitmaskBuffer(bitmask, torch.full_like(bitmask, -1, device="cpu").pin_memory()
+                                                if pin else bitmask, self.staged[MASKED:MASKED + 1])
 
     def prepare(
         self,
