@@ -30,7 +30,8 @@ class Sampling(Enum):
 
     NONE = "none"  # no such row
     IN_WHOLE_STEP = "in the whole step"
-    GREEDY_GRAPH = "greedy graph"  # the argmax of a decode batch, in the greedy graph of its descriptor
+    # The argmax of a decode batch, in the greedy graph of its descriptor (masked by the step's grammar masks).
+    GREEDY_GRAPH = "greedy graph"
     ARGMAX = "argmax"  # the argmax, eagerly
     SAMPLER = "sampler"  # the sampler: temperature, penalties, min_tokens, logprobs, logit_bias
 
