@@ -19,6 +19,7 @@ from specserve.attention.metadata import AttentionMetadata
 from specserve.distributed.communication import all_reduce
 from specserve.distributed.parallel_state import TPGroup
 from specserve.sample.argmax import greedy_argmax
+from specserve.sample.token_bitmask import TokenMask
 from specserve.models.arch_config import ArchConfig
 from specserve.models.layers import (FusableModule, GatedMLP, RMSNorm, RotaryEmbedding, add_and_norm, folds_norm,
                                      fuses_neighbours, output_projection, prologue_args)
@@ -162,10 +163,14 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def greedy_tokens(self, hidden: torch.Tensor, captured: bool = False) -> torch.Tensor:
-        """compute_logits(hidden).argmax(-1) without the float32 copy (the conversion keeps the order).
-        captured: the call is being recorded into a CUDA graph."""
-        return greedy_argmax(self.lm_head(hidden), captured)
+    def greedy_tokens(self, hidden: torch.Tensor, captured: bool = False,
+                      mask: TokenMask | None = None) -> torch.Tensor:
+        """compute_logits(hidden).argmax(-1) without the float32 copy (the conversion keeps the order), over the
+        tokens mask allows (a grammar's). captured: the call is being recorded into a CUDA graph."""
+        logits = self.lm_head(hidden)
+        if mask is not None:
+            mask.apply(logits)
+        return greedy_argmax(logits, captured)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def rename(name: str) -> str | None:

@@ -1,67 +1,105 @@
 """A step's grammar masks: one bitmask row per logits row the step samples or verifies, built on the host in
-ModelRunner.launch right after the target's forward is enqueued (so while the device runs it), copied to the
-device in one copy, and applied to the logits by one xgrammar kernel per logits tensor.
+ModelRunner.launch right after the target's forward is enqueued (so while the device runs it), straight into the
+runner's pinned bitmask buffer (InputBuffers.token_bitmask), copied to the device in one copy, and applied to the
+logits by one kernel per logits tensor (sample/token_bitmask.py), inside the greedy graphs or eagerly.
 
 What must hold: when the masks are built, every request's matcher has accepted every token before the step
 (with asynchronous scheduling the runner first completes the step in flight, whose tokens these are), and a
 verifying row's drafts are the ones the device verifies (for a row whose drafts stay on the device, those the
 previous step proposed, which its resolve read back). Rows of requests without a grammar allow every token, so
 one kernel call covers the whole logits tensor; so do the rows of a request that the previous step ended (the
-step's tokens for it are dropped).
+step's tokens for it are dropped), and a verifying request's rows that its walk does not reach (past a refused
+draft: never read, but kept finite for the samplers). The rows that sample come first in the buffer, then each
+verifying request's, so a batch that only samples, or only verifies, has request i's rows where a greedy graph
+reads them (i, or i * (k + 1) + j).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from specserve.transfer import to_device
+from specserve.sample.token_bitmask import TokenMask
+from specserve.worker.input_buffers import TokenBitmaskBuffer
 
 
 @dataclass
 class StepMasks:
-    sample: torch.Tensor | None  # [len(sample_rows), words]: the rows that sample without drafts
+    sample: TokenMask | None  # [len(sample_rows), words]: the rows that sample without drafts
     # [len(verify_rows) * (k + 1), words]: each verifying request's k + 1 rows, row j the position after its
     # tree index j (a chain: after its j-th draft), masked from the grammar's state along that node's path
-    verify: torch.Tensor | None
+    verify: TokenMask | None
 
     @classmethod
-    def build(cls, sched: SchedulerOutput, sample_rows: list[int], verify_rows: list[int], vocab_size: int,
-              device: torch.device, drafts_of: Callable[[ScheduledRequest], list[int]],
+    def build(cls, sched: SchedulerOutput, sample_rows: list[int], verify_rows: list[int],
+              buffer: TokenBitmaskBuffer, drafts_of: Callable[[ScheduledRequest], list[int]],
               tree_parents: tuple[int, ...] | None = None) -> StepMasks:
         """The masks of a step in which at least one sampling request has a grammar. drafts_of: the drafts a
         scheduled request verifies; tree_parents: each tree index's parent when the drafts are trees
-        (DraftTree.parents), None for chains."""
-        return cls(_masks(sched, sample_rows, False, vocab_size, device, drafts_of),
-                   _masks(sched, verify_rows, True, vocab_size, device, drafts_of, tree_parents))
+        (DraftTree.parents), None for chains. A group of rows without a grammar request gets None."""
+        sample = [sched.scheduled[i] for i in sample_rows]
+        verify = [sched.scheduled[i] for i in verify_rows]
+        host = buffer.host
+        num_sample = _fill_sample(host, sample)
+        num_verify = _fill_verify(host, num_sample, verify, drafts_of, tree_parents)
+        rows = num_sample + num_verify
+        if rows > host.shape[0]:
+            raise RuntimeError(f"a step masks {rows} logits rows but the bitmask buffer holds {host.shape[0]}")
+        device = buffer.copy(rows)
+        return cls(TokenMask(device[:num_sample]) if _any_grammar(sample) else None,
+                   TokenMask(device[num_sample:]) if _any_grammar(verify) else None)
 
     @staticmethod
-    def apply(logits: torch.Tensor, mask: torch.Tensor | None) -> None:
+    def apply(logits: torch.Tensor, mask: TokenMask | None) -> None:
         """Set the logits of disallowed tokens to -inf in place (logits: [rows, vocab] as the mask's rows)."""
         if mask is not None:
-            import xgrammar as xgr
-
-            xgr.apply_token_bitmask_inplace(logits, mask)
+            mask.apply(logits)
 
 
-def _masks(sched: SchedulerOutput, rows: list[int], verify: bool, vocab_size: int, device: torch.device,
-           drafts_of: Callable[[ScheduledRequest], list[int]],
-           tree_parents: tuple[int, ...] | None = None) -> torch.Tensor | None:
-    """verify: each request has 1 + the step's most drafts rows, else one."""
+def _any_grammar(requests: list[ScheduledRequest]) -> bool:
+    return any(s.request.grammar is not None for s in requests)
+
+
+def _live(s: ScheduledRequest) -> bool:
+    return s.request.grammar is not None and not s.request.is_finished
+
+
+def _fill_sample(host: torch.Tensor, requests: list[ScheduledRequest]) -> int:
+    """Rows 0.. of host: each request's mask after its tokens. Returns the rows written."""
+    if not _any_grammar(requests):
+        return len(requests)
+    live = [i for i, s in enumerate(requests) if _live(s)]
+    if len(live) < len(requests):
+        host[:len(requests)].fill_(-1)
+    if live:
+        # One call for every row: xgrammar fills a row in microseconds, and a call per row from Python costs
+        # as much again. One thread, the engine's: waking a pool's threads costs more than the rows.
+        _filler().batch_fill_next_token_bitmask([requests[i].request.grammar.matcher for i in live], host, live)
+    return len(requests)
+
+
+def _fill_verify(host: torch.Tensor, first: int, requests: list[ScheduledRequest],
+                 drafts_of: Callable[[ScheduledRequest], list[int]], tree_parents: tuple[int, ...] | None) -> int:
+    """Rows first.. of host: 1 + the most drafts rows per request, each from a walk of its drafts. Returns the
+    rows written."""
+    if not requests:
+        return 0
+    drafts = [drafts_of(s) for s in requests]
+    width = 1 + max(map(len, drafts))
+    if not _any_grammar(requests):
+        return len(requests) * width
+    host[first:first + len(requests) * width].fill_(-1)
+    for i, s in enumerate(requests):
+        if _live(s):
+            s.request.grammar.fill_masks(host, first + i * width, drafts[i], tree_parents)
+    return len(requests) * width
+
+
+@functools.cache
+def _filler():
     import xgrammar as xgr
 
-    requests = [sched.scheduled[i] for i in rows]
-    if not any(s.request.grammar is not None for s in requests):
-        return None
-    drafts = [drafts_of(s) if verify else [] for s in requests]
-    width = 1 + max(map(len, drafts))
-    bitmask = xgr.allocate_token_bitmask(len(requests) * width, vocab_size)  # every token allowed
-    live = [i for i, s in enumerate(requests) if s.request.grammar is not None and not s.request.is_finished]
-    # Each request's rows from its own walk, on this thread: xgrammar fills a row in microseconds, less than
-    # waking its batch filler's threads costs beside the engine's own.
-    for i in live:
-        requests[i].request.grammar.fill_masks(bitmask, i * width, drafts[i], tree_parents)
-    return to_device(bitmask, device, torch.int32)
-
+    return xgr.BatchGrammarMatcher(max_threads=1)

@@ -8,19 +8,42 @@ Rows past the live batch are reset to values that are always safe to read
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from specserve.attention.metadata import PAD_SLOT_ID, AttentionMetadata
-from specserve.worker.staged_inputs import (HEADER_SLOTS, StagedExtra, StagedLayout, pack_step_inputs,
+from specserve.worker.staged_inputs import (HEADER_SLOTS, MASKED, StagedExtra, StagedLayout, pack_step_inputs,
                                             scatter_staged_inputs)
+
+
+@dataclass(frozen=True)
+class TokenBitmaskBuffer:
+    """A step's grammar masks, one row of xgrammar's layout (int32, ceil(vocab / 32) words) per logits row: the
+    host fills `host` (pinned on CUDA) and copy() queues the rows to `device`, which the greedy graphs read
+    (worker/target_graphs.py) under `switch`, the staged header's MASKED.
+
+    What must hold: the host fills `host` only once the step before is complete (its copy is then done), which
+    a step with masks ensures before it builds them (ModelRunner.launch); rows of `device` past a step's own
+    hold an earlier step's masks and are read only for padded rows, whose tokens no request takes."""
+
+    device: torch.Tensor
+    host: torch.Tensor
+    switch: torch.Tensor  # [1] int64, a view of the staged header
+
+    def copy(self, rows: int) -> torch.Tensor:
+        """The first rows of host, on their way to the device (queued behind the work already there)."""
+        if self.host is not self.device:
+            self.device[:rows].copy_(self.host[:rows], non_blocking=True)
+        return self.device[:rows]
 
 
 class InputBuffers:
     def __init__(self, max_num_reqs: int, max_num_tokens: int, max_blocks_per_req: int, device: torch.device,
-                 extra_capacity: int = 0, trees: bool = False):
+                 extra_capacity: int = 0, trees: bool = False, bitmask_rows: int = 0, vocab_size: int = 0):
+        """bitmask_rows: the most logits rows a step masks (its requests' verified tokens), of vocab_size
+        tokens each."""
         self.device = device
         # Whether steps may verify trees of drafts: the metadata then carries each token's tree bits.
         self.trees = trees
@@ -44,6 +67,11 @@ class InputBuffers:
         self._host = [torch.zeros(capacity, dtype=i64, pin_memory=pin) for _ in range(2)]
         self._staging = 0
         self._layout: StagedLayout | None = None
+        words = -(-vocab_size // 32)
+        bitmask = torch.full((bitmask_rows, words), -1, dtype=i32, device=device)
+        # On the CPU the device's memory is the host's: the host fills the buffer the steps read.
+        self.token_bitmask = TokenBitmaskBuffer(bitmask, torch.full_like(bitmask, -1, device="cpu").pin_memory()
+                                                if pin else bitmask, self.staged[MASKED:MASKED + 1])
 
     def prepare(
         self,
@@ -55,13 +83,15 @@ class InputBuffers:
         extras: dict[StagedExtra, np.ndarray] | None = None,
         tree_shift: np.ndarray | None = None,
         tree_bits: np.ndarray | None = None,
+        masked: bool = False,
     ) -> AttentionMetadata:
         """Stage the step's inputs (and the caller's extra int64 arrays, read back with staged_extra()) and copy
         them to the device at once; spread() then writes them into the persistent buffers. Returns the step's
         metadata.
         Each request's query is its last query_lens[i] positions before seq_lens[i]; table[i] holds its
         block ids. A token of a tree of drafts keeps its cache slot but sits tree_shift[t] positions earlier
-        (its index in the tree minus its depth), and tree_bits[t] says which of the tree it sees."""
+        (its index in the tree minus its depth), and tree_bits[t] says which of the tree it sees. masked: the step
+        fills token_bitmask with its grammar masks, which the greedy graphs then apply."""
         self._staging ^= 1
         num_reqs, num_tokens = len(query_lens), len(input_ids)
         qsl = np.zeros(num_reqs + 1, dtype=np.int64)
@@ -74,7 +104,7 @@ class InputBuffers:
             positions = positions - tree_shift
         host = self._host[self._staging]
         layout = pack_step_inputs(host.numpy(), input_ids, positions, slots, seq_lens, qsl[1:], table, extras or {},
-                                  tree_bits)
+                                  tree_bits, masked)
         self.staged[:layout.size].copy_(host[:layout.size], non_blocking=True)
         self._layout = layout
         metadata = self.padded_metadata(num_reqs, num_tokens, int(query_lens.max()), int(seq_lens.max()))

@@ -97,8 +97,11 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         # verification indices (k + 4), the drafter's request row (5) and its rows (2); and one value of
         # alignment padding per extra.
         extras = config.max_num_seqs * (16 + MAX_DRAFT_TOKENS) + 16
+        # A grammar mask row per verified token: 1 + the drafts of each request.
+        bitmask_rows = config.max_num_seqs * (1 + (spec.num_draft_tokens if spec else 0))
         self.buffers = InputBuffers(config.max_num_seqs, config.max_num_batched_tokens, max_blocks_per_req, self.device,
-                                    extra_capacity=extras, trees=self.tree is not None)
+                                    extra_capacity=extras, trees=self.tree is not None, bitmask_rows=bitmask_rows,
+                                    vocab_size=arch.vocab_size)
         self.outputs = StepOutputs(config.max_num_seqs, spec.num_draft_tokens if spec else 0, self.device,
                                    max_accepted=spec.num_speculative_tokens if spec else 0)
         # Request id -> its row in the last launched step, for a step scheduled before that one's results
@@ -285,10 +288,11 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
                                 np.array(slens, dtype=np.int64))
         table = self.host_block_table.gather(rows)
         tree_layout = self._tree_layout(sched, offset)
-        metadata = self.buffers.prepare(ids, qlens_np, slens, table, self.block_size, plan.extras, *tree_layout)
-        b = self.buffers
         desc = self.dispatch(offset, qlens)
         path = self._choose_path(desc, sched)
+        metadata = self.buffers.prepare(ids, qlens_np, slens, table, self.block_size, plan.extras, *tree_layout,
+                                        masked=path.masked)
+        b = self.buffers
         if self.tp_workers is not None:
             self.tp_workers.send_step(worker_step(ids, qlens_np, slens, table, tree_layout, plan, desc, path,
                                                   self.tree.depth if self.tree else 0))
@@ -314,7 +318,7 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         if path.masked:
             if complete_previous is not None:
                 complete_previous()
-            masks = StepMasks.build(sched, plan.sample_rows, plan.verify_rows, self.arch.vocab_size, self.device,
+            masks = StepMasks.build(sched, plan.sample_rows, plan.verify_rows, b.token_bitmask,
                                     self._verified_drafts, self.tree.parents if self.tree is not None else None)
         if path.sampling is not Sampling.NONE:
             self._sample(hidden, sched, plan.sample_rows, handle, desc, path.sampling, masks)

@@ -44,13 +44,14 @@ class SampleAndVerify:
     def _sample(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
                 desc: BatchDescriptor, how: Sampling, masks: StepMasks | None) -> None:
         """The token of each request that samples without drafts. Only the sampler applies penalties,
-        min_tokens, grammar masks and logit_bias."""
+        min_tokens and logit_bias; every path applies the grammar masks."""
         if how is Sampling.GREEDY_GRAPH:
+            # The graph applies the masks StepMasks put in the bitmask buffer, rows as the batch's.
             self.greedy_graphs.run(desc, self._greedy_outputs, None)
             return
         h = hidden.index_select(0, self.buffers.staged_extra(StagedExtra.SAMPLE_INDEX))
         if how is Sampling.ARGMAX:
-            result = SamplerOutput(self.model.greedy_tokens(h))
+            result = SamplerOutput(self.model.greedy_tokens(h, mask=masks.sample if masks else None))
         else:
             reqs = [sched.scheduled[i].request for i in batch_rows]
             batch = SamplingBatch.build(reqs, self.device)
@@ -82,7 +83,7 @@ class SampleAndVerify:
         n, k = index.shape[0], index.shape[1] - 1
         verified = hidden.index_select(0, index.view(-1))
         if how is Verification.GREEDY:
-            target = self.model.greedy_tokens(verified).view(n, k + 1)
+            target = self.model.greedy_tokens(verified, mask=masks.verify if masks else None).view(n, k + 1)
             uniform = None if forced is None else torch.rand(n, k, device=self.device,
                                                              generator=self.sampler.default_generator)
             greedy_verify(target, b.input_ids, index, num, where, self.outputs.accepted, self.outputs.tokens,
@@ -135,7 +136,7 @@ class SampleAndVerify:
         verified = hidden.index_select(0, index.view(-1))
         batch = None
         if how is Verification.TREE_ARGMAX:
-            target = self.model.greedy_tokens(verified).view(n, width)
+            target = self.model.greedy_tokens(verified, mask=masks.verify if masks else None).view(n, width)
         else:
             reqs = [sched.scheduled[i].request for i in batch_rows]
             batch = SamplingBatch.build(reqs, self.device)

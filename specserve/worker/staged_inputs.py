@@ -52,8 +52,11 @@ class StagedExtra(Enum):
     VERIFY_SLOTS = "verify slots"  # each verifying request's drafting index (trees of drafts)
 
 
-# The header's slots. Its size keeps the arrays after it 16-byte aligned (see pack_step_inputs).
-NUM_TOKENS, NUM_REQS, TABLE_WIDTH, INFLIGHT_AT, INFLIGHT_ROWS, DRAFT_REQUESTS_AT, DRAFT_REQUESTS_ROWS = range(7)
+# The header's slots. Its size keeps the arrays after it 16-byte aligned (see pack_step_inputs). MASKED: 1 where
+# the step's grammar masks are in the runner's bitmask buffer (InputBuffers.token_bitmask), the switch of the
+# mask that the greedy graphs apply (sample/token_bitmask.py); 0 leaves their logits unmasked.
+(NUM_TOKENS, NUM_REQS, TABLE_WIDTH, INFLIGHT_AT, INFLIGHT_ROWS, DRAFT_REQUESTS_AT, DRAFT_REQUESTS_ROWS,
+ MASKED) = range(8)
 HEADER_SLOTS = 8
 # Extras that kernels find through the header: extra -> (slot of its offset, slot of its row count).
 HEADER_EXTRAS = {StagedExtra.INFLIGHT: (INFLIGHT_AT, INFLIGHT_ROWS),
@@ -105,9 +108,10 @@ class StagedLayout:
 
 def pack_step_inputs(host: np.ndarray, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                      seq_lens: np.ndarray, query_ends: np.ndarray, table: np.ndarray,
-                     extras: dict[StagedExtra, np.ndarray], tree_bits: np.ndarray | None = None) -> StagedLayout:
+                     extras: dict[StagedExtra, np.ndarray], tree_bits: np.ndarray | None = None,
+                     masked: bool = False) -> StagedLayout:
     """Write the step's arrays into host (an int64 staging array) and return where they are. tree_bits: each
-    token's (AttentionMetadata.tree_bits); None: -1 for all."""
+    token's (AttentionMetadata.tree_bits); None: -1 for all. masked: the header's MASKED."""
     num_tokens, num_reqs, width = len(input_ids), len(seq_lens), table.shape[1]
     offset = StagedLayout(num_tokens, num_reqs, width, {}, 0).end
     placed = {}
@@ -123,6 +127,7 @@ def pack_step_inputs(host: np.ndarray, input_ids: np.ndarray, positions: np.ndar
                            "raise max_num_batched_tokens or lower max_num_seqs")
     header = [0] * HEADER_SLOTS
     header[NUM_TOKENS], header[NUM_REQS], header[TABLE_WIDTH] = num_tokens, num_reqs, width
+    header[MASKED] = int(masked)
     for extra, (at_slot, rows_slot) in HEADER_EXTRAS.items():
         if extra in placed:
             header[at_slot], header[rows_slot] = placed[extra][0], placed[extra][1][0]

@@ -30,9 +30,10 @@ class Sampling(Enum):
 
     NONE = "none"  # no such row
     IN_WHOLE_STEP = "in the whole step"
-    GREEDY_GRAPH = "greedy graph"  # the argmax of a decode batch, in the greedy graph of its descriptor
+    # The argmax of a decode batch, in the greedy graph of its descriptor (masked by the step's grammar masks).
+    GREEDY_GRAPH = "greedy graph"
     ARGMAX = "argmax"  # the argmax, eagerly
-    SAMPLER = "sampler"  # the sampler: temperature, penalties, min_tokens, logprobs
+    SAMPLER = "sampler"  # the sampler: temperature, penalties, min_tokens, logprobs, logit_bias
 
 
 class Verification(Enum):
@@ -81,10 +82,12 @@ class RowsSampling:
     all_greedy: bool = True
     logprobs: bool = False  # some request asks for logprobs
     needs_host_tokens: bool = False  # some request's sampling reads the host's tokens (penalties, min_tokens)
-    # Some request's logits are masked by its grammar (structured_output/step_masks.py): only the paths that
-    # compute logits apply masks, so such rows never take the argmax of the hidden states alone.
+    # Some request's logits are masked by its grammar (structured_output/step_masks.py). Every path applies the
+    # step's masks (the greedy graphs, the argmax, the samplers) but the whole step: its graph runs the forward
+    # and the argmax in one replay, and the masks are built on the host while the forward runs, after it is
+    # enqueued.
     grammar: bool = False
-    # Some request has a logit_bias (sample/logit_bias.py), which, like a mask, only the logits paths apply.
+    # Some request has a logit_bias (sample/logit_bias.py), which only the logits paths apply.
     logit_bias: bool = False
 
     @classmethod
@@ -95,9 +98,9 @@ class RowsSampling:
 
     @property
     def argmax_only(self) -> bool:
-        """Every request takes the argmax of its unmasked, unbiased logits and asks for no logprobs: the tokens
-        alone are needed."""
-        return self.all_greedy and not self.logprobs and not self.grammar and not self.logit_bias
+        """Every request takes the argmax of its unbiased (maybe masked) logits and asks for no logprobs: the
+        tokens alone are needed."""
+        return self.all_greedy and not self.logprobs and not self.logit_bias
 
     @property
     def samples_argmax(self) -> bool:
@@ -171,11 +174,12 @@ def choose_step_path(desc: BatchDescriptor, rows: StepRows, graphs: GraphsReady,
     """The path the step takes. desc: its target's batch descriptor; trees: the speculator drafts trees.
 
     A step runs whole when it has a whole-step graph, every request yields tokens, greedily, without
-    logprobs, and a verifying batch verifies exactly the drafts its graph verifies: the conditions under
-    which each part would replay its own graph."""
+    logprobs or a grammar, and a verifying batch verifies exactly the drafts its graph verifies: the conditions
+    under which each part would replay its own graph. A step with a grammar request replays the target's graph
+    and then the greedy graph, which applies the masks built in between."""
     everyone = rows.num_sampling == rows.num_scheduled
-    if graphs.whole_step and everyone:
-        both = rows.sample | rows.verify
+    both = rows.sample | rows.verify
+    if graphs.whole_step and everyone and not both.grammar:
         greedy = both.samples_argmax if desc.query_len == 1 else both.argmax_only and rows.all_verify(desc.query_len)
         if greedy:
             return StepPath(desc.mode, WholeStep.TREE if trees else WholeStep.CHAIN,
@@ -184,7 +188,7 @@ def choose_step_path(desc: BatchDescriptor, rows: StepRows, graphs: GraphsReady,
                             _drafting(rows, graphs, speculator, trees, in_whole_step=True))
     return StepPath(desc.mode, WholeStep.NONE, _sampling(desc, rows, graphs), _verification(desc, rows, graphs, trees),
                     _drafting(rows, graphs, speculator, trees, in_whole_step=False),
-                    masked=rows.sample.grammar or rows.verify.grammar)
+                    masked=both.grammar)
 
 
 def _sampling(desc: BatchDescriptor, rows: StepRows, graphs: GraphsReady) -> Sampling:
@@ -218,7 +222,7 @@ def _drafting(rows: StepRows, graphs: GraphsReady, speculator: SpeculatorKind, t
         return Drafting.ON_HOST
     if in_whole_step:
         return Drafting.IN_WHOLE_STEP
-    if rows.sample.grammar or rows.verify.grammar:
+    if (rows.sample | rows.verify).grammar:
         return Drafting.MASKED_TREE_PASSES if trees else Drafting.MASKED_STEPS
     if trees:
         return Drafting.TREE_GRAPH if graphs.drafting else Drafting.TREE_PASSES

@@ -18,6 +18,7 @@ import torch
 from specserve.attention.metadata import AttentionMetadata
 from specserve.distributed.communication import broadcast_from_rank0
 from specserve.distributed.graph_following import CaptureDone, GraphPart, capture_message
+from specserve.sample.token_bitmask import TokenMask
 from specserve.spec_decode.draft_inputs import follow_tree_paths
 from specserve.spec_decode.greedy_verify import UniformVerifyInputs, greedy_verify
 from specserve.spec_decode.tree_verify import move_kv, verify_tree
@@ -112,16 +113,21 @@ class TargetGraphs:
         return self.model(self.buffers.input_ids[:n], self.buffers.positions[:n], self.kv.layers, metadata)
 
     def _greedy_outputs(self, desc: BatchDescriptor, metadata):
-        """_greedy_outputs_of the target graph's hidden states for the same descriptor."""
-        return self._greedy_outputs_of(desc, self.graphs.graphs[desc.key].outputs[0])
+        """_greedy_outputs_of the target graph's hidden states for the same descriptor, masked by the grammar
+        masks of a step that staged them (InputBuffers.token_bitmask)."""
+        return self._greedy_outputs_of(desc, self.graphs.graphs[desc.key].outputs[0], masked=True)
 
-    def _greedy_outputs_of(self, desc: BatchDescriptor, padded_hidden: torch.Tensor) -> torch.Tensor:
+    def _greedy_outputs_of(self, desc: BatchDescriptor, padded_hidden: torch.Tensor, masked: bool) -> torch.Tensor:
         """The step outputs of a greedy uniform batch: a decode batch's tokens, or what a batch verifying k
         drafts per request accepts and emits. The batch's request i owns its tokens i * q .. i * q + q - 1 and
         output row i, so every index is the identity, and one recording serves every batch padded to
-        desc.num_reqs (padded rows write rows of outputs that no request reads)."""
+        desc.num_reqs (padded rows write rows of outputs that no request reads). masked: the logits row of
+        token t is masked by bitmask row t of the runner's buffer where the step's staged header says the step
+        has masks (a step without them pays one launch that reads the switch and writes nothing)."""
         n, q = desc.num_reqs, desc.query_len
-        tokens = self.model.greedy_tokens(padded_hidden[: n * q], captured=True)
+        bitmask = self.buffers.token_bitmask
+        mask = TokenMask(bitmask.device[: n * q], bitmask.switch) if masked else None
+        tokens = self.model.greedy_tokens(padded_hidden[: n * q], captured=True, mask=mask)
         if q == 1:
             self.outputs.accepted[:n].zero_()
             self.outputs.tokens[:n, 0].copy_(tokens)
@@ -141,7 +147,8 @@ class TargetGraphs:
         take_inflight_inputs(b.staged, out.accepted, out.tokens, out.drafts, b.input_ids, b.positions, b.seq_lens,
                              b.slot_mapping, b.block_table, self.block_size, max_rows=n)
         padded_hidden, padded_aux = self._target_forward(desc, metadata)
-        self._greedy_outputs_of(desc, padded_hidden)
+        # A step with grammar masks never runs whole (step_path.py): they are built after its forward is queued.
+        self._greedy_outputs_of(desc, padded_hidden, masked=False)
         spec = self.speculator
         if spec is not None and spec.on_device:
             self._gather_draft_inputs(desc, max_rows=n)

@@ -1,6 +1,6 @@
-"""Grammar-constrained decoding on a GPU: the masks built on the host and applied by xgrammar's device kernel give
-the CPU reference's constrained tokens, under CUDA graphs, with and without drafts, and leave the requests
-without a grammar in the same batches unchanged."""
+"""Grammar-constrained decoding on a GPU: the masks built on the host and applied on the device (inside the greedy
+graphs, or eagerly) give the CPU reference's constrained tokens, under CUDA graphs, with and without drafts, and
+leave the requests without a grammar in the same batches unchanged."""
 from __future__ import annotations
 
 import json
@@ -8,9 +8,10 @@ import json
 import jsonschema
 import pytest
 
-from heads import save_perturbed_copy
+from heads import save_eagle_head, save_perturbed_copy
 from schemas import SCHEMAS
 from specserve import LLM, SamplingParams
+from specserve.worker.step_path import Sampling, Verification, WholeStep
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_float32")]
 PROMPTS = ["Give me JSON:", "Numbers: 1 2 3", "The quick brown fox"]
@@ -50,3 +51,33 @@ def test_cuda_constrained_equals_cpu_beside_free_requests(case, spec):
         jsonschema.validate(json.loads(out.text), USED[i // len(PROMPTS)])
     if spec is not None:
         assert llm.engine.spec_stats.num_accepted > 0
+
+
+def recorded_paths(llm: LLM) -> list:
+    runner, paths = llm.engine.runner, []
+    choose = runner._choose_path
+    runner._choose_path = lambda desc, sched: paths.append(choose(desc, sched)) or paths[-1]
+    return paths
+
+
+@pytest.mark.parametrize("spec", [None, "eagle3", "near"])
+def test_cuda_greedy_grammar_steps_replay_the_masked_greedy_graph_as_eager_runs(case, tiny_llama, tmp_path, spec):
+    """The greedy graph (decode, chain verification) applies the masks on the device: the same tokens as an engine
+    on the same device without graphs, and as the CPU's."""
+    path, near, prompts, params, ref, _ = case
+    cfg = {None: None,
+           "eagle3": {"method": "eagle3", "num_speculative_tokens": 3,
+                      "model": str(save_eagle_head(tmp_path / "eagle3", tiny_llama[1].config, "eagle3", seed=2))},
+           "near": {"method": "draft_model", "model": str(near), "num_speculative_tokens": 3}}[spec]
+    kw = dict(max_model_len=256, device="cuda", dtype="float32", **SMALL_KV, speculative_config=cfg)
+    eager = LLM(str(path), cudagraph_mode="NONE", **kw)
+    eager_tokens = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    del eager
+    graphed = LLM(str(path), cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32], **kw)
+    paths = recorded_paths(graphed)
+    got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
+    assert got == eager_tokens == ref
+    masked = [p for p in paths if p.masked]
+    assert masked and all(p.whole is WholeStep.NONE for p in masked)
+    greedy_graph = Verification.GREEDY_GRAPH if spec else Sampling.GREEDY_GRAPH
+    assert any(greedy_graph in (p.sampling, p.verification) for p in masked)

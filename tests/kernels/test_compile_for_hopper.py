@@ -68,6 +68,13 @@ def kernels():
     # The small-M projections as SmolLM2 decodes one token (K = 576) and verifies a tree (16 rows): the folded
     # add + norm (its rstd after the weight loop, as bfloat16 runs it), with the compact prologue at one
     # token, and the plain output projection.
+    from specserve.kernels import token_bitmask
+
+    for dtype in ("*bf16", "*fp32"):
+        for switch in (False, True):
+            yield token_bitmask._apply_token_bitmask_kernel, dict(
+                logits_ptr=dtype, stride_logits=i32, bitmask_ptr=p32, stride_bitmask=i32, n_cols=i32,
+                enabled_ptr=p64 if switch else p32, HAS_SWITCH=switch, BLOCK=token_bitmask._BLOCK)
     from specserve.kernels import fused_linear, qkv_rotary_cache
     from specserve.kernels.small_m_configs import load_configs
 

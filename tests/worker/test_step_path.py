@@ -162,15 +162,28 @@ def test_step_rows_of_a_schedule():
     assert rows.num_sampling == 2 and not rows.all_verify(4) and StepRows(2, (3, 3)).all_verify(4)
 
 
-def test_grammar_rows_take_the_logits_paths_and_are_masked():
-    """A grammar masks logits, so its rows never run the whole step, a greedy graph or the bare argmax; a
-    grammar request needs its tokens on the host (it is scheduled synchronously)."""
-    grammar = RowsSampling(needs_host_tokens=True, grammar=True)
+def test_grammar_rows_take_the_masked_greedy_graphs_but_never_the_whole_step():
+    """A greedy grammar row's masks are built while the target's forward runs, so it never runs the whole step; the
+    greedy graphs (decode and chain verification), the eager argmax and greedy verification and the tree walk on
+    the argmax apply the masks; sampled rows and rows with logprobs take the samplers."""
+    grammar = RowsSampling(grammar=True)
     sampled = path(full(4, 1), decode(4, grammar))
-    assert (sampled.whole, sampled.sampling, sampled.masked) == (WholeStep.NONE, Sampling.SAMPLER, True)
+    assert (sampled.whole, sampled.sampling, sampled.masked) == (WholeStep.NONE, Sampling.GREEDY_GRAPH, True)
     verified = path(full(4, 4), verify(4, 3, grammar))
-    assert (verified.whole, verified.verification, verified.masked) == (WholeStep.NONE, Verification.REJECTION,
+    assert (verified.whole, verified.verification, verified.masked) == (WholeStep.NONE, Verification.GREEDY_GRAPH,
                                                                        True)
+    # Without a greedy graph for the descriptor: the eager argmax paths.
+    eager = BatchDescriptor(M.PIECEWISE, 16, 4)
+    assert path(eager, decode(4, grammar)).sampling is Sampling.ARGMAX
+    assert path(BatchDescriptor(M.PIECEWISE, 16, 4, 4), verify(4, 3, grammar)).verification is Verification.GREEDY
+    assert path(full(2, 6), verify(2, 5, grammar), trees=True).verification is Verification.TREE_ARGMAX
+    # Sampled, with logprobs, or needing the sampler's host tokens: the samplers.
+    for other in (RowsSampling(all_greedy=False, grammar=True), RowsSampling(logprobs=True, grammar=True)):
+        assert path(full(4, 4), verify(4, 3, other)).verification is Verification.REJECTION
+        assert path(full(4, 1), decode(4, other)).sampling is Sampling.SAMPLER
+    assert path(full(4, 1), decode(4, RowsSampling(needs_host_tokens=True, grammar=True))).sampling is Sampling.SAMPLER
+    assert path(full(2, 6), verify(2, 5, RowsSampling(all_greedy=False, grammar=True)),
+                trees=True).verification is Verification.TREE_LOGITS
     assert not path(full(4, 1), decode(4)).masked and not path(full(4, 4), verify(4, 3, SAMPLED)).masked
 
 
