@@ -107,7 +107,7 @@ def test_drafting_follows_the_batch_size_and_output_is_unchanged(models, async_s
     spec = {"method": "draft_model", "model": str(models["path"]), "num_speculative_tokens": 4, "dynamic": True,
             "cost_table": table}
     ps = models["prompts"]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 8, 10, 32, 36, 40)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 12, 16, 48, 56, 64)]
     want = tokens(LLM(str(models["path"]), max_model_len=256).generate(ps, params, use_tqdm=False))
     llm = LLM(str(models["path"]), max_model_len=256, speculative_config=spec, async_scheduling=async_scheduling)
     assert tokens(llm.generate(ps, params, use_tqdm=False)) == want
