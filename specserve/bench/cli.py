@@ -36,8 +36,8 @@ def add_decode_parser(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode-batch-sizes", type=_ints)
     p.add_argument("--default-mode", help="graph mode of the batch sweep and of the speculative runs")
     p.add_argument("--batch-sizes", type=_ints, help="batch sweep of the default mode without speculation")
-    p.add_argument("--spec", type=_names, help='EAGLE-3 settings K:P (drafts : forced acceptance), e.g. '
-                   '"3:0.6,3:0.8"; "" for none')
+    p.add_argument("--spec", type=_names, help='EAGLE-3 settings K:P (drafts : forced acceptance), K:P:dynamic '
+                   'for the dynamic speculation policy, e.g. "3:0.6,3:0.8,3:0.8:dynamic"; "" for none')
     p.add_argument("--spec-batch-sizes", type=_ints)
     p.add_argument("--hf-batch-sizes", type=_ints, help='transformers batch sizes; "" for none')
     p.add_argument("--prompt-len", type=int)

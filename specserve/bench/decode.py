@@ -41,10 +41,12 @@ def _bad(field_name: str, message: str) -> ConfigError:
 
 @dataclass(frozen=True)
 class SpecSetting:
-    """EAGLE-3 with k drafts per step, each accepted with probability p whatever the models say."""
+    """EAGLE-3 with k drafts per step, each accepted with probability p whatever the models say; dynamic: the
+    engine's policy decides per step whether to draft (docs/design.md, 'Dynamic speculation')."""
 
     k: int
     p: float
+    dynamic: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.k <= MAX_SPECULATIVE_TOKENS:
@@ -54,22 +56,25 @@ class SpecSetting:
 
     @property
     def label(self) -> str:
-        return f"eagle3 k={self.k} p={self.p:g}"
+        return f"eagle3 k={self.k} p={self.p:g}" + (" dynamic" if self.dynamic else "")
 
     def speculative_config(self, head) -> dict:
         """The engine's speculative config: EAGLE-3 with this head (a directory or shipped name) at this setting."""
         return {"method": "eagle3", "model": str(head), "num_speculative_tokens": self.k,
-                "forced_acceptance_prob": self.p}
+                "forced_acceptance_prob": self.p, "dynamic": self.dynamic}
 
     @classmethod
     def parse(cls, text: str) -> SpecSetting:
-        """'K:P', e.g. '3:0.8'."""
-        k, _, p = text.partition(":")
+        """'K:P', e.g. '3:0.8', or 'K:P:dynamic'."""
+        k, _, rest = text.partition(":")
+        p, _, policy = rest.partition(":")
+        if policy not in ("", "dynamic"):
+            raise _bad("spec", f"{text!r}: after K:P only ':dynamic' may follow, got {policy!r}")
         try:
             k_value, p_value = int(k), float(p)
         except ValueError as e:
-            raise _bad("spec", f"{text!r} is not K:P (e.g. 3:0.8)") from e
-        return cls(k_value, p_value)
+            raise _bad("spec", f"{text!r} is not K:P or K:P:dynamic (e.g. 3:0.8)") from e
+        return cls(k_value, p_value, policy == "dynamic")
 
 
 @dataclass
@@ -238,6 +243,8 @@ class Row:
     tok_s: float | None = None
     # Tokens emitted per verification step (accepted drafts + 1), measured.
     accept_len: float | None = None
+    # The share of the timed steps whose requests drafted (the dynamic policy's decisions).
+    drafting_share: float | None = None
     # Under tensor parallelism: the time of one step's collectives alone (distributed/collective_probe.py).
     collectives_ms: float | None = None
     error: str | None = None
@@ -331,6 +338,7 @@ class DecodeTiming:
     tokens: int
     seconds: float
     accept_len: float | None = None
+    drafting_share: float | None = None
 
     @property
     def tok_s(self) -> float:
@@ -344,8 +352,12 @@ def time_engine(engine, prompts: list[list[int]], new_tokens: int) -> DecodeTimi
     # Delta outputs: cumulative ones would time the copy of every request's tokens at every step.
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
-    stats = engine.spec_stats
+    stats, policy = engine.spec_stats, engine.scheduler.policy
     steps0, emitted0 = stats.num_steps, stats.num_emitted
+
+    def decisions() -> tuple[int, int]:
+        return (policy.steps_drafting, policy.steps_without_drafts) if policy is not None else (0, 0)
+
     ids = [engine.add_request(p, params) for p in prompts]
     counts: dict[str, int] = {}
     start, before = None, 0
@@ -353,14 +365,16 @@ def time_engine(engine, prompts: list[list[int]], new_tokens: int) -> DecodeTimi
         for out in engine.step():
             counts[out.request_id] = out.metrics.num_output_tokens
         if start is None and len(counts) == len(ids):
-            start, before = time.perf_counter(), sum(counts.values())
+            start, before, decided = time.perf_counter(), sum(counts.values()), decisions()
     seconds = time.perf_counter() - start
     total = sum(counts.values())
     if total != len(ids) * new_tokens:
         raise RuntimeError(f"expected {len(ids)} x {new_tokens} tokens, got {total}; was a request cut short?")
     steps = stats.num_steps - steps0
     accept = (stats.num_emitted - emitted0) / steps if steps else None
-    return DecodeTiming(total - before, seconds, accept)
+    drafting, without = (now - then for now, then in zip(decisions(), decided))
+    share = drafting / (drafting + without) if policy is not None and drafting + without else None
+    return DecodeTiming(total - before, seconds, accept, share)
 
 
 def time_hf(hf, prompts: list[list[int]], new_tokens: int, device: str) -> DecodeTiming:
@@ -498,7 +512,8 @@ class DecodeBench:
                 # A decode step's tokens and logits rows: each request's token, and its drafts when verifying.
                 rows = b * (1 + (job.spec.k if job.spec else 0))
                 collectives = 1e3 * step_collective_seconds(engine.core, rows, rows)
-            self._add(Row(job.model, "specserve", job.mode, job.spec_label, b, t.tok_s, t.accept_len, collectives))
+            self._add(Row(job.model, "specserve", job.mode, job.spec_label, b, t.tok_s, t.accept_len, t.drafting_share,
+                          collectives))
 
     def _run_hf(self, job: HFJob) -> None:
         model = self._model(job.model)

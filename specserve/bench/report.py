@@ -7,7 +7,7 @@ from dataclasses import asdict
 from specserve.bench.decode import GRAPH_MODES, BenchResults, Row
 
 COLUMNS = ["system", "graph mode", "speculation", "batch", "tok/s", "ms/token", "x transformers", "x no-spec",
-           "tokens/step", "limit tok/s", "collectives ms/step"]
+           "tokens/step", "drafting steps", "limit tok/s", "collectives ms/step"]
 
 
 def derived(results: BenchResults, row: Row) -> dict:
@@ -50,7 +50,8 @@ def to_markdown(results: BenchResults) -> str:
            " limit tok/s = batch x bandwidth / weight bytes (no speculation; under tensor parallelism the bytes "
            "one GPU reads, its shard). Collectives ms/step: one step's all-reduces and all-gather replayed alone "
            "on every rank. Speculation: a random EAGLE-3 head, "
-           "each draft accepted with probability p.", ""]
+           "each draft accepted with probability p; 'dynamic': the engine's policy drafts or not per step, "
+           "drafting steps the share of steps that drafted.", ""]
     for model in dict.fromkeys(r.model for r in results.rows):
         info = results.models.get(model)
         head = f"### {model}"
@@ -69,7 +70,8 @@ def to_markdown(results: BenchResults) -> str:
             out.append("| " + " | ".join([
                 row.system, row.mode, row.spec, str(row.batch), _num(row.tok_s) if not row.error else "failed",
                 _num(d["ms_per_token"], 2), _num(d["x_transformers"], 2, "x"), _num(d["x_no_spec"], 2, "x"),
-                _num(row.accept_len, 2), _num(d["limit_tok_s"]), _num(row.collectives_ms, 3)]) + " |")
+                _num(row.accept_len, 2), _num(None if row.drafting_share is None else 100 * row.drafting_share, 0, "%"),
+                _num(d["limit_tok_s"]), _num(row.collectives_ms, 3)]) + " |")
         engines = [e for e in results.engines if e.model == model]
         if engines:
             out += ["", "| graph mode | speculation | engine build s | graph capture s | graph memory GiB | capture sizes |",

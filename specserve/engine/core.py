@@ -17,11 +17,14 @@ from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.messages import CoreOutput, CoreReady, CoreRequest, EngineStats
 from specserve.engine.request import Request, RequestStatus
 from specserve.engine.scheduler import Scheduler
+from specserve.engine.step_costs_measure import measure_step_costs
 from specserve.engine.warmup import warm_up
 from specserve.errors import ConfigError, InvalidRequestError
 from specserve.models.loader import ModelSource, build_model, load_tokenizer, open_model_source
 from specserve.spec_decode.factory import build_speculator
 from specserve.spec_decode.metrics import SpecDecodeStats
+from specserve.spec_decode.policy import SpeculationPolicy
+from specserve.spec_decode.step_costs import StepCosts
 from specserve.structured_output.manager import StructuredOutputManager
 from specserve.worker.cudagraph_mode import CUDAGraphMode
 from specserve.worker.graph_recorder import CudaGraphRecorder
@@ -96,8 +99,10 @@ class EngineCore:
             self.runner.capture_graphs(mode, CudaGraphRecorder(self.runner.device), backend)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.max_model_len)
+        policy = (SpeculationPolicy(spec.num_speculative_tokens, spec.dynamic, spec.disable_by_batch_size)
+                  if spec else None)
         self.scheduler = Scheduler(config, self.kv, num_lookahead_tokens=spec.num_draft_tokens if spec else 0,
-                                   tree=spec.tree if spec else None)
+                                   tree=spec.tree if spec else None, policy=policy)
         # Running totals for metrics: prompt tokens of admitted requests, and tokens generated, those of
         # requests later aborted included.
         self.num_prompt_tokens = 0
@@ -108,6 +113,9 @@ class EngineCore:
         self._drain = False
         if config.warmup:
             warm_up(self)
+        if spec is not None and spec.dynamic:
+            # After the warm-up: its compilations would count as step time.
+            policy.set_costs(StepCosts.load(spec.cost_table) if spec.cost_table else measure_step_costs(self))
         logger.info("specserve ready: %s (%s, %s, %d layers), max_model_len=%d%s", source.name, self.arch.architecture,
                     config.torch_dtype, self.arch.num_layers, config.max_model_len,
                     ", asynchronous scheduling" if config.async_scheduling else "")
@@ -178,11 +186,12 @@ class EngineCore:
         return len(self.scheduler.requests)
 
     def stats(self) -> EngineStats:
-        spec, pool = self.spec_stats, self.kv.pool
+        spec, pool, policy = self.spec_stats, self.kv.pool, self.scheduler.policy
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
                            self.kv.num_blocks - pool.num_free, self.kv.num_blocks, pool.queries, pool.hits,
                            spec.num_drafted, spec.num_accepted, tuple(spec.drafted_per_position),
-                           tuple(spec.accepted_per_position), self.num_prompt_tokens, self.num_generated_tokens)
+                           tuple(spec.accepted_per_position), self.num_prompt_tokens, self.num_generated_tokens,
+                           policy.steps_drafting if policy else 0, policy.steps_without_drafts if policy else 0)
 
     # ---- the step -------------------------------------------------------------------------
 

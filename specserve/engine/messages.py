@@ -72,6 +72,10 @@ class EngineStats(msgspec.Struct, frozen=True):
     spec_accepted_per_position: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    # Steps of a speculating engine whose requests proposed drafts, and those the policy kept from drafting
+    # (spec_decode/policy.py).
+    spec_steps_drafting: int = 0
+    spec_steps_without_drafts: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

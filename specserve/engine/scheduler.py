@@ -14,6 +14,10 @@ drafts) the runner takes from step N's device outputs; the host counts are
 optimistic (every draft accepted) and are corrected when step N's results
 arrive. A request whose blocks the device is still using is never preempted:
 scheduling stops there and the engine waits for the step in flight.
+
+With a speculator, the policy (spec_decode/policy.py) decides for each step
+whether its requests propose drafts; a step that proposes none is followed by
+steps without drafts to verify (docs/design.md, 'Dynamic speculation').
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from specserve.config import EngineConfig
 from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.request import Request, RequestStatus
 from specserve.spec_decode.metrics import SpecDecodeStats
+from specserve.spec_decode.policy import SpeculationPolicy
 from specserve.spec_decode.tree import DraftTree
 
 
@@ -57,6 +62,9 @@ class SchedulerOutput:
     # Scheduling stopped early: the pool is full and the only requests left to preempt are still in use by
     # the step in flight. Wait for that step before scheduling again.
     stalled: bool = False
+    # The requests that yield tokens propose drafts for the next step (the policy's decision); False without a
+    # speculator, or when the step's drafter stays idle.
+    propose_drafts: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +77,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, num_lookahead_tokens: int = 0,
-                 tree: DraftTree | None = None):
+                 tree: DraftTree | None = None, policy: SpeculationPolicy | None = None):
         self.config = config
         self.kv = kv
         # Drafts per step (k, or a tree's nodes) when speculating; blocks are reserved for them ahead.
@@ -81,6 +89,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.spec_stats = SpecDecodeStats()
+        # Whether each step drafts; None without a speculator.
+        self.policy = policy
+        # Whether the last step scheduled proposes drafts: the step in flight, whose drafts the next step verifies.
+        self._inflight_proposes = False
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -120,7 +132,8 @@ class Scheduler:
                 # when the step in flight ends it even if every draft is rejected.
                 if req.needs_host_tokens or req.num_output_tokens + 1 >= req.max_tokens:
                     continue
-                spec = [PLACEHOLDER_TOKEN_ID] * min(self._num_drafts(req, computed + 1), budget - 1)
+                drafts = self._num_drafts(req, computed + 1) if self._inflight_proposes else 0
+                spec = [PLACEHOLDER_TOKEN_ID] * min(drafts, budget - 1)
                 num_new, from_device = 1 + len(spec), True
             else:
                 num_new = min(req.num_tokens_with_spec - computed, budget)
@@ -162,7 +175,12 @@ class Scheduler:
             budget -= num_new
 
         out.scheduled = scheduled
-        if not scheduled:
+        num_sampling = sum(s.samples for s in scheduled)
+        if self.policy is not None and num_sampling:
+            out.propose_drafts = self.policy.choose(num_sampling) > 0
+        if scheduled:
+            self._inflight_proposes = out.propose_drafts
+        else:
             # No step runs, so the runner hears of these requests with the next one that does.
             self._finished_ids[:0] = out.finished
             out.finished = []
@@ -199,6 +217,7 @@ class Scheduler:
         """Advance each request past the tokens computed this step (result: the runner's output);
         returns the requests that got new tokens."""
         updated = []
+        step_stats = SpecDecodeStats()
         for s in out.scheduled:
             req = s.request
             req.num_inflight_tokens -= s.num_new_tokens
@@ -216,6 +235,7 @@ class Scheduler:
                 positions = n if self.tree is None else self.tree.depth_of_prefix(n)
                 req.spec_stats.record(positions, len(new_tokens) - 1)
                 self.spec_stats.record(positions, len(new_tokens) - 1)
+                step_stats.record(positions, len(new_tokens) - 1)
             for t in new_tokens:
                 if req.append_token(t):
                     break
@@ -223,6 +243,8 @@ class Scheduler:
             if not req.is_finished and not req.num_inflight_tokens:
                 req.spec_token_ids = result.drafts.get(req.request_id, [])[: self._num_drafts(req, req.num_tokens)]
             updated.append(req)
+        if self.policy is not None and step_stats.num_steps:
+            self.policy.observe(step_stats)
         return updated
 
     def finish(self, req: Request, status: RequestStatus) -> None:

@@ -7,14 +7,18 @@ drafter alike. Afterwards nothing of them remains that a later request could
 see: the runner forgets every request and restores its generator
 (ModelRunner.scratch_steps), the KV caches are zeroed and the prefix cache
 emptied, and the engine's counters (prompt and generated tokens, acceptance
-statistics) are as before, so a seeded run gives the same output with and
-without the warm-up.
+statistics) are as before, and the speculation policy starts afresh
+(spec_decode/policy.py), so a seeded run gives the same output with and
+without the warm-up. The step-time measurement of dynamic speculation
+(step_costs_measure.py) runs its requests the same way (scratch_requests).
 """
 from __future__ import annotations
 
 import logging
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from tqdm import tqdm
 
@@ -41,28 +45,37 @@ def engine_shapes(engine) -> EngineShapes:
                         cfg.block_size, runner.outputs.num_drafts, cfg.enable_chunked_prefill)
 
 
-def warm_up(engine) -> None:
-    """Run the warm-up's scenarios through engine (module docstring); the engine must have no request."""
+@contextmanager
+def scratch_requests(engine, what: str) -> Iterator[RandomPrompts]:
+    """Requests run inside (from the prompts it yields) leave nothing behind that a later request could see or
+    that the engine reports (module docstring); the engine must have no request. what: the reason, for errors."""
     if engine.has_unfinished_requests():
-        raise RuntimeError("the warm-up runs before any request: the engine has unfinished requests")
-    scenarios = plan(engine_shapes(engine))
+        raise RuntimeError(f"{what} runs before any request: the engine has unfinished requests")
     scheduler, runner = engine.scheduler, engine.runner
     counters = engine.num_prompt_tokens, engine.num_generated_tokens, scheduler.spec_stats
     scheduler.spec_stats = SpecDecodeStats()
-    prompts = _Prompts(engine.arch.vocab_size)
-    start, steps = time.perf_counter(), 0
     with runner.scratch_steps():
-        for scenario in tqdm(scenarios, desc="Warming up", unit="scenario", leave=False):
-            steps += _run(engine, scenario, prompts)
+        yield RandomPrompts(engine.arch.vocab_size)
         scheduler.drain_finished()
     engine.num_prompt_tokens, engine.num_generated_tokens, scheduler.spec_stats = counters
+    if scheduler.policy is not None:
+        scheduler.policy.reset()
     engine.kv.reset_prefix_cache()
     runner.kv.clear()
+
+
+def warm_up(engine) -> None:
+    """Run the warm-up's scenarios through engine (module docstring); the engine must have no request."""
+    scenarios = plan(engine_shapes(engine))
+    start, steps = time.perf_counter(), 0
+    with scratch_requests(engine, "the warm-up") as prompts:
+        for scenario in tqdm(scenarios, desc="Warming up", unit="scenario", leave=False):
+            steps += _run(engine, scenario, prompts)
     logger.info("Warm-up: %d scenarios, %d requests in %d steps, %.1f s", len(scenarios), prompts.count, steps,
                 time.perf_counter() - start)
 
 
-def _run(engine, scenario: Scenario, prompts: _Prompts) -> int:
+def _run(engine, scenario: Scenario, prompts: RandomPrompts) -> int:
     """Run one scenario to completion; returns its steps."""
     for i, req in enumerate(scenario.first):
         engine.add_request(CoreRequest(prompts.next_id(), prompts.make(req), _params(req, i)))
@@ -89,7 +102,7 @@ def _params(req: WarmupRequest, i: int) -> SamplingParams:
                           presence_penalty=0.5 if i % 3 == 2 else 0.0, seed=i if i % 4 == 3 else None, **common)
 
 
-class _Prompts:
+class RandomPrompts:
     """Random prompts from a generator of the warm-up's own (the engine's generators are not drawn from): they hit
     the prefix cache only through the shared prefix a request asks for (a hit takes a whole block alike)."""
 

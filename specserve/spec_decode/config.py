@@ -31,6 +31,14 @@ class SpeculativeConfig:
     # rank 0 (the other ranks hold the target's shards only). The target's size (sharded like it) is refused
     # by EngineConfig. None: 1.
     draft_tensor_parallel_size: int | None = None
+    # Dynamic speculation (spec_decode/policy.py): before each step, draft or not from the batch size, the
+    # measured acceptance and a table of step times (docs/design.md, 'Dynamic speculation'). Off by default:
+    # it is opt-in until the H100 benchmark shows it at >= 1.0x no speculation at every batch size.
+    dynamic: bool = False
+    # With dynamic: the step times, a JSON file as StepCosts.save writes it; None: measured at start-up.
+    cost_table: str | None = None
+    # vLLM's field: no drafts in a step of this many requests or more (with or without dynamic).
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> None:
@@ -68,6 +76,18 @@ class SpeculativeConfig:
             if k != depth:
                 bad("num_speculative_tokens", f"is {k} but the tree is {depth} deep: with a tree it must be the "
                     f"tree's depth ({depth}), or leave it out")
+        if not isinstance(self.dynamic, bool):
+            bad("dynamic", f"must be true or false, got {self.dynamic!r}")
+        if self.cost_table is not None:
+            if not self.dynamic:
+                bad("cost_table", 'is read by the dynamic policy only: add "dynamic": true, or drop it')
+            if not Path(self.cost_table).expanduser().is_file():
+                bad("cost_table", f"{self.cost_table!r} is not a file; give the JSON that StepCosts.save wrote, "
+                    "or leave it out to measure the step times at start-up")
+        n = self.disable_by_batch_size
+        if n is not None and (type(n) is not int or n < 1):
+            bad("disable_by_batch_size", f"must be an integer >= 1 (the batch size from which no step drafts), "
+                f"got {n!r}")
 
     @property
     def tree(self) -> DraftTree | None:

@@ -276,4 +276,5 @@ def profile_batch(cfg, num_drafts: int, vocab_size: int) -> SchedulerOutput:
         drafts = [(j + 1) % vocab_size for j in range(n - len(prompt))]
         blocks = list(range(-(-(n + num_drafts) // cfg.block_size)))
         scheduled.append(ScheduledRequest(req, n, drafts, blocks, samples=True, start=0))
-    return SchedulerOutput(scheduled=scheduled)
+    # Its requests draft too (with a speculator): the drafter's buffers count.
+    return SchedulerOutput(scheduled=scheduled, propose_drafts=True)

@@ -200,11 +200,15 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         """The step's path (step_path.py), from its descriptor, its requests and the graphs recorded."""
         rows = StepRows.of(sched)
         spec = self.speculator
-        kind = (SpeculatorKind.NONE if spec is None else
+        # A step the policy keeps from drafting runs as without a speculator (docs/design.md, 'Dynamic
+        # speculation'), but for the whole-step graphs, which draft with a device drafter.
+        kind = (SpeculatorKind.NONE if spec is None or not sched.propose_drafts else
                 SpeculatorKind.ON_DEVICE if spec.on_device else SpeculatorKind.ON_HOST)
         whole, greedy = self.whole_step_graphs, self.greedy_graphs
+        whole_step_drafts = spec is not None and spec.on_device
         graphs = GraphsReady(
-            whole_step=whole is not None and not self.graphs.debug and whole.has_graph(desc),
+            whole_step=whole is not None and not self.graphs.debug and whole.has_graph(desc) and (
+                sched.propose_drafts or not whole_step_drafts),
             # Greedy verification graphs read the uniform batch's fixed inputs.
             greedy=greedy is not None and greedy.has_graph(desc) and (
                 desc.query_len == 1 or self.uniform_verify is not None),
@@ -280,9 +284,9 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
             else:
                 draft_requests.append(DraftRequest(offset, n, -1, 0, req.all_token_ids[start + n]))
             offset += n
-        drafts_on_device = self.speculator is not None and self.speculator.on_device
-        plan = StepPlan.build(sched, sampling, draft_requests, inflight, drafts_on_device, self._row,
-                              trees=self.tree is not None)
+        drafter_on_device = self.speculator is not None and self.speculator.on_device
+        plan = StepPlan.build(sched, sampling, draft_requests, inflight, drafter_on_device,
+                              drafter_on_device and sched.propose_drafts, self._row, trees=self.tree is not None)
         self._tree_step = None
         ids, qlens_np, slens = (np.array(ids, dtype=np.int64), np.array(qlens, dtype=np.int64),
                                 np.array(slens, dtype=np.int64))

@@ -22,7 +22,10 @@ class StepPlan:
 
     @classmethod
     def build(cls, sched: SchedulerOutput, sampling: list[int], draft_requests: list[DraftRequest],
-              inflight: list[InflightRequest], drafts_on_device: bool, row_of, trees: bool = False) -> StepPlan:
+              inflight: list[InflightRequest], drafter_on_device: bool, proposes_on_device: bool, row_of,
+              trees: bool = False) -> StepPlan:
+        """drafter_on_device: the verified drafts come from a device drafter, which kept their probabilities;
+        proposes_on_device: it proposes this step's drafts."""
         extras: dict[StagedExtra, np.ndarray] = {}
         if inflight:
             extras[StagedExtra.INFLIGHT] = inflight_rows(inflight)
@@ -42,11 +45,11 @@ class StepPlan:
             extras[StagedExtra.VERIFY_INDEX] = last[:, None] - num[:, None] + np.minimum(j[None, :], num[:, None])
             extras[StagedExtra.VERIFY_DRAFTS] = num
             extras[StagedExtra.VERIFY_ROWS] = np.array(verify_rows, dtype=np.int64)
-            if drafts_on_device:
+            if drafter_on_device:
                 # Where the drafter kept each verified request's draft probabilities (sampled verification).
                 extras[StagedExtra.VERIFY_DRAFT_ROWS] = np.array(
                     [row_of(sched.scheduled[i].request.request_id) for i in verify_rows], dtype=np.int64)
-        if drafts_on_device and sampling:
+        if proposes_on_device and sampling:
             extras[StagedExtra.DRAFT_REQUESTS] = draft_request_rows(draft_requests)
             # Each drafting request's row of the drafter's per-request state (row_of: request id -> row).
             extras[StagedExtra.DRAFT_ROWS] = np.array(

@@ -110,6 +110,24 @@ def test_bad_settings_are_refused(overrides, field):
 
 def test_spec_setting_parse():
     assert SpecSetting.parse("3:0.8") == SpecSetting(3, 0.8)
-    for bad in ("3", "x:0.5", "3:1.5", "0:0.5"):
+    assert SpecSetting.parse("3:0.8:dynamic") == SpecSetting(3, 0.8, dynamic=True)
+    assert SpecSetting(3, 0.8, dynamic=True).label == "eagle3 k=3 p=0.8 dynamic"
+    for bad in ("3", "x:0.5", "3:1.5", "0:0.5", "3:0.8:sometimes"):
         with pytest.raises(ConfigError):
             SpecSetting.parse(bad)
+
+
+def test_the_dynamic_policy_beside_no_speculation(tmp_path):
+    """The sweep the H100 runs (docs/design.md, 'Dynamic speculation'), tiny: each row of the dynamic policy beside
+    no speculation at the same batch, with the share of its steps that drafted."""
+    cfg = preset_config("tiny", spec=[SpecSetting(2, 0.0, dynamic=True)], hf_batch_sizes=[], new_tokens=24)
+    results = run_decode_bench(cfg, tmp_path / "r.json")
+    rows = {(r.spec, r.batch): r for r in results.rows}
+    assert set(rows) == {(spec, b) for spec in ("none", "eagle3 k=2 p=0 dynamic") for b in (1, 4)}
+    assert all(r.error is None and r.tok_s > 0 for r in rows.values())
+    data = json.loads((tmp_path / "r.json").read_text())
+    dynamic = [row for row in data["rows"] if row["spec"] != "none"]
+    assert all(row["x_no_spec"] > 0 and 0.0 <= row["drafting_share"] <= 1.0 for row in dynamic)
+    # No draft is ever accepted: once its estimate has fallen (within the first batch's run), the policy stops
+    # drafting.
+    assert dynamic[-1]["drafting_share"] == 0.0

@@ -36,6 +36,10 @@ _ENGINE_METRICS = [
      lambda s: s.num_generated_tokens),
     ("spec_decode_num_drafted_tokens", "Draft tokens proposed.", CounterMetricFamily, lambda s: s.spec_num_drafted),
     ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", CounterMetricFamily, lambda s: s.spec_num_accepted),
+    ("spec_decode_steps_drafting", "Steps whose requests proposed drafts.", CounterMetricFamily,
+     lambda s: s.spec_steps_drafting),
+    ("spec_decode_steps_without_drafts", "Steps the speculation policy kept from drafting.", CounterMetricFamily,
+     lambda s: s.spec_steps_without_drafts),
 ]
 _PER_POSITION = ("spec_decode_acceptance_per_position", "Fraction of drafts accepted at each draft position.")
 

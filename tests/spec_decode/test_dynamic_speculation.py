@@ -1,0 +1,149 @@
+"""End to end: dynamic speculation (spec_decode/policy.py) turns drafting off where drafts cannot pay and keeps it
+where they do, and greedy output is the target's own whatever the policy decides, step by step, for chains and
+trees, with asynchronous scheduling on and off."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from conftest import repetitive_prompts as prompts
+from heads import save_eagle_head
+from specserve import LLM, SamplingParams
+from specserve.entrypoints.openai.metrics import PREFIX, EngineStatsCollector
+from specserve.spec_decode.step_costs import StepCosts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
+
+
+@pytest.fixture(scope="module")
+def models(tiny_llama, tmp_path_factory):
+    path, hf = tiny_llama
+    root = tmp_path_factory.mktemp("dynamic")
+    ps = prompts(hf.config.vocab_size)
+    ref = [o.outputs[0].token_ids for o in LLM(str(path), max_model_len=256).generate(ps, GREEDY, use_tqdm=False)]
+    return {"path": path, "root": root, "prompts": ps, "ref": ref,
+            "eagle3": str(save_eagle_head(root / "eagle3", hf.config, "eagle3", seed=2))}
+
+
+def cost_table(models, name: str, plain: tuple[float, ...], drafting: tuple[float, ...], k: int = 3) -> str:
+    """A step-time table at batch sizes 1, 2, 4, 8 written where speculative_config.cost_table reads it."""
+    path = models["root"] / f"{name}.json"
+    StepCosts((1, 2, 4, 8), {0: plain, k: drafting}).save(path)
+    return str(path)
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_every_draft_rejected_turns_drafting_off(models):
+    """Forced acceptance 0 with drafting steps 30% slower: once the estimate has fallen, no step drafts (a probe
+    comes only after 256 steps without drafts), and the output is the target's."""
+    table = cost_table(models, "slower", (1.0,) * 4, (1.3,) * 4)
+    llm = LLM(str(models["path"]), max_model_len=256, speculative_config={
+        "method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3, "forced_acceptance_prob": 0.0,
+        "dynamic": True, "cost_table": table})
+    core = llm.engine.core
+    policy = core.scheduler.policy
+    assert tokens(llm.generate(models["prompts"], GREEDY, use_tqdm=False)) == models["ref"]
+    assert policy.current == 0 and max(policy.acceptance) < 0.1
+    drafted, steps = llm.engine.spec_stats.num_drafted, policy.steps_without_drafts
+    assert tokens(llm.generate(models["prompts"], GREEDY, use_tqdm=False)) == models["ref"]
+    assert llm.engine.spec_stats.num_drafted == drafted and policy.steps_without_drafts > steps
+    stats = core.stats()
+    assert stats.spec_steps_without_drafts == policy.steps_without_drafts > stats.spec_steps_drafting > 0
+
+
+def test_every_draft_accepted_with_cheap_drafts_keeps_drafting(models):
+    table = cost_table(models, "cheap", (1.0,) * 4, (1.1,) * 4)
+    llm = LLM(str(models["path"]), max_model_len=256, speculative_config={
+        "method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3, "forced_acceptance_prob": 1.0,
+        "dynamic": True, "cost_table": table})
+    llm.generate(models["prompts"], GREEDY, use_tqdm=False)
+    policy = llm.engine.core.scheduler.policy
+    assert policy.current == 3 and policy.acceptance == [1.0, 1.0, 1.0]
+    assert policy.steps_without_drafts == 0 and policy.steps_drafting > 0
+    # Every step after a prefill verified all 3 drafts.
+    stats = llm.engine.spec_stats
+    assert stats.num_accepted == stats.num_drafted == 3 * stats.num_steps > 0
+
+
+def scripted(llm: LLM, pattern: list[int]) -> None:
+    """Replace the policy's decisions by a pattern repeated; the scheduler and runner follow them as they would the
+    policy's own."""
+    decisions = itertools.cycle(pattern)
+    llm.engine.core.scheduler.policy._decide = lambda batch: next(decisions)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("drafts", ["chain", "tree"])
+def test_drafting_on_and_off_step_by_step_equals_no_speculation(models, drafts, async_scheduling):
+    """Every switch: a step that verifies drafts but proposes none, one that proposes after a plain step, runs of
+    each; with chunked prefill, prefix hits and preemption in the mix."""
+    spec = {"method": "eagle3", "model": models["eagle3"], "dynamic": True,
+            "cost_table": cost_table(models, "any", (1.0,) * 4, (1.5,) * 4)}
+    spec.update({"num_speculative_tokens": 3} if drafts == "chain" else {"speculative_token_tree": TREE})
+    llm = LLM(str(models["path"]), max_model_len=256, speculative_config=spec, max_num_batched_tokens=48,
+              num_kv_blocks=17, block_size=16, async_scheduling=async_scheduling)
+    scripted(llm, [3, 3, 0, 3, 0, 0, 3])
+    ps = models["prompts"]
+    llm.generate(ps[:2], GREEDY, use_tqdm=False)  # later prompts hit the prefix cache
+    outs = llm.generate(ps, GREEDY, use_tqdm=False)
+    assert tokens(outs) == models["ref"]
+    policy = llm.engine.core.scheduler.policy
+    assert policy.steps_drafting > 0 and policy.steps_without_drafts > 0 and llm.engine.spec_stats.num_drafted > 0
+    assert sum(o.metrics.num_preemptions for o in outs) > 0, "no preemption in the mix"
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_drafting_follows_the_batch_size_and_output_is_unchanged(models, async_scheduling):
+    """The target drafting for itself (every draft accepted), with drafts that pay up to 3 requests and not from 4
+    (even all accepted: 5 tokens in 6 s against 1 in 1 s): requests that finish one after another shrink the batch
+    from 6, so the policy turns drafting on mid-generation."""
+    table = cost_table(models, "small_batches", (1.0,) * 4, (1.2, 1.2, 6.0, 6.0), k=4)
+    spec = {"method": "draft_model", "model": str(models["path"]), "num_speculative_tokens": 4, "dynamic": True,
+            "cost_table": table}
+    ps = models["prompts"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 12, 16, 48, 56, 64)]
+    want = tokens(LLM(str(models["path"]), max_model_len=256).generate(ps, params, use_tqdm=False))
+    llm = LLM(str(models["path"]), max_model_len=256, speculative_config=spec, async_scheduling=async_scheduling)
+    assert tokens(llm.generate(ps, params, use_tqdm=False)) == want
+    policy = llm.engine.core.scheduler.policy
+    assert policy.steps_without_drafts > 0 and policy.steps_drafting > 0 and policy.current == 4
+    assert llm.engine.spec_stats.num_accepted > 0
+
+
+def test_step_times_are_measured_at_start_up_and_leave_nothing_behind(models):
+    llm = LLM(str(models["path"]), max_model_len=256, max_num_seqs=4, speculative_config={
+        "method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3, "dynamic": True})
+    core = llm.engine.core
+    costs = core.scheduler.policy.costs
+    assert costs.batch_sizes == (1, 2, 4) and costs.draft_counts == (0, 3)
+    assert all(t > 0 for times in costs.seconds.values() for t in times)
+    stats = core.stats()
+    assert (stats.spec_num_drafted, stats.num_generated_tokens, stats.spec_steps_drafting,
+            stats.spec_steps_without_drafts) == (0, 0, 0, 0)
+    assert core.scheduler.policy.acceptance == [1.0, 1.0, 1.0] and not core.has_unfinished_requests()
+    assert tokens(llm.generate(models["prompts"], GREEDY, use_tqdm=False)) == models["ref"]
+
+
+def test_prometheus_counts_steps_with_and_without_drafts(models):
+    table = cost_table(models, "slower", (1.0,) * 4, (1.3,) * 4)
+    llm = LLM(str(models["path"]), max_model_len=256, speculative_config={
+        "method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3, "forced_acceptance_prob": 0.0,
+        "dynamic": True, "cost_table": table})
+    llm.generate(models["prompts"], GREEDY, use_tqdm=False)
+    stats = llm.engine.core.stats()
+
+    class Server:
+        pass
+
+    server = Server()
+    server.stats, server.replica_stats = stats, [stats]
+    samples = {s.name: s.value for family in EngineStatsCollector(server).collect() for s in family.samples
+               if not s.labels}
+    assert samples[PREFIX + "spec_decode_steps_drafting_total"] == stats.spec_steps_drafting > 0
+    assert samples[PREFIX + "spec_decode_steps_without_drafts_total"] == stats.spec_steps_without_drafts > 0
