@@ -117,7 +117,8 @@ def _qkv_rotary_cache_kernel(
         tl.store(dst, lo.to(out_ty), mask=mask)
         tl.store(dst + half, hi.to(out_ty), mask=mask)
     elif head < num_heads + num_kv_heads:
-        _store_cache(k_cache_ptr, k_scale_ptr, lo, hi, slots, head - num_heads, offs_p, half, row_mask,
+        # Keys in q's dtype, as the unfused path rotates them, before an FP8 cache quantizes them.
+        _store_cache(k_cache_ptr, k_scale_ptr, lo.to(out_ty), hi.to(out_ty), slots, head - num_heads, offs_p, half, row_mask,
                      block_size, stride_cb, stride_cs, stride_ch, PAD_SLOT, FP8)
     else:
         _store_cache(v_cache_ptr, v_scale_ptr, lo, hi, slots, head - num_heads - num_kv_heads, offs_p, half,
