@@ -67,6 +67,9 @@ class EngineConfig:
     # The KV cache's size in bytes (every model's layers, a drafter's included), in place of sizing it by
     # gpu_memory_utilization.
     kv_cache_memory_bytes: int | None = None
+    # The KV cache's element type: "auto" (the model's dtype) or "fp8" (e4m3 with per-layer scales, twice the
+    # tokens of bfloat16 in the same memory; docs/design.md, 'FP8 KV cache').
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
@@ -157,6 +160,7 @@ class EngineConfig:
         self._check_draft_placement()
         self._check_cudagraph_fields()
         self._check_async_scheduling()
+        self._check_kv_cache_dtype()
         self._check_data_parallel()
         if self.warmup is None:
             self.warmup = self.device.startswith("cuda")
@@ -230,6 +234,28 @@ class EngineConfig:
                    f"must be a non-empty list of positive integers, got {sizes!r}")
             self.cudagraph_capture_sizes = sorted(set(sizes))
         self.debug_cudagraph = self.debug_cudagraph or os.environ.get("SPECSERVE_DEBUG_CUDAGRAPH", "0") not in ("", "0")
+
+    def _check_kv_cache_dtype(self) -> None:
+        from specserve.attention.kv_quant import KV_CACHE_DTYPES
+
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+               f"must be one of {', '.join(KV_CACHE_DTYPES)} (fp8: e4m3 with per-layer scales), "
+               f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "fp8" or not self.device.startswith("cuda"):
+            return
+        # Triton converts to and from e4m3 on compute capability 8.9 (Ada) and later.
+        index = torch.device(self.device).index or 0
+        capability = torch.cuda.get_device_capability(index)
+        _check(capability >= (8, 9), "kv_cache_dtype",
+               f"fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper); {torch.cuda.get_device_name(index)} "
+               f"has {capability[0]}.{capability[1]}; use kv_cache_dtype='auto'")
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The KV cache's element type (kv_cache_dtype; "auto" is the model's dtype)."""
+        from specserve.attention.kv_quant import kv_cache_torch_dtype
+
+        return kv_cache_torch_dtype(self.kv_cache_dtype, self.torch_dtype)
 
     def rendezvous(self):
         """Where this engine's ranks meet (distributed/rendezvous.py); a free port each call unless one is set."""

@@ -5,6 +5,7 @@ from typing import Protocol
 
 import torch
 
+from specserve.attention.kv_quant import KVScales
 from specserve.attention.metadata import AttentionMetadata
 
 
@@ -19,6 +20,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        kv_scales: KVScales | None = None,  # the layer's, which an FP8 cache is written and read with
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write k, v into the cache at slot_mapping, then attend causally over each request's cache."""
         ...
@@ -29,6 +31,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # already holding this step's keys and values
         metadata: AttentionMetadata,
         scale: float,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Attend causally over each request's cache, for a model that wrote the cache itself
         (fused with its rotary embedding)."""

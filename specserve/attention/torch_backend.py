@@ -12,16 +12,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specserve.attention.kv_quant import KVScales, load_kv, store_kv
 from specserve.attention.metadata import PAD_SLOT_ID, AttentionMetadata
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   scales: KVScales | None = None) -> None:
+    """Write k, v at slot_mapping (PAD_SLOT_ID writes nothing); an FP8 cache stores them quantized with scales."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
     valid = slot_mapping != PAD_SLOT_ID
     slots = slot_mapping[valid]
-    flat[0, slots] = k[: slot_mapping.shape[0]][valid].to(flat.dtype)
-    flat[1, slots] = v[: slot_mapping.shape[0]][valid].to(flat.dtype)
+    k_scale, v_scale = (None, None) if scales is None else (scales.k_scale, scales.v_scale)
+    flat[0, slots] = store_kv(k[: slot_mapping.shape[0]][valid], flat, k_scale)
+    flat[1, slots] = store_kv(v[: slot_mapping.shape[0]][valid], flat, v_scale)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,23 +69,26 @@ class TorchAttentionBackend:
     def launch_variant(self, *args) -> None:
         return None  # torch operators only: nothing compiles
 
-    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
-        return self.attend(q, kv_cache, metadata, scale)
+    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float,
+                kv_scales: KVScales | None = None) -> torch.Tensor:
+        write_kv_cache(k, v, kv_cache, metadata.slot_mapping, kv_scales)
+        return self.attend(q, kv_cache, metadata, scale, kv_scales)
 
-    def attend(self, q, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q, kv_cache, metadata: AttentionMetadata, scale: float,
+               kv_scales: KVScales | None = None) -> torch.Tensor:
         layout = metadata.backend_state.get("torch")
         if layout is None:
             layout = metadata.backend_state["torch"] = _step_layout(metadata, kv_cache.shape[2], q.device)
         out = torch.zeros_like(q)
+        k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales.k_scale, kv_scales.v_scale)
         qsl, seq_lens = layout.qsl, layout.seq_lens
         for i in layout.long:
             bits = None if metadata.tree_bits is None else metadata.tree_bits[qsl[i]:qsl[i + 1]]
-            out[qsl[i]:qsl[i + 1]] = _attend(q[qsl[i]:qsl[i + 1]], *gather_kv(kv_cache, metadata.block_table[i],
-                                                                              seq_lens[i]), scale,
-                                             bits, metadata.tree_offset)
+            keys, values = gather_kv(kv_cache, metadata.block_table[i], seq_lens[i])
+            out[qsl[i]:qsl[i + 1]] = _attend(q[qsl[i]:qsl[i + 1]], load_kv(keys, k_scale, q.dtype),
+                                             load_kv(values, v_scale, q.dtype), scale, bits, metadata.tree_offset)
         if layout.batched is not None:
-            _attend_batched(q, out, kv_cache, layout.batched, scale)
+            _attend_batched(q, out, kv_cache, layout.batched, scale, k_scale, v_scale)
         return out
 
 
@@ -120,11 +127,11 @@ def tree_visible(bits: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
             tree_bits: torch.Tensor | None = None, tree_offset: int = 0) -> torch.Tensor:
-    """Causal attention of one request's q_len queries, the last tokens of its seq_len keys."""
+    """Causal attention of one request's q_len queries, the last tokens of its seq_len keys (in q's dtype)."""
     q_len, seq_len = q.shape[0], keys.shape[0]
     group = q.shape[1] // keys.shape[1]
-    keys = keys.to(q.dtype).repeat_interleave(group, dim=1)
-    values = values.to(q.dtype).repeat_interleave(group, dim=1)
+    keys = keys.repeat_interleave(group, dim=1)
+    values = values.repeat_interleave(group, dim=1)
     # Query j sits at position seq_len - q_len + j and sees keys 0..that position.
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
     key_pos = torch.arange(seq_len, device=q.device)
@@ -136,11 +143,12 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: fl
     return o.transpose(0, 1)
 
 
-def _attend_batched(q, out, kv_cache, b: _BatchedLayout, scale: float) -> None:
+def _attend_batched(q, out, kv_cache, b: _BatchedLayout, scale: float, k_scale: torch.Tensor | None,
+                    v_scale: torch.Tensor | None) -> None:
     """The same attention for several short-query requests at once, padded to the longest."""
     # Cache slots past a request's length may hold anything (even NaN): zero them, then mask them.
-    keys = torch.where(b.live, kv_cache[0][b.blocks].flatten(1, 2)[:, : b.max_s], 0).to(q.dtype)
-    values = torch.where(b.live, kv_cache[1][b.blocks].flatten(1, 2)[:, : b.max_s], 0).to(q.dtype)
+    keys = torch.where(b.live, load_kv(kv_cache[0][b.blocks].flatten(1, 2)[:, : b.max_s], k_scale, q.dtype), 0)
+    values = torch.where(b.live, load_kv(kv_cache[1][b.blocks].flatten(1, 2)[:, : b.max_s], v_scale, q.dtype), 0)
     group = q.shape[1] // keys.shape[2]
     keys, values = keys.repeat_interleave(group, dim=2), values.repeat_interleave(group, dim=2)
     o = F.scaled_dot_product_attention(q[b.token].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),

@@ -28,6 +28,10 @@ part to finish merges all parts in part order (so the result does not depend
 on which finished last) and resets the count: one launch, no second kernel.
 The split count follows from shapes only, so a captured graph keeps it for
 any context length; the counters assume one stream runs the attention.
+
+An FP8 cache (docs/design.md, 'FP8 KV cache') is read as stored: e4m3 converts exactly to the dot's
+type, the layer's k_scale joins the softmax scale and v_scale multiplies the output once, which equals
+dequantizing every key and value first.
 """
 from __future__ import annotations
 
@@ -38,7 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.attention.kv_quant import KVScales
 from specserve.attention.metadata import AttentionMetadata
+from specserve.kernels.fp8_kv import cache_scales
 from specserve.kernels.reshape_and_cache import write_kv_cache_triton
 
 
@@ -77,6 +83,8 @@ def _paged_attention_kernel(
     counter_ptr,  # int32 per (request, KV head, tile), zero between launches
     tree_bits_ptr, tree_offset,  # trees of drafts (AttentionMetadata.tree_bits), read when TREE
     TREE: tl.constexpr,
+    k_scale_ptr, v_scale_ptr,  # an FP8 cache's scales, read when FP8
+    FP8: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -90,6 +98,8 @@ def _paged_attention_kernel(
                           BLOCK_M, BLOCK_Q)
         return
 
+    if FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + req)
@@ -179,6 +189,8 @@ def _paged_attention_kernel(
                 l_i = l_i * alpha + l_s * beta
                 acc = acc * alpha[:, None] + acc_s * beta[:, None]
                 m_i = m_new
+    if FP8:
+        acc = acc * tl.load(v_scale_ptr)
     # A row that saw no key outputs zero rather than NaN.
     acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_off = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
@@ -267,11 +279,13 @@ class TritonAttentionBackend:
 
     launch_variant = staticmethod(attention_launch)
 
-    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv_cache_triton(k, v, kv_cache, metadata.slot_mapping)
-        return self.attend(q, kv_cache, metadata, scale)
+    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, scale: float,
+                kv_scales: KVScales | None = None) -> torch.Tensor:
+        write_kv_cache_triton(k, v, kv_cache, metadata.slot_mapping, kv_scales)
+        return self.attend(q, kv_cache, metadata, scale, kv_scales)
 
-    def attend(self, q, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q, kv_cache, metadata: AttentionMetadata, scale: float,
+               kv_scales: KVScales | None = None) -> torch.Tensor:
         if metadata.num_reqs == 0 or metadata.max_query_len == 0:
             return torch.zeros_like(q)
         # The kernel writes every row, graph padding included (as zeros).
@@ -287,6 +301,7 @@ class TritonAttentionBackend:
         block_m, block_n, block_q, splits = attention_launch(metadata.num_reqs, metadata.max_query_len, num_heads,
                                                              num_kv_heads, head_dim, on_cpu)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_scale, v_scale, fp8 = cache_scales(kv_cache, kv_scales)
         query_tiles = triton.cdiv(metadata.max_query_len, block_q)
         parts, counters = [out] * 3, out
         if splits > 1:
@@ -309,7 +324,7 @@ class TritonAttentionBackend:
             NUM_SPLITS=splits, MIN_CHUNK=MIN_CHUNK, part_acc_ptr=parts[0], part_max_ptr=parts[1],
             part_sum_ptr=parts[2], counter_ptr=counters,
             tree_bits_ptr=out if metadata.tree_bits is None else metadata.tree_bits, tree_offset=metadata.tree_offset,
-            TREE=metadata.tree_bits is not None,
+            TREE=metadata.tree_bits is not None, k_scale_ptr=k_scale, v_scale_ptr=v_scale, FP8=fp8,
         )
         return out
 

@@ -32,6 +32,8 @@ def add_decode_parser(bench_sub: argparse._SubParsersAction) -> None:
                    "(smollm2-135m): a name, a Hugging Face directory or a .gguf file")
     p.add_argument("--device", help="cuda or cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], help="every engine's KV cache element type "
+                   "(fp8: e4m3; transformers' rows are unchanged)")
     p.add_argument("--modes", type=_names, help="graph modes measured without speculation at --mode-batch-sizes")
     p.add_argument("--mode-batch-sizes", type=_ints)
     p.add_argument("--default-mode", help="graph mode of the batch sweep and of the speculative runs")
@@ -64,7 +66,7 @@ def config_from_args(a: argparse.Namespace):
         shapes = [m for m in (models or PRESETS[a.preset]["models"]) if m in SHAPES]
         models = shapes + [a.model]
     return preset_config(
-        a.preset, models=models, device=a.device, dtype=a.dtype, modes=a.modes, mode_batch_sizes=a.mode_batch_sizes,
+        a.preset, models=models, device=a.device, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, modes=a.modes, mode_batch_sizes=a.mode_batch_sizes,
         default_mode=a.default_mode, batch_sizes=a.batch_sizes,
         spec=None if a.spec is None else [SpecSetting.parse(s) for s in a.spec],
         spec_batch_sizes=a.spec_batch_sizes, hf_batch_sizes=a.hf_batch_sizes, prompt_len=a.prompt_len,

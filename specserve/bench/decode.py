@@ -83,6 +83,8 @@ class DecodeBenchConfig:
     models: list[str]
     device: str = "cuda"
     dtype: str | None = None
+    # Every engine's KV cache element type (EngineConfig.kv_cache_dtype): "auto" or "fp8".
+    kv_cache_dtype: str = "auto"
     # Graph modes measured without speculation at mode_batch_sizes.
     modes: list[str] = field(default_factory=lambda: list(GRAPH_MODES))
     mode_batch_sizes: list[int] = field(default_factory=lambda: [1, 64])
@@ -117,6 +119,10 @@ class DecodeBenchConfig:
             self.dtype = "bfloat16" if on_cuda else "float32"
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise _bad("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}")
+        from specserve.attention.kv_quant import KV_CACHE_DTYPES
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise _bad("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         self.modes, self.default_mode = [m.upper() for m in self.modes], self.default_mode.upper()
         for mode in [*self.modes, self.default_mode]:
             if mode not in GRAPH_MODES:
@@ -465,7 +471,7 @@ class DecodeBench:
         sizes = None if job.capture_sizes is None else list(job.capture_sizes)
         config = EngineConfig(
             model=model.path, load_format=model.load_format, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
-            max_model_len=max_model_len, block_size=BLOCK_SIZE, num_kv_blocks=max_batch * blocks_per_req + 1,
+            kv_cache_dtype=cfg.kv_cache_dtype, max_model_len=max_model_len, block_size=BLOCK_SIZE, num_kv_blocks=max_batch * blocks_per_req + 1,
             max_num_seqs=max_batch,
             # The whole batch's prompts in one step: every request then decodes in lockstep.
             max_num_batched_tokens=max(2048, max_batch * cfg.prompt_len),

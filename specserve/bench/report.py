@@ -43,8 +43,10 @@ def _num(value: float | None, digits: int = 0, suffix: str = "") -> str:
 def to_markdown(results: BenchResults) -> str:
     cfg = results.config
     bw = results.bandwidth_bytes_s / 1e12
+    kv_dtype = cfg.get("kv_cache_dtype", "auto")
+    kv = "" if kv_dtype == "auto" else f", KV cache {kv_dtype}"
     out = [f"Device: {results.device_name}; " + ", ".join(f"{k} {v}" for k, v in results.versions.items())
-           + f"; {cfg['dtype']}; prompt {cfg['prompt_len']} tokens, {cfg['new_tokens']} new tokens per request "
+           + f"; {cfg['dtype']}{kv}; prompt {cfg['prompt_len']} tokens, {cfg['new_tokens']} new tokens per request "
            f"({cfg['hf_new_tokens']} for transformers), greedy, EOS ignored; decode tokens/s after the prefill. "
            f"Bandwidth {bw:.2f} TB/s ({'device-to-device copy, measured' if results.bandwidth_measured else 'given'});"
            " limit tok/s = batch x bandwidth / weight bytes (no speculation; under tensor parallelism the bytes "

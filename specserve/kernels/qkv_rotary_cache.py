@@ -13,7 +13,8 @@ accumulates them as two [BLOCK_M, BLOCK_P] halves, so rotate-halves pairs live i
 the same program and need no slicing; several programs share a wide head
 (8B: four of 16 pairs) to give the grid enough programs. Programs of value
 heads skip the rotation. A PAD_SLOT_ID slot (or a token past the end of
-slot_mapping) writes nothing to the cache. Launches depend on shapes only.
+slot_mapping) writes nothing to the cache; an FP8 cache stores keys and values
+quantized with the layer's scales (kernels/fp8_kv.py). Launches depend on shapes only.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import triton
 import triton.language as tl
 
 from specserve.attention.metadata import PAD_SLOT_ID
+from specserve.kernels.fp8_kv import cache_scales, store_to_cache
 from specserve.kernels.small_m_configs import SmallMConfig, qkv_config
 from specserve.kernels.small_m_prologue import (check_prologue, dot_in_float32, input_chunk, prologue_meta,
                                                  prologue_rows, row_rstd, store_residual_slice)
@@ -37,25 +39,25 @@ def _finish_half(acc, bias_ptr, cols, col_mask, out_ptr, BIAS: tl.constexpr):
 
 
 @triton.jit
-def _store_cache(cache_ptr, lo, hi, slots, kv_head, offs_p, half, row_mask,
-                 block_size, stride_cb, stride_cs, stride_ch, PAD_SLOT: tl.constexpr):
+def _store_cache(cache_ptr, scale_ptr, lo, hi, slots, kv_head, offs_p, half, row_mask,
+                 block_size, stride_cb, stride_cs, stride_ch, PAD_SLOT: tl.constexpr, FP8: tl.constexpr):
     mask = row_mask[:, None] & (slots != PAD_SLOT)[:, None] & (offs_p < half)[None, :]
     # A pad slot's block index is garbage, but every access through it is masked off.
     dst = (slots // block_size * stride_cb + slots % block_size * stride_cs)[:, None] + kv_head * stride_ch
-    ty = cache_ptr.dtype.element_ty
-    tl.store(cache_ptr + dst + offs_p[None, :], lo.to(ty), mask=mask)
-    tl.store(cache_ptr + dst + half + offs_p[None, :], hi.to(ty), mask=mask)
+    store_to_cache(cache_ptr + dst + offs_p[None, :], lo, scale_ptr, mask, FP8)
+    store_to_cache(cache_ptr + dst + half + offs_p[None, :], hi, scale_ptr, mask, FP8)
 
 
 @triton.jit
 def _qkv_rotary_cache_kernel(
     x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, bias_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-    cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr,
+    k_scale_ptr, v_scale_ptr, cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr,
     M, K, num_slots, stride_xm, stride_rm, stride_rom, stride_wn, stride_qm, stride_qh, stride_pos,
     stride_cb, stride_cs, stride_ch,  # the key and value caches share one layout
     block_size, num_heads, num_kv_heads, half, eps,
     ADD: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr, DOT_FP32: tl.constexpr, PAD_SLOT: tl.constexpr,
     COMPACT: tl.constexpr, ROWS: tl.constexpr, PRE_K: tl.constexpr, SLICE_K: tl.constexpr, LATE_RSTD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     head = tl.program_id(0)  # q heads, then k heads, then v heads, as the fused weight's rows
     pair_tile = tl.program_id(1)
@@ -115,11 +117,12 @@ def _qkv_rotary_cache_kernel(
         tl.store(dst, lo.to(out_ty), mask=mask)
         tl.store(dst + half, hi.to(out_ty), mask=mask)
     elif head < num_heads + num_kv_heads:
-        _store_cache(k_cache_ptr, lo, hi, slots, head - num_heads, offs_p, half, row_mask,
-                     block_size, stride_cb, stride_cs, stride_ch, PAD_SLOT)
+        # Keys in q's dtype, as the unfused path rotates them, before an FP8 cache quantizes them.
+        _store_cache(k_cache_ptr, k_scale_ptr, lo.to(out_ty), hi.to(out_ty), slots, head - num_heads, offs_p, half, row_mask,
+                     block_size, stride_cb, stride_cs, stride_ch, PAD_SLOT, FP8)
     else:
-        _store_cache(v_cache_ptr, lo, hi, slots, head - num_heads - num_kv_heads, offs_p, half, row_mask,
-                     block_size, stride_cb, stride_cs, stride_ch, PAD_SLOT)
+        _store_cache(v_cache_ptr, v_scale_ptr, lo, hi, slots, head - num_heads - num_kv_heads, offs_p, half,
+                     row_mask, block_size, stride_cb, stride_cs, stride_ch, PAD_SLOT, FP8)
     if ADD:
         store_residual_slice(res_out_ptr, res_sum, program, M, K, stride_rom, ROWS, SLICE_K)
 
@@ -139,6 +142,7 @@ def qkv_rotary_cache(
     eps: float = 0.0,
     residual: torch.Tensor | None = None,
     config: SmallMConfig | None = None,
+    scales=None,  # attention/kv_quant.KVScales, for an FP8 kv_cache
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(rotated q [M, num_heads, head_dim], x + residual or None); rotated k and v go to kv_cache only.
 
@@ -151,8 +155,9 @@ def qkv_rotary_cache(
     if weight.shape[0] != (num_heads + 2 * num_kv_heads) * head_dim or head_dim % 2:
         raise ValueError(f"weight rows {weight.shape[0]} are not (num_heads {num_heads} + 2 x num_kv_heads "
                          f"{num_kv_heads}) x even head_dim {head_dim}")
-    if kv_cache.dtype != x.dtype:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype} differs from x's {x.dtype}")
+    k_scale, v_scale, fp8 = cache_scales(kv_cache, scales)
+    if kv_cache.dtype != x.dtype and not fp8:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} differs from x's {x.dtype} (and is not FP8)")
     half = head_dim // 2
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != half or cos.stride() != sin.stride() \
             or cos.stride(1) != 1 or cos.dtype != torch.float32:
@@ -176,7 +181,7 @@ def qkv_rotary_cache(
     _qkv_rotary_cache_kernel[grid](
         x, residual if residual is not None else x, residual_out if residual_out is not None else q,
         norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
-        q, k_cache, v_cache, cos, sin, positions, slot_mapping,
+        q, k_cache, v_cache, k_scale, v_scale, cos, sin, positions, slot_mapping,
         m, x.shape[1], min(slot_mapping.shape[0], m), x.stride(0), residual.stride(0) if residual is not None else 0,
         residual_out.stride(0) if residual_out is not None else 0, weight.stride(0), q.stride(0), q.stride(1),
         cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -184,6 +189,6 @@ def qkv_rotary_cache(
         ADD=residual is not None, NORM=norm, BIAS=bias is not None,
         DOT_FP32=dot_in_float32(x), PAD_SLOT=PAD_SLOT_ID,
         **prologue_meta(x, norm, cfg.compact, grid[0] * grid[1]), BLOCK_P=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FP8=fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return q, residual_out

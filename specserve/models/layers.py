@@ -175,11 +175,13 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
-    def rotate_and_cache(self, positions, q, k, v, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """The fused path: rotate q and k in place and write the rotated k and v into kv_cache."""
+    def rotate_and_cache(self, positions, q, k, v, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                         scales=None) -> None:
+        """The fused path: rotate q and k in place and write the rotated k and v into kv_cache (an FP8 one
+        quantized with the layer's scales, attention/kv_quant.KVScales)."""
         from specserve.kernels.rotary_cache import rotary_and_cache
 
-        rotary_and_cache(positions, q, k, v, self.cos, self.sin, kv_cache, slot_mapping)
+        rotary_and_cache(positions, q, k, v, self.cos, self.sin, kv_cache, slot_mapping, scales)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from specserve.attention.backend import AttentionBackend
+from specserve.attention.kv_quant import KVScales
 from specserve.attention.metadata import AttentionMetadata
 from specserve.distributed.communication import all_reduce
 from specserve.distributed.parallel_state import TPGroup
@@ -43,6 +44,8 @@ class Attention(FusableModule):
         self.qk_norm = cfg.qk_norm
         self.backend = backend
         self.scale = self.head_dim**-0.5
+        # What an FP8 KV cache stores keys and values divided by (docs/design.md, 'FP8 KV cache').
+        self.kv_scales = KVScales()
 
     def forward_prenorm(self, norm: nn.Module, x, residual, positions, rotary: RotaryEmbedding, kv_cache,
                         metadata: AttentionMetadata):
@@ -62,12 +65,13 @@ class Attention(FusableModule):
         from specserve.kernels.qkv_rotary_cache import qkv_rotary_cache
 
         q, total = qkv_rotary_cache(x, self.qkv_proj.weight, positions, rotary.cos, rotary.sin, kv_cache,
-                                    metadata.slot_mapping, self.num_heads, bias=self.qkv_proj.bias, **prologue)
+                                    metadata.slot_mapping, self.num_heads, bias=self.qkv_proj.bias,
+                                    scales=self.kv_scales, **prologue)
         return self._attend_cached(q, kv_cache, metadata), total
 
     def _attend_cached(self, q, kv_cache, metadata: AttentionMetadata):
         """The fused path after the KV-cache write: attention of q over the cache, then o_proj."""
-        out = self.backend.attend(q, kv_cache, metadata, self.scale)
+        out = self.backend.attend(q, kv_cache, metadata, self.scale, self.kv_scales)
         return output_projection(self, self.o_proj, out.reshape(-1, self.q_size))
 
     def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, metadata: AttentionMetadata):
@@ -81,10 +85,10 @@ class Attention(FusableModule):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.fused:
-            rotary.rotate_and_cache(positions, q, k, v, kv_cache, metadata.slot_mapping)
+            rotary.rotate_and_cache(positions, q, k, v, kv_cache, metadata.slot_mapping, self.kv_scales)
             return self._attend_cached(q, kv_cache, metadata)
         q, k = rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale, self.kv_scales)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

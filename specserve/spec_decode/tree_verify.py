@@ -153,6 +153,9 @@ def verify_tree(target: torch.Tensor, input_ids: torch.Tensor, index: torch.Tens
 
 def move_kv(caches: torch.Tensor, source: torch.Tensor, dest: torch.Tensor) -> None:
     """Copy keys and values at slots `source` to slots `dest` in every layer of caches [L, 2, blocks,
-    block_size, ...]. All are read before any is written: a destination may be another move's source."""
+    block_size, ...]. All are read before any is written: a destination may be another move's source. A move
+    copies bits, so a cache of one-byte elements (FP8) moves as bytes, which every device's index_copy_ takes."""
+    if caches.element_size() == 1:
+        caches = caches.view(torch.uint8)
     flat = caches.flatten(2, 3)
     flat.index_copy_(2, dest, flat.index_select(2, source))

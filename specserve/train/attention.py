@@ -133,7 +133,8 @@ class CausalAttention:
 
     name = "causal"
 
-    def forward(self, q, k, v, kv_cache, metadata: DenseBatch, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, metadata: DenseBatch, scale: float, kv_scales=None) -> torch.Tensor:
+        # No cache is kept, so nothing is quantized: kv_scales (the layer's) are unused.
         return _attend(_heads_first(q, metadata), _heads_first(k, metadata), _heads_first(v, metadata), scale,
                        is_causal=True)
 
@@ -143,7 +144,9 @@ class UnrolledAttention:
 
     name = "unrolled"
 
-    def forward(self, q, k, v, kv_cache: UnrolledKV, metadata: DenseBatch, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache: UnrolledKV, metadata: DenseBatch, scale: float,
+                kv_scales=None) -> torch.Tensor:
+        # Training keeps the head's keys and values in the model's dtype: kv_scales (the layer's) are unused.
         q = _heads_first(q, metadata)
         kv_cache.keys.append(_heads_first(k, metadata))
         kv_cache.values.append(_heads_first(v, metadata))

@@ -80,7 +80,7 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
             self.memory_at_start = CudaMemory(self.device).read()
         self.block_size = config.block_size
         # Allocated by initialize_kv_cache, once a drafter's layers have joined the target's (set_speculator).
-        self.kv = KVCaches(KVCacheLayout.of(arch), self.block_size, self.dtype, self.device)
+        self.kv = KVCaches(KVCacheLayout.of(arch), self.block_size, config.kv_cache_torch_dtype, self.device)
         self.kv_plan: KVCachePlan | None = None
         # Room for the context plus draft lookahead slots.
         max_blocks_per_req = -(-(config.max_model_len + MAX_DRAFT_TOKENS) // self.block_size) + 1

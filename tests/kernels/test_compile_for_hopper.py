@@ -109,7 +109,7 @@ def kernels():
         M=i32, K=i32, num_slots=i32, stride_xm=i32, stride_rm=i32, stride_rom=i32, stride_wn=i32, stride_qm=i32,
         stride_qh=i32, stride_pos=i32, stride_cb=i32, stride_cs=i32, stride_ch=i32, block_size=i32,
         num_heads=i32, num_kv_heads=i32, half=i32, eps="fp32", ADD=True, NORM=True, BIAS=False, DOT_FP32=False,
-        PAD_SLOT=PAD_SLOT_ID, ROWS=1, BLOCK_M=16)
+        PAD_SLOT=PAD_SLOT_ID, ROWS=1, BLOCK_M=16, k_scale_ptr=f32, v_scale_ptr=f32, FP8=False)
     for rows, cfg in ((1, tiles["qkv_norm_small_one_token"]), (16, tiles["qkv_norm_small"])):
         yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
             qkv, ROWS=rows, COMPACT=cfg.compact, PRE_K=4096 // rows, SLICE_K=64, LATE_RSTD=True, BLOCK_P=cfg.block_n,
@@ -122,6 +122,23 @@ def kernels():
     yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
         qkv, COMPACT=False, PRE_K=4096, SLICE_K=64, LATE_RSTD=False, BLOCK_P=tiles["qkv_norm_large_one_token"].block_n,
         BLOCK_K=tiles["qkv_norm_large_one_token"].block_k)
+    # Into an FP8 (e4m3) KV cache, quantized with the layer's scales.
+    fp8, scale = "*fp8e4nv", dict(k_scale_ptr=f32, v_scale_ptr=f32, FP8=True)
+    yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
+        qkv, **scale, k_cache_ptr=fp8, v_cache_ptr=fp8, COMPACT=False, PRE_K=4096, SLICE_K=64, LATE_RSTD=False,
+        BLOCK_P=tiles["qkv_norm_large_one_token"].block_n, BLOCK_K=tiles["qkv_norm_large_one_token"].block_k)
+    from specserve.kernels import reshape_and_cache, rotary_cache
+
+    yield reshape_and_cache._reshape_and_cache_kernel, dict(
+        k_ptr=bf16, v_ptr=bf16, k_cache_ptr=fp8, v_cache_ptr=fp8, slot_mapping_ptr=p64, **scale, stride_kt=i32,
+        stride_kh=i32, stride_vt=i32, stride_vh=i32, stride_cb=i32, stride_cs=i32, stride_ch=i32, block_size=i32,
+        num_kv_heads=i32, head_dim=i32, PAD_SLOT=PAD_SLOT_ID, BLOCK_H=8, BLOCK_D=128)
+    yield rotary_cache._rotary_cache_kernel, dict(
+        q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, cos_ptr=f32, sin_ptr=f32, positions_ptr=p64, slot_mapping_ptr=p64,
+        k_cache_ptr=fp8, v_cache_ptr=fp8, **scale, stride_qt=i32, stride_qh=i32, stride_kt=i32, stride_kh=i32,
+        stride_vt=i32, stride_vh=i32, stride_pos=i32, stride_cb=i32, stride_cs=i32, stride_ch=i32, num_slots=i32,
+        block_size=i32, num_heads=i32, num_kv_heads=i32, half=i32, PAD_SLOT=PAD_SLOT_ID, BLOCK_HQ=32, BLOCK_HK=8,
+        BLOCK_HALF=64)
     from specserve.attention import triton_backend
     from specserve.kernels import rmsnorm
 
@@ -130,7 +147,8 @@ def kernels():
         block_table_ptr=p32, qk_scale="fp32", stride_qt=i32, stride_qh=i32, stride_ot=i32, stride_oh=i32,
         stride_cb=i32, stride_cs=i32, stride_ch=i32, stride_bt=i32, block_size=i32, num_reqs=i32, num_tokens=i32,
         BLOCK_M=16, DOT_FP32=False, MIN_CHUNK=triton_backend.MIN_CHUNK, part_acc_ptr=f32, part_max_ptr=f32,
-        part_sum_ptr=f32, counter_ptr=p32, tree_bits_ptr=p64, tree_offset=i32, TREE=False)
+        part_sum_ptr=f32, counter_ptr=p32, tree_bits_ptr=p64, tree_offset=i32, TREE=False, k_scale_ptr=f32,
+        v_scale_ptr=f32, FP8=False)
     # Llama-3-8B's decode at batch 1, keys split over 16 programs (atomics, L2 loads, a barrier).
     yield triton_backend._paged_attention_kernel, dict(
         attention, GROUP=4, HEAD_DIM=128, BLOCK_Q=4, BLOCK_N=64, NUM_SPLITS=16)
@@ -140,6 +158,13 @@ def kernels():
     # ... verifying a tree of drafts (16 query tokens, 64 rows).
     yield triton_backend._paged_attention_kernel, dict(
         attention, BLOCK_M=64, GROUP=3, HEAD_DIM=64, BLOCK_Q=21, BLOCK_N=64, NUM_SPLITS=1, TREE=True)
+    # ... over an FP8 cache: Llama-3-8B's split decode, SmolLM2's tree.
+    yield triton_backend._paged_attention_kernel, dict(
+        attention, k_cache_ptr=fp8, v_cache_ptr=fp8, FP8=True, GROUP=4, HEAD_DIM=128, BLOCK_Q=4, BLOCK_N=64,
+        NUM_SPLITS=16)
+    yield triton_backend._paged_attention_kernel, dict(
+        attention, k_cache_ptr=fp8, v_cache_ptr=fp8, FP8=True, BLOCK_M=64, GROUP=3, HEAD_DIM=64, BLOCK_Q=21,
+        BLOCK_N=64, NUM_SPLITS=1, TREE=True)
     # The fused residual add + RMSNorm.
     yield rmsnorm._rms_norm_kernel, dict(
         x_ptr=bf16, residual_ptr=bf16, weight_ptr=bf16, out_ptr=bf16, heads=i32, stride_xt=i32, stride_xh=i32,
