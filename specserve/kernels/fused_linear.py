@@ -190,9 +190,8 @@ def fp8_linear(
         raise ValueError(f"an FP8 x takes an x_scale and any other x none; got {x.dtype} x and "
                          f"{'an' if x_scale is not None else 'no'} x_scale")
     out_dtype = out_dtype or x.dtype
-    if x_scale is not None and (x_scale.shape != (m, 1) or x_scale.dtype != torch.float32 or out_dtype == FP8_DTYPE):
-        raise ValueError(f"x_scale must be float32 [{m}, 1] and out_dtype a float dtype other than FP8, got "
-                         f"{x_scale.dtype} {tuple(x_scale.shape)} and {out_dtype}")
+    if x_scale is not None and (x_scale.shape != (m, 1) or x_scale.dtype != torch.float32):
+        raise ValueError(f"x_scale must be float32 [{m}, 1], got {x_scale.dtype} {tuple(x_scale.shape)}")
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"the output must be float32, bfloat16 or float16, got {out_dtype}")
     if x.dim() != 2 or m > MAX_ROWS or x.shape[1] != weight.shape[1]:
