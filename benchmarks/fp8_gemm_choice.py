@@ -38,7 +38,7 @@ def projection_shapes(model: str) -> dict[str, tuple[int, int]]:
 
 def time_both(n: int, k: int, m: int) -> dict[str, float]:
     """GPU microseconds per call of each kernel over m tokens; several weights rotated past the L2."""
-    copies = max(2, (256 << 20) // (n * k))
+    copies = max(2, min(512, (256 << 20) // (n * k)))
     weights = [quantize_per_channel(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(copies)]
     xq, xs = quantize_per_token(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
     turn = {"i": 0}
