@@ -62,8 +62,9 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
-    print(f"\n| vLLM, {a.model}, TP={a.tensor_parallel_size}, {a.quantization or 'bfloat16'} | " + " | ".join(f"batch {r['batch']}: {r['tok_s']:,.0f} tok/s"
-                                                                          for r in rows) + " |")
+    weights = a.quantization or "bfloat16"
+    print(f"\n| vLLM, {a.model}, TP={a.tensor_parallel_size}, {weights} | "
+          + " | ".join(f"batch {r['batch']}: {r['tok_s']:,.0f} tok/s" for r in rows) + " |")
 
 
 if __name__ == "__main__":
