@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.errors import ConfigError
+from specserve.quantization.config import check_quantization
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
@@ -109,6 +110,9 @@ class EngineConfig:
     # GPUs of its own (docs/design.md, 'Data parallelism'). Only the server runs replicas; an engine in one
     # process (LLM, LLMEngine) is one replica.
     data_parallel_size: int = 1
+    # Weight quantization (docs/design.md, 'FP8 weights'): "fp8" quantizes an unquantized checkpoint's projections
+    # as it loads; None loads the checkpoint as it is (an FP8 checkpoint as FP8), as vLLM's --quantization.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         from specserve.spec_decode.config import SpeculativeConfig
@@ -118,6 +122,7 @@ class EngineConfig:
                "give a model name (e.g. smollm2-135m), a Hugging Face directory, a .gguf file or a Hugging Face id")
         _check(self.revision is None or (isinstance(self.revision, str) and bool(self.revision)), "revision",
                f"must be a branch, tag or commit of the model's Hugging Face repository, got {self.revision!r}")
+        check_quantization(self.quantization)
         _check(self.load_format in LOAD_FORMATS, "load_format",
                f"must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         _check(self.dtype is None or self.dtype in DTYPES, "dtype",

@@ -24,6 +24,7 @@ import torch
 from specserve.bench.models import BenchModel, build_hf_model, distinct_params, prepare_model, write_random_eagle3_head
 from specserve.distributed.collective_probe import step_collective_seconds
 from specserve.errors import ConfigError
+from specserve.quantization.config import check_quantization
 from specserve.spec_decode.config import MAX_SPECULATIVE_TOKENS
 from specserve.worker.cudagraph_mode import CUDAGraphMode
 
@@ -58,10 +59,11 @@ class SpecSetting:
     def label(self) -> str:
         return f"eagle3 k={self.k} p={self.p:g}" + (" dynamic" if self.dynamic else "")
 
-    def speculative_config(self, head) -> dict:
-        """The engine's speculative config: EAGLE-3 with this head (a directory or shipped name) at this setting."""
+    def speculative_config(self, head, quantization: str | None = None) -> dict:
+        """The engine's speculative config: EAGLE-3 with this head (a directory or shipped name) at this setting,
+        its weights quantized as `quantization` says (None: the model's dtype)."""
         return {"method": "eagle3", "model": str(head), "num_speculative_tokens": self.k,
-                "forced_acceptance_prob": self.p, "dynamic": self.dynamic}
+                "forced_acceptance_prob": self.p, "dynamic": self.dynamic, "quantization": quantization}
 
     @classmethod
     def parse(cls, text: str) -> SpecSetting:
@@ -108,8 +110,14 @@ class DecodeBenchConfig:
     seed: int = 0
     # Ranks each engine shards its target over (one GPU each); > 1 also measures each step's collectives.
     tensor_parallel_size: int = 1
+    # Weight quantization of every engine's target and of its EAGLE-3 head, each chosen apart (EngineConfig's
+    # and SpeculativeConfig's `quantization`): None keeps the model's dtype.
+    quantization: str | None = None
+    draft_quantization: str | None = None
 
     def __post_init__(self) -> None:
+        check_quantization(self.quantization)
+        check_quantization(self.draft_quantization, "draft_quantization")
         if not self.models:
             raise _bad("models", "name at least one model or shape")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
@@ -463,7 +471,7 @@ class DecodeBench:
         cfg = self.cfg
         spec = None
         if job.spec is not None:
-            spec = job.spec.speculative_config(self._head(model))
+            spec = job.spec.speculative_config(self._head(model), cfg.draft_quantization)
         max_batch = max(job.batch_sizes)
         max_model_len = cfg.prompt_len + cfg.new_tokens + 16
         # Room for every request's context and draft lookahead at once: nothing is ever preempted.
@@ -476,7 +484,7 @@ class DecodeBench:
             # The whole batch's prompts in one step: every request then decodes in lockstep.
             max_num_batched_tokens=max(2048, max_batch * cfg.prompt_len),
             enable_prefix_caching=False, speculative_config=spec, cudagraph_mode=job.mode,
-            tensor_parallel_size=cfg.tensor_parallel_size,
+            tensor_parallel_size=cfg.tensor_parallel_size, quantization=cfg.quantization,
             cudagraph_capture_sizes=sizes,
             # Each batch size runs once untimed before its timed runs, which is all the warm-up it needs; the
             # engine's start-up warm-up of every shape would only lengthen the build.

@@ -65,7 +65,8 @@ def _follow(runner: ModelRunner, follower: GraphFollower, msg) -> None:
 def _start(config: EngineConfig, source: ModelSource, conn) -> tuple[ModelRunner, GraphFollower]:
     backend = get_attention_backend(config.attention_backend)
     model, arch = build_model(source, config.torch_dtype, config.device, backend, load_format=config.load_format,
-                              seed=config.seed, tp=tp_group())
+                              seed=config.seed, tp=tp_group(),
+                              quantization=config.quantization)
     config.finalize(arch.max_context)
     # The drafter runs on rank 0 alone (draft_tensor_parallel_size 1): this rank holds the target's shard only.
     runner = ModelRunner(model, model.cfg, config)

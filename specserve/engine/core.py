@@ -77,7 +77,8 @@ class EngineCore:
     def _build(self, config: EngineConfig, tokenizer, source: ModelSource, backend) -> None:
         """Everything after the other ranks started: the model, the runner, the KV cache, graphs, scheduler."""
         self.model, self.arch = build_model(source, config.torch_dtype, config.device, backend,
-                                             load_format=config.load_format, seed=config.seed, tp=tp_group())
+                                             load_format=config.load_format, seed=config.seed, tp=tp_group(),
+                                             quantization=config.quantization)
         config.finalize(self.arch.max_context)
         self.eos_token_ids = eos_token_ids(source, self.arch, tokenizer)
         self.tokenizer = tokenizer

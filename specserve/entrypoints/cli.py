@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-size", type=int, default=1, metavar="M",
                    help="engine replicas behind one server (serve only), each on GPUs of its own; new requests go to "
                         "the least loaded")
+    g.add_argument("--quantization", choices=["fp8"], help="fp8: FP8 weights (per-channel scales) and per-token "
+                   "FP8 activations, quantized as the model loads (default: the checkpoint's own; an FP8 checkpoint "
+                   "loads as FP8)")
     g.add_argument("--speculative-config", help='JSON as in vLLM, e.g. \'{"method": "eagle3", "model": PATH, '
                    '"num_speculative_tokens": 4}\'; methods: eagle, eagle3, ngram, draft_model')
 
@@ -67,6 +70,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
         speculative_config=a.speculative_config, gpu_memory_utilization=a.gpu_memory_utilization,
         kv_cache_memory_bytes=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype, tensor_parallel_size=a.tensor_parallel_size, nnodes=a.nnodes,
         master_addr=a.master_addr, master_port=a.master_port, data_parallel_size=a.data_parallel_size,
+        quantization=a.quantization,
     )
 
 

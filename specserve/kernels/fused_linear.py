@@ -39,26 +39,30 @@ import triton.language as tl
 
 from specserve.kernels.argmax import pick_chunks
 from specserve.kernels.small_m_configs import SmallMConfig, linear_config
-from specserve.kernels.small_m_prologue import (check_prologue, dot_in_float32, input_chunk, prologue_meta,
-                                                 prologue_rows, row_rstd, store_residual_slice)
+from specserve.kernels.small_m_prologue import (MAX_ROWS, check_prologue, dot_in_float32, input_chunk,
+                                                 prologue_meta, prologue_rows, row_rstd, store_residual_slice)
 from specserve.spec_decode.pick_scatter import PickScatter
 
 
 @triton.jit
 def _fused_linear_kernel(
-    x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr, idx_ptr, part_ptr, counter_ptr,
+    x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr, idx_ptr, part_ptr, counter_ptr, w_scale_ptr, x_scale_ptr,
     M, N, K, k_per, stride_xm, stride_rm, stride_rom, stride_wn, stride_om, eps,
     ADD: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, TOP: tl.constexpr, DOT_FP32: tl.constexpr,
+    W_SCALED: tl.constexpr, X_SCALED: tl.constexpr,
     COMPACT: tl.constexpr, ROWS: tl.constexpr, PRE_K: tl.constexpr, SLICE_K: tl.constexpr, LATE_RSTD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """With SPLIT_K > 1 (plain projections only), program (pid, s) of the grid (column tiles, SPLIT_K) sums
     K from s * k_per (a multiple of BLOCK_K) into part_ptr's float32 [SPLIT_K, M, N]; counter_ptr holds a
-    zero per column tile, back at zero when the launch ends."""
+    zero per column tile, back at zero when the launch ends. With W_SCALED the weight is FP8 with a float32 scale
+    per output column (w_scale_ptr [N]), with X_SCALED x is FP8 with one per row (x_scale_ptr [M]): both operands
+    are widened exactly to the dot's dtype and the float32 sums scaled once, after the K loop."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     w_ty = w_ptr.dtype.element_ty
-    dot_ty = tl.float32 if DOT_FP32 else w_ty
+    # An FP8 weight multiplies in the output's dtype, into which e4m3 widens exactly.
+    dot_ty = tl.float32 if DOT_FP32 else (out_ptr.dtype.element_ty if W_SCALED else w_ty)
     # int64 rows: a vocabulary-sized weight passes 2**31 elements.
     gate_rows = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
     up_rows = w_ptr + (offs_n + N).to(tl.int64)[None, :] * stride_wn
@@ -106,6 +110,10 @@ def _fused_linear_kernel(
         for s in range(0, SPLIT_K):
             # From L2: other SMs wrote these.
             acc += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+    if W_SCALED:
+        acc = acc * tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
+    if X_SCALED:
+        acc = acc * tl.load(x_scale_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
     if TOP > 0:
         # Per row, the TOP best of this program's columns, best first, ties to the first; out holds [M, programs
         # x TOP] float32 values. A NaN never wins (as in argmax.py's chunk kernel), so a row of NaN still picks
@@ -150,7 +158,8 @@ def fused_linear(
     """(out, x + residual): out = norm(x [+ residual]) @ weight^T [M, N], or silu(gate) * up [M, I].
 
     x + residual is a new tensor (the next residual stream), None without a residual. Inputs are
-    never written. config overrides small_m_configs' choice (for benchmarking).
+    never written. config overrides small_m_configs' choice (for benchmarking). An FP8 weight takes
+    fp8_linear instead.
     """
     check_prologue(x, weight, norm_weight, residual)
     if silu_mul and weight.shape[0] % 2:
@@ -159,6 +168,39 @@ def fused_linear(
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     residual_out = _launch(x, weight, norm_weight, eps, residual, silu_mul, config, n, out, None)
     return out, residual_out
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [M, K], M <= 32: FP8 with x_scale, else the output's dtype (float32/bfloat16/float16)
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    weight_scale: torch.Tensor,  # [N] float32: weight row n is weight[n] * weight_scale[n]
+    x_scale: torch.Tensor | None = None,  # [M, 1] float32: x row m is x[m] * x_scale[m]
+    out_dtype: torch.dtype | None = None,  # with an FP8 x; otherwise x's dtype
+    config: SmallMConfig | None = None,
+) -> torch.Tensor:
+    """(x * x_scale) @ (weight * weight_scale)^T as out_dtype [M, N]: the small-M kernel with an FP8 weight (W8A16),
+    and with x_scale an FP8 input too (W8A8); the weight is widened tile by tile, never stored wider."""
+    from specserve.quantization.fp8 import FP8_DTYPE
+
+    m, n = x.shape[0], weight.shape[0]
+    if weight.dtype != FP8_DTYPE or weight_scale.shape != (n,) or weight_scale.dtype != torch.float32:
+        raise ValueError(f"an {FP8_DTYPE} weight [N, K] and a float32 weight_scale [N] expected, got {weight.dtype} "
+                         f"and {weight_scale.dtype} {tuple(weight_scale.shape)}")
+    if (x_scale is None) == (x.dtype == FP8_DTYPE):
+        raise ValueError(f"an FP8 x takes an x_scale and any other x none; got {x.dtype} x and "
+                         f"{'an' if x_scale is not None else 'no'} x_scale")
+    out_dtype = out_dtype or x.dtype
+    if x_scale is not None and (x_scale.shape != (m, 1) or x_scale.dtype != torch.float32):
+        raise ValueError(f"x_scale must be float32 [{m}, 1], got {x_scale.dtype} {tuple(x_scale.shape)}")
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"the output must be float32, bfloat16 or float16, got {out_dtype}")
+    if x.dim() != 2 or m > MAX_ROWS or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x [M <= {MAX_ROWS}, K] for weight {tuple(weight.shape)} expected, got {tuple(x.shape)}")
+    if x.stride(1) != 1 or weight.stride(1) != 1 or x.device != weight.device:
+        raise ValueError("x and weight must share a device and have unit stride along K")
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    _launch(x, weight, None, 0.0, None, False, config, n, out, None, scales=(weight_scale, x_scale))
+    return out
 
 
 def fused_linear_argmax(x: torch.Tensor, weight: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -200,9 +242,11 @@ def fused_linear_topk(
     return pick_chunks(maxima, firsts, token_map, top=k).view(x.shape[0], k), residual_out
 
 
-def _launch(x, weight, norm_weight, eps, residual, silu_mul, config, n, out, firsts, top=0) -> torch.Tensor | None:
+def _launch(x, weight, norm_weight, eps, residual, silu_mul, config, n, out, firsts, top=0,
+            scales=(None, None)) -> torch.Tensor | None:
     """Run the kernel over x into out (with firsts: the buffers of each program's top best columns); returns
-    x + residual."""
+    x + residual. scales: fp8_linear's (weight_scale, x_scale)."""
+    weight_scale, x_scale = scales
     m, k = x.shape
     norm = norm_weight is not None
     cfg = config or linear_config(weight, wide=silu_mul, norm=norm, m=m)
@@ -223,10 +267,13 @@ def _launch(x, weight, norm_weight, eps, residual, silu_mul, config, n, out, fir
     _fused_linear_kernel[(grid, cfg.split_k)](
         x, residual if residual is not None else x, residual_out if residual_out is not None else out,
         norm_weight if norm_weight is not None else x, weight, out, firsts if firsts is not None else out,
-        parts, counters, m, n, k, k_per, x.stride(0), residual.stride(0) if residual is not None else 0,
+        parts, counters, weight_scale if weight_scale is not None else out, x_scale if x_scale is not None else out,
+        m, n, k, k_per, x.stride(0), residual.stride(0) if residual is not None else 0,
         residual_out.stride(0) if residual_out is not None else 0, weight.stride(0), out.stride(0), eps,
         ADD=residual is not None, NORM=norm, SILU_MUL=silu_mul, TOP=top,
-        DOT_FP32=dot_in_float32(x),
+        DOT_FP32=dot_in_float32(x) or (weight_scale is not None and (x.device.type == "cpu"
+                                                                      or out.dtype == torch.float32)),
+        W_SCALED=weight_scale is not None, X_SCALED=x_scale is not None,
         **prologue_meta(x, norm, cfg.compact, grid), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -55,23 +55,29 @@ def small_m(module: FusableModule, x: torch.Tensor) -> bool:
     return module.fused and x.shape[0] <= SMALL_M_MAX_TOKENS
 
 
-def output_projection(module: FusableModule, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def small_m_linear(module: FusableModule, linear: nn.Module, x: torch.Tensor) -> bool:
+    """Whether linear over x runs as the small-M kernel with its neighbours' work: an nn.Linear's (16/32-bit)
+    weight only; any other projection (an FP8 one, quantization/fp8_linear.py) chooses its own kernel."""
+    return isinstance(linear, nn.Linear) and small_m(module, x)
+
+
+def output_projection(module: FusableModule, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """linear(x), through the small-M kernel where it pays."""
-    if small_m(module, x):
+    if small_m_linear(module, linear, x):
         from specserve.kernels.fused_linear import fused_linear
 
         return fused_linear(x, linear.weight)[0]
     return linear(x)
 
 
-def fuses_neighbours(module: FusableModule, linear: nn.Linear, x: torch.Tensor) -> bool:
+def fuses_neighbours(module: FusableModule, linear: nn.Module, x: torch.Tensor) -> bool:
     """Whether linear's small-M kernel over x also runs the kernels around it: the norm in front (prologue),
     rotary and the cache write after a qkv projection (epilogue). The one place that decides."""
-    return small_m(module, x) and (weight_bytes(linear.weight) <= FOLD_NORM_MAX_WEIGHT_BYTES
+    return small_m_linear(module, linear, x) and (weight_bytes(linear.weight) <= FOLD_NORM_MAX_WEIGHT_BYTES
                                    or x.shape[0] <= FOLD_NORM_ANY_WEIGHT_MAX_TOKENS)
 
 
-def folds_norm(module: FusableModule, norm: nn.Module, linear: nn.Linear, x: torch.Tensor) -> bool:
+def folds_norm(module: FusableModule, norm: nn.Module, linear: nn.Module, x: torch.Tensor) -> bool:
     """Whether norm (and the residual add) runs in the prologue of linear's small-M kernel over x. norm may
     be nn.Identity (the EAGLE-1 head's layer has no input norm)."""
     return isinstance(norm, RMSNorm) and fuses_neighbours(module, linear, x)

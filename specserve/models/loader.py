@@ -142,9 +142,13 @@ def whole_tensors(source: ModelSource, names: set[str]) -> dict[str, torch.Tenso
     return {name: t for name, t in weights if name in names}
 
 
-def load_weights_into(model: torch.nn.Module, source: ModelSource) -> None:
+def load_weights_into(model: torch.nn.Module, source: ModelSource, quantize: bool = False) -> None:
+    """quantize: quantize the projections' weights to FP8 as they load (quantization/fp8_model.py)."""
+    from specserve.quantization.fp8_model import quantized_checkpoint
+
+    weights = hf_named_weights(source)
     try:
-        model.load_weights(hf_named_weights(source))
+        model.load_weights(quantized_checkpoint(weights) if quantize else weights)
     except (ValueError, KeyError, RuntimeError) as e:
         if isinstance(e, ModelLoadError):
             raise
@@ -193,12 +197,16 @@ def init_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> 
 
 
 def build_model(source: ModelSource, dtype: torch.dtype, device: str, backend, aux_hidden_layers=(),
-                load_format: str = "auto", seed: int = 0, tp: TPGroup = TPGroup(0, 1)):
+                load_format: str = "auto", seed: int = 0, tp: TPGroup = TPGroup(0, 1), quantization: str | None = None):
     """(model, the whole model's architecture); with tp of several ranks the model is rank tp.rank's shard
-    (models/parallel_layers.py), whose own architecture is model.cfg."""
+    (models/parallel_layers.py), whose own architecture is model.cfg. quantization: EngineConfig's (FP8
+    checkpoints load as FP8 whatever it is; docs/design.md, 'FP8 weights')."""
     from specserve.models.llama import LlamaForCausalLM
+    from specserve.quantization.checkpoint import model_fp8_scheme
+    from specserve.quantization.fp8_model import quantize_projections, use_fp8_projections
 
     arch = ArchConfig.from_hf_config(source.hf_config)
+    fp8, quantize = model_fp8_scheme(source.hf_config, quantization)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, backend, aux_hidden_layers, tp)
     if load_format == "dummy":
@@ -207,9 +215,15 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: str, backend, a
         model = model.to(dtype=dtype).to_empty(device=device)
         model.tie_weights()
         init_dummy_weights(model, seed)
+        if fp8 is not None:
+            # Random weights quantized on the device, inputs per token, whatever a checkpoint's scheme says:
+            # speed does not depend on the values.
+            quantize_projections(model)
         return model.eval().requires_grad_(False), arch
+    if fp8 is not None:
+        use_fp8_projections(model, fp8.activation)
     model = model.to_empty(device="cpu")
     model.tie_weights()
-    load_weights_into(model, source)
+    load_weights_into(model, source, quantize)
     model = model.to(device=device, dtype=dtype)
     return model.eval().requires_grad_(False), arch

@@ -50,6 +50,12 @@ def shard_weight(name: str, part: int | None, tensor: torch.Tensor, arch: ArchCo
     """The rank's slice of a checkpoint tensor: `name` is our parameter's, `part` its index in a fused
     parameter (q, k, v; gate, up), arch the whole model's."""
     leaf = name.split(".")[-2] if "." in name else ""
+    if name.endswith(".input_scale") or (name.endswith(".weight_scale")
+                                         and (tensor.numel() == 1 or leaf in ("o_proj", "down_proj"))):
+        # The input's scale, one for a whole tensor, or a row-parallel layer's per-row scales: each rank keeps
+        # every output row (and the whole input is scaled alike), so these stay whole. A column-parallel
+        # layer's per-row scales split with its rows, below.
+        return tensor
     if leaf == "qkv_proj" and part in (1, 2):
         kv, per_rank = arch.num_kv_heads, max(1, arch.num_kv_heads // tp.size)
         first = tp.rank * per_rank if kv >= tp.size else tp.rank // (tp.size // kv)

@@ -8,6 +8,10 @@ from torch import nn
 
 from specserve.errors import ModelLoadError
 from specserve.models.arch_config import ArchConfig
+from specserve.quantization.fp8 import FP8_DTYPE
+
+# An FP8 projection's scales (quantization/fp8_linear.py): float32, flattened as they load.
+SCALE_SUFFIXES = (".weight_scale", ".input_scale")
 
 # Hugging Face projection name -> (our fused parameter, shard index).
 _FUSED = {
@@ -28,7 +32,10 @@ def load_hf_weights(
     tensor)` cuts a tensor to this rank's slice (models/parallel_layers.py, shard_weight) before its copy;
     `part` indexes the parts of a fused parameter (q, k, v; gate, up), None for others.
 
-    Raises ModelLoadError on an unknown name, a wrong shape, or a missing weight
+    FP8 projections (quantization/fp8_linear.py) also load `weight_scale` (per channel, [N] or [N, 1], or one per
+    tensor, which then scales every row of its part) and `input_scale` (one per part).
+
+    Raises ModelLoadError on an unknown name, a wrong shape or dtype, or a missing weight
     (parameters whose name starts with one of `optional` may be missing).
     Returns the names of the parameters that were loaded.
     """
@@ -42,6 +49,12 @@ def load_hf_weights(
         name = rename(raw_name)
         if name is None:
             continue
+        if name.endswith(".weight_scale_inv"):
+            # transformers' name for a per-tensor FP8 weight's scale: the factor that dequantizes, as ours.
+            name = name.removesuffix("_inv")
+        scale = name.endswith(SCALE_SUFFIXES)
+        if scale:
+            tensor = tensor.reshape(-1).float()
         parts = name.split(".")
         part = None
         for i, p in enumerate(parts):
@@ -53,11 +66,18 @@ def load_hf_weights(
             raise ModelLoadError(f"weight {raw_name!r} does not belong to a {type(module).__name__} "
                                  f"({cfg.architecture}); is the config right?")
         dst = params[name].data
-        if part is not None:
+        if part is not None and name.endswith(".input_scale"):
+            dst = dst.narrow(0, part, 1)
+        elif part is not None:
             sizes = shard_sizes[name.split(".")[-2]]
             dst = dst.narrow(0, sum(sizes[:part]), sizes[part])
         if shard is not None:
             tensor = shard(name, part, tensor)
+        if scale and tensor.numel() == 1:
+            tensor = tensor.expand(dst.shape)
+        if (dst.dtype == FP8_DTYPE) != (tensor.dtype == FP8_DTYPE):
+            raise ModelLoadError(f"weight {raw_name!r} is {tensor.dtype} where the model's quantization_config "
+                                 f"makes it {dst.dtype}; the checkpoint and its config.json disagree")
         if dst.shape != tensor.shape:
             raise ModelLoadError(f"weight {raw_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
         dst.copy_(tensor)

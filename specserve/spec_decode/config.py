@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from specserve.errors import ConfigError
+from specserve.quantization.config import check_quantization
 from specserve.spec_decode.tree import MAX_TREE_NODES, DraftTree
 
 METHODS = ("eagle", "eagle3", "ngram", "draft_model")
@@ -39,6 +40,10 @@ class SpeculativeConfig:
     cost_table: str | None = None
     # vLLM's field: no drafts in a step of this many requests or more (with or without dynamic).
     disable_by_batch_size: int | None = None
+    # The drafter's weights (docs/design.md, 'FP8 weights'): "fp8" quantizes its decoder projections as the
+    # target's --quantization fp8 does; None keeps them in the model's dtype (a draft model's FP8 checkpoint
+    # loads as FP8 either way). Chosen apart from the target's.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> None:
@@ -63,6 +68,9 @@ class SpeculativeConfig:
             if not Path(self.model).expanduser().exists() and self.model != "smollm2-135m":
                 bad("model", f"{self.model!r} does not exist; give a Hugging Face directory or a shipped head "
                     f"({', '.join(BUILTIN_HEADS)})")
+        check_quantization(self.quantization, "speculative_config.quantization")
+        if self.quantization is not None and self.method == "ngram":
+            bad("quantization", "n-gram speculation has no weights to quantize; drop it")
         p = self.forced_acceptance_prob
         if p is not None and not 0.0 <= p <= 1.0:
             bad("forced_acceptance_prob", f"must be in [0, 1], got {p}")

@@ -109,7 +109,8 @@ def build_speculator(cfg: SpeculativeConfig, runner, backend) -> Speculator:
         from specserve.spec_decode.draft_model import DraftModelSpeculator
 
         try:
-            model, arch = build_model(open_model_source(cfg.model), runner.dtype, str(runner.device), backend)
+            model, arch = build_model(open_model_source(cfg.model), runner.dtype, str(runner.device), backend,
+                                      quantization=cfg.quantization)
         except ModelLoadError as e:
             raise _bad("model", str(e)) from e
         if arch.vocab_size != target.vocab_size:
@@ -121,5 +122,9 @@ def build_speculator(cfg: SpeculativeConfig, runner, backend) -> Speculator:
 
     head = load_head(cfg, runner, target, backend).to(device=runner.device, dtype=runner.dtype)
     head = head.eval().requires_grad_(False)
+    if cfg.quantization == "fp8":
+        from specserve.quantization.fp8_model import quantize_projections
+
+        quantize_projections(head)
     logger.info("%s head loaded from %s", cfg.method.upper(), cfg.model)
     return EagleSpeculator(head, dtype=runner.dtype, tree_tables=runner.tree_tables, **common)

@@ -1,0 +1,1 @@
+"""Weight quantization (docs/design.md, 'FP8 weights')."""

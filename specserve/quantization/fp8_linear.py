@@ -1,0 +1,117 @@
+"""A linear layer with an FP8 weight (docs/design.md, 'FP8 weights').
+
+The weight is float8_e4m3fn [N, K] with a float32 scale per output row; the bias, if any, stays in the
+model's dtype. The input is quantized as `activation` says: per token on the fly (W8A8, dynamic), with the
+checkpoint's static scale (W8A8, static), or not at all (W8A16: the weight is widened inside the GEMM).
+
+Which GEMM runs: on the fused path (any CUDA module; a CPU module under Triton's interpreter when forced),
+the small-M Triton kernel (kernels/fused_linear.py, fp8_linear) where the measured table picks it
+(kernels/fp8_gemm_choice.py) or where `torch._scaled_mm` cannot run (a float32 or float16 model, a W8A16
+layer), torch._scaled_mm with rowwise scales (bfloat16 output) otherwise; past the Triton kernel's rows, a
+layer _scaled_mm cannot take dequantizes. The unfused path (the CPU's) is the reference: dequantize both
+operands and multiply in float32.
+"""
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import nn
+
+from specserve.kernels.fp8_gemm_choice import TRITON, TRITON_MAX_ROWS, choose_kernel
+from specserve.models.layers import FusableModule
+from specserve.quantization.fp8 import FP8_DTYPE, dequantize, quantize_per_channel, quantize_per_token, quantize_static
+
+
+class Fp8Activation(enum.Enum):
+    DYNAMIC = "dynamic"  # W8A8: per-token scales computed on the device at every call
+    STATIC = "static"  # W8A8: the checkpoint's per-tensor input scale
+    NONE = "none"  # W8A16: the input stays in the model's dtype
+
+
+class Fp8Linear(FusableModule):
+    """x @ (weight * weight_scale)^T + bias, with x quantized as `activation` says.
+
+    parts: the checkpoint projections fused into this one (3 for q/k/v, 2 for gate/up, else 1). Each part of a
+    static-scale checkpoint has its own input scale; they all quantize the same input, so the largest is used
+    (vLLM does the same).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, activation: Fp8Activation, parts: int = 1):
+        super().__init__()
+        self.in_features, self.out_features, self.activation = in_features, out_features, activation
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32), requires_grad=False)
+        self.input_scale = (nn.Parameter(torch.empty(parts, dtype=torch.float32), requires_grad=False)
+                            if activation is Fp8Activation.STATIC else None)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    @classmethod
+    def quantize(cls, linear: nn.Linear) -> "Fp8Linear":
+        """linear's weight quantized per output channel, its input per token (W8A8 dynamic), on linear's device."""
+        weight = linear.weight
+        with torch.device(weight.device):
+            layer = cls(linear.in_features, linear.out_features, linear.bias is not None, Fp8Activation.DYNAMIC)
+        q, scale = quantize_per_channel(weight)
+        layer.weight.data.copy_(q)
+        layer.weight_scale.data.copy_(scale)
+        if linear.bias is not None:
+            layer.bias.data = linear.bias.data
+        layer.fused = getattr(linear, "fused", weight.is_cuda)
+        return layer
+
+    def _apply(self, fn, recurse=True):
+        """Moves apply to every tensor, but a cast of the model's dtype leaves the FP8 weight and the float32
+        scales as they are (a scale through bfloat16 would lose bits)."""
+        kept = {id(t) for t in (self.weight, self.weight_scale, self.input_scale) if t is not None}
+
+        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            if id(t) not in kept or out.dtype == t.dtype:
+                return out
+            return out.to(t.dtype) if t.is_meta else t.to(out.device)
+
+        return super()._apply(keep_dtype, recurse)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"activation={self.activation.value}")
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the GEMM's input, its scale [M, 1]): x and None for W8A16."""
+        if self.activation is Fp8Activation.DYNAMIC:
+            return quantize_per_token(x)
+        if self.activation is Fp8Activation.STATIC:
+            return quantize_static(x, self.input_scale.amax())
+        return x, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.in_features)
+        out = self._matmul(x)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*lead, self.out_features)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        m, dtype = x.shape[0], x.dtype
+        xq, x_scale = self.quantize_input(x)
+        if not self.fused:
+            return self.reference(xq, x_scale, dtype)
+        scaled_mm_fits = dtype == torch.bfloat16 and x_scale is not None
+        if m <= TRITON_MAX_ROWS and (not scaled_mm_fits
+                              or choose_kernel(self.out_features, self.in_features, m, x.device) == TRITON):
+            from specserve.kernels.fused_linear import fp8_linear
+
+            return fp8_linear(xq, self.weight, self.weight_scale, x_scale, out_dtype=dtype)
+        if scaled_mm_fits:
+            # Rowwise scaling: scale_a [M, 1], scale_b [1, N]; the weight transposed is the column-major [K, N]
+            # operand cuBLAS takes.
+            return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale.view(1, -1),
+                                    out_dtype=dtype)
+        return self.reference(xq, x_scale, dtype)
+
+    def reference(self, xq: torch.Tensor, x_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Both operands dequantized, multiplied in float32, rounded once to dtype."""
+        x = xq.float() if x_scale is None else dequantize(xq, x_scale)
+        return (x @ dequantize(self.weight, self.weight_scale[:, None]).t()).to(dtype)

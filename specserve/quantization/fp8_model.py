@@ -1,0 +1,58 @@
+"""Which layers of a model are FP8, and making them so (docs/design.md, 'FP8 weights').
+
+Every projection of the decoder layers is: the fused qkv, o_proj, the fused gate/up and down_proj, of the
+target and of an EAGLE head's layer. Embeddings, lm_head, an EAGLE head's fc and the norms stay in the
+model's dtype, as vLLM keeps them.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from specserve.quantization.fp8 import quantize_per_channel
+from specserve.quantization.fp8_linear import Fp8Activation, Fp8Linear
+
+# Our projection -> how many checkpoint projections it fuses (q, k, v; gate, up).
+FP8_PROJECTIONS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
+# The checkpoint's (Hugging Face) names of their weights.
+_CHECKPOINT_WEIGHT = re.compile(r".*\.(q|k|v|o|gate|up|down)_proj\.weight")
+
+
+def _projections(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Linear]]:
+    for module in list(model.modules()):
+        for name in FP8_PROJECTIONS:
+            linear = getattr(module, name, None)
+            if isinstance(linear, nn.Linear):
+                yield module, name, linear
+
+
+def use_fp8_projections(model: nn.Module, activation: Fp8Activation) -> None:
+    """Replace model's projections by empty Fp8Linear layers of the same shapes (on the device their weights
+    are on, meta while a model is built), for an FP8 checkpoint to load into."""
+    for parent, name, linear in _projections(model):
+        with torch.device(linear.weight.device):
+            layer = Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None, activation,
+                              FP8_PROJECTIONS[name])
+        setattr(parent, name, layer)
+
+
+def quantize_projections(model: nn.Module) -> None:
+    """Quantize model's loaded projections in place, where they are: per-channel weights, per-token inputs."""
+    for parent, name, linear in _projections(model):
+        setattr(parent, name, Fp8Linear.quantize(linear))
+
+
+def quantized_checkpoint(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors with each projection weight quantized as it passes, whole (before a
+    tensor-parallel rank takes its slice, so a row-parallel layer's scales cover its whole rows): the weight
+    as FP8 and its per-channel `weight_scale`, the layout of an FP8 checkpoint."""
+    for name, tensor in weights:
+        if _CHECKPOINT_WEIGHT.fullmatch(name):
+            q, scale = quantize_per_channel(tensor)
+            yield name, q
+            yield name + "_scale", scale
+        else:
+            yield name, tensor

@@ -1,0 +1,71 @@
+"""The small-M projection with an FP8 weight (W8A16) and an FP8 input too (W8A8), against float64 and the FP8
+layer's reference path; operands are views into NaN buffers, K and N no multiples of the blocks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.kernels.fused_linear import fp8_linear
+from specserve.models.layers import set_fused_kernels
+from specserve.quantization.fp8 import quantize_per_channel, quantize_per_token
+from specserve.quantization.fp8_linear import Fp8Activation, Fp8Linear
+
+from .util import DEVICE, assert_close, poisoned_view
+
+K, N = 100, 70
+
+
+def _weight(seed: int):
+    w = poisoned_view(N, K, torch.float32, seed)
+    q, scale = quantize_per_channel(w.float())
+    buf = torch.full((N + 2, K + 8), float("nan"), device=DEVICE).to(q.dtype)
+    buf[:N, :K] = q
+    return buf[:N, :K], scale
+
+
+def _dequantized(q, scale):
+    return q.double() * scale.double().reshape(-1, 1)
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_only(m, dtype):
+    wq, ws = _weight(m)
+    x = poisoned_view(m, K, dtype, m + 1)
+    out = fp8_linear(x, wq, ws)
+    assert out.dtype == dtype and not out.isnan().any()
+    assert_close(out, x.double() @ _dequantized(wq, ws).T, terms=K)
+
+
+@pytest.mark.parametrize("m", [1, 7, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_input(m, dtype):
+    wq, ws = _weight(m + 10)
+    xq, xs = quantize_per_token(poisoned_view(m, K, dtype, m + 11))
+    out = fp8_linear(xq, wq, ws, xs, out_dtype=dtype)
+    assert out.dtype == dtype
+    assert_close(out, _dequantized(xq, xs) @ _dequantized(wq, ws).T, terms=K)
+
+
+def test_bad_operands_are_refused():
+    wq, ws = _weight(0)
+    x = torch.randn(2, K, device=DEVICE)
+    with pytest.raises(ValueError, match="an FP8 x takes an x_scale"):
+        fp8_linear(x, wq, ws, torch.ones(2, 1, device=DEVICE))
+    with pytest.raises(ValueError, match="weight_scale"):
+        fp8_linear(x, wq, ws[:-1])
+    with pytest.raises(ValueError, match="M <= 32"):
+        fp8_linear(torch.randn(33, K, device=DEVICE), wq, ws)
+
+
+@pytest.mark.parametrize("activation", [Fp8Activation.DYNAMIC, Fp8Activation.NONE])
+def test_the_layer_kernel_path_equals_its_reference(activation):
+    """The FP8 layer on the fused path (the Triton kernel for at most 32 rows, as on a GPU for a float32 model)
+    gives its reference path's result."""
+    layer = Fp8Linear.quantize(torch.nn.Linear(K, N, bias=True).to(DEVICE))
+    layer.activation = activation
+    x = torch.randn(9, K, device=DEVICE)
+    set_fused_kernels(layer, False)
+    want = layer(x)
+    set_fused_kernels(layer, True)
+    assert_close(layer(x), want.double(), terms=K)
