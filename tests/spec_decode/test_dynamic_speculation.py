@@ -34,6 +34,13 @@ def cost_table(models, name: str, plain: tuple[float, ...], drafting: tuple[floa
     return str(path)
 
 
+def dynamic_llm(models, table: str, forced_acceptance_prob: float) -> LLM:
+    """The tiny model with a dynamic EAGLE-3 head at k=3 whose drafts are accepted with the given probability."""
+    return LLM(str(models["path"]), max_model_len=256, speculative_config={
+        "method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3,
+        "forced_acceptance_prob": forced_acceptance_prob, "dynamic": True, "cost_table": table})
+
+
 def tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
@@ -42,9 +49,7 @@ def test_every_draft_rejected_turns_drafting_off(models):
     """Forced acceptance 0 with drafting steps 30% slower: once the estimate has fallen, no step drafts (a probe
     comes only after 256 steps without drafts), and the output is the target's."""
     table = cost_table(models, "slower", (1.0,) * 4, (1.3,) * 4)
-    llm = LLM(str(models["path"]), max_model_len=256, speculative_config={
-        "method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3, "forced_acceptance_prob": 0.0,
-        "dynamic": True, "cost_table": table})
+    llm = dynamic_llm(models, table, forced_acceptance_prob=0.0)
     core = llm.engine.core
     policy = core.scheduler.policy
     assert tokens(llm.generate(models["prompts"], GREEDY, use_tqdm=False)) == models["ref"]
@@ -58,9 +63,7 @@ def test_every_draft_rejected_turns_drafting_off(models):
 
 def test_every_draft_accepted_with_cheap_drafts_keeps_drafting(models):
     table = cost_table(models, "cheap", (1.0,) * 4, (1.1,) * 4)
-    llm = LLM(str(models["path"]), max_model_len=256, speculative_config={
-        "method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3, "forced_acceptance_prob": 1.0,
-        "dynamic": True, "cost_table": table})
+    llm = dynamic_llm(models, table, forced_acceptance_prob=1.0)
     llm.generate(models["prompts"], GREEDY, use_tqdm=False)
     policy = llm.engine.core.scheduler.policy
     assert policy.current == 3 and policy.acceptance == [1.0, 1.0, 1.0]
@@ -132,9 +135,7 @@ def test_step_times_are_measured_at_start_up_and_leave_nothing_behind(models):
 
 def test_prometheus_counts_steps_with_and_without_drafts(models):
     table = cost_table(models, "slower", (1.0,) * 4, (1.3,) * 4)
-    llm = LLM(str(models["path"]), max_model_len=256, speculative_config={
-        "method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3, "forced_acceptance_prob": 0.0,
-        "dynamic": True, "cost_table": table})
+    llm = dynamic_llm(models, table, forced_acceptance_prob=0.0)
     llm.generate(models["prompts"], GREEDY, use_tqdm=False)
     stats = llm.engine.core.stats()
 
