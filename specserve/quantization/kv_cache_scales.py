@@ -119,7 +119,7 @@ class CheckpointKVScales:
         if lacking:
             raise ModelLoadError(f"the checkpoint holds KV-cache scales for {len(self.scales)} of {len(layers)} "
                                  f"attention layers (none for {lacking[0]}); the file may be truncated")
-        if kv_cache_dtype != "fp8":
+        if kv_cache_dtype == "auto":  # the model's dtype: keys and values are stored unscaled
             logger.info("The checkpoint holds KV-cache scales; a KV cache in the model's dtype does not use them "
                         "(kv_cache_dtype=%r). Pass kv_cache_dtype='fp8' to store keys and values in FP8 with them",
                         kv_cache_dtype)

@@ -71,6 +71,21 @@ def test_checkpoint_scales_load_into_every_layer(tiny_llama, tmp_path, layout, w
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in out)
 
 
+def test_a_draft_model_uses_its_checkpoint_scales_and_speculation_stays_lossless(tiny_llama, tmp_path):
+    """The drafter's cache is FP8 too: a draft model's checkpoint scales are set on its layers, and greedy output
+    with its drafts equals the FP8 engine's without them."""
+    ckpt = _checkpoint(tiny_llama, tmp_path, "fp8")
+    prompts = repetitive_prompts(tiny_llama[1].config.vocab_size, n=3)
+    plain = [o.outputs[0].token_ids for o in _llm(ckpt, kv_cache_dtype="fp8").generate(prompts, GREEDY,
+                                                                                          use_tqdm=False)]
+    llm = _llm(ckpt, kv_cache_dtype="fp8",
+               speculative_config={"method": "draft_model", "model": str(ckpt), "num_speculative_tokens": 3})
+    drafter = llm.engine.core.runner.speculator.model
+    assert [layer.self_attn.kv_scales.values for layer in drafter.model.layers] == _file_scales(ckpt, "fp8")
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == plain
+    assert llm.engine.spec_stats.num_drafted > 0
+
+
 def _reference_logits(path, ids: list[int], scales: list[tuple[float, float]]) -> torch.Tensor:
     """transformers' logits (float32 weights, float64 logits) with each layer's keys (after rotary) and values
     rounded to e4m3 at that layer's scales by the float64 reference, as an FP8 cache stores them, then scaled
