@@ -107,13 +107,16 @@ def _reference_logits(path, ids: list[int], scales: list[tuple[float, float]]) -
         return hf(torch.tensor([ids])).logits[0].double()
 
 
-@pytest.mark.parametrize("layout", ["fp8", "compressed-tensors"])
-def test_the_fp8_cache_uses_the_checkpoint_scales(tiny_llama, tmp_path, layout):
+@pytest.mark.parametrize("layout,backend", [("fp8", "torch"), ("compressed-tensors", "torch"), ("fp8", "triton")])
+def test_the_fp8_cache_uses_the_checkpoint_scales(tiny_llama, tmp_path, layout, backend):
     """A prefill's logits, whose every query reads its keys and values back from the FP8 cache, against
     transformers with the file's scales: equal to float32 rounding (an element on an e4m3 rounding boundary may
-    round the other way), and far from the same reference with scales of 1.0."""
+    round the other way), and far from the same reference with scales of 1.0. The Triton backend runs
+    interpreted on the CPU."""
+    if backend == "triton":
+        pytest.importorskip("triton")
     ckpt = _checkpoint(tiny_llama, tmp_path, layout)
-    llm = _llm(ckpt, kv_cache_dtype="fp8")
+    llm = _llm(ckpt, kv_cache_dtype="fp8", attention_backend=backend)
     ids = repetitive_prompts(tiny_llama[1].config.vocab_size, n=1, seed=3)[0][:40] + list(range(3, 43))
     model = llm.engine.core.model
     captured = []
