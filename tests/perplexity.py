@@ -21,7 +21,8 @@ BLOCK_SIZE = 16
 def perplexity(model_path: str, token_ids: list[int], *, kv_cache_dtype: str = "auto", dtype=torch.float32,
                device: str = "cpu", backend: str = "torch", chunk: int = 64) -> float:
     """exp of the mean negative log-likelihood of token_ids[1:], each given the tokens before it."""
-    model, arch = build_model(open_model_source(model_path), dtype, device, get_attention_backend(backend))
+    model, arch = build_model(open_model_source(model_path), dtype, device, get_attention_backend(backend),
+                              kv_cache_dtype=kv_cache_dtype)
     n = len(token_ids)
     num_blocks = -(-n // BLOCK_SIZE)
     stack = KVCacheLayout.of(arch).allocate(num_blocks, BLOCK_SIZE, kv_cache_torch_dtype(kv_cache_dtype, dtype),

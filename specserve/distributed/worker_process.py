@@ -66,7 +66,7 @@ def _start(config: EngineConfig, source: ModelSource, conn) -> tuple[ModelRunner
     backend = get_attention_backend(config.attention_backend)
     model, arch = build_model(source, config.torch_dtype, config.device, backend, load_format=config.load_format,
                               seed=config.seed, tp=tp_group(),
-                              quantization=config.quantization)
+                              quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
     config.finalize(arch.max_context)
     # The drafter runs on rank 0 alone (draft_tensor_parallel_size 1): this rank holds the target's shard only.
     runner = ModelRunner(model, model.cfg, config)

@@ -78,7 +78,7 @@ class EngineCore:
         """Everything after the other ranks started: the model, the runner, the KV cache, graphs, scheduler."""
         self.model, self.arch = build_model(source, config.torch_dtype, config.device, backend,
                                              load_format=config.load_format, seed=config.seed, tp=tp_group(),
-                                             quantization=config.quantization)
+                                             quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
         config.finalize(self.arch.max_context)
         self.eos_token_ids = eos_token_ids(source, self.arch, tokenizer)
         self.tokenizer = tokenizer

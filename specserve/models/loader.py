@@ -142,13 +142,20 @@ def whole_tensors(source: ModelSource, names: set[str]) -> dict[str, torch.Tenso
     return {name: t for name, t in weights if name in names}
 
 
-def load_weights_into(model: torch.nn.Module, source: ModelSource, quantize: bool = False) -> None:
-    """quantize: quantize the projections' weights to FP8 as they load (quantization/fp8_model.py)."""
+def load_weights_into(model: torch.nn.Module, source: ModelSource, quantize: bool = False,
+                      kv_cache_dtype: str = "auto") -> None:
+    """quantize: quantize the projections' weights to FP8 as they load (quantization/fp8_model.py). The
+    checkpoint's KV-cache scales, if any, are set on the attention layers for an FP8 cache
+    (quantization/kv_cache_scales.py)."""
+    from specserve.quantization.checkpoint import declares_kv_cache_scales
     from specserve.quantization.fp8_model import quantized_checkpoint
+    from specserve.quantization.kv_cache_scales import CheckpointKVScales
 
-    weights = hf_named_weights(source)
+    kv_scales = CheckpointKVScales(declares_kv_cache_scales(source.hf_config))
+    weights = kv_scales.take(hf_named_weights(source))
     try:
         model.load_weights(quantized_checkpoint(weights) if quantize else weights)
+        kv_scales.apply(model, kv_cache_dtype)
     except (ValueError, KeyError, RuntimeError) as e:
         if isinstance(e, ModelLoadError):
             raise
@@ -197,10 +204,12 @@ def init_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> 
 
 
 def build_model(source: ModelSource, dtype: torch.dtype, device: str, backend, aux_hidden_layers=(),
-                load_format: str = "auto", seed: int = 0, tp: TPGroup = TPGroup(0, 1), quantization: str | None = None):
+                load_format: str = "auto", seed: int = 0, tp: TPGroup = TPGroup(0, 1), quantization: str | None = None,
+                kv_cache_dtype: str = "auto"):
     """(model, the whole model's architecture); with tp of several ranks the model is rank tp.rank's shard
     (models/parallel_layers.py), whose own architecture is model.cfg. quantization: EngineConfig's (FP8
-    checkpoints load as FP8 whatever it is; docs/design.md, 'FP8 weights')."""
+    checkpoints load as FP8 whatever it is; docs/design.md, 'FP8 weights'). kv_cache_dtype: EngineConfig's; with
+    "fp8" the checkpoint's KV-cache scales are used (docs/design.md, 'FP8 KV cache')."""
     from specserve.models.llama import LlamaForCausalLM
     from specserve.quantization.checkpoint import model_fp8_scheme
     from specserve.quantization.fp8_model import quantize_projections, use_fp8_projections
@@ -224,6 +233,6 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: str, backend, a
         use_fp8_projections(model, fp8.activation)
     model = model.to_empty(device="cpu")
     model.tie_weights()
-    load_weights_into(model, source, quantize)
+    load_weights_into(model, source, quantize, kv_cache_dtype)
     model = model.to(device=device, dtype=dtype)
     return model.eval().requires_grad_(False), arch

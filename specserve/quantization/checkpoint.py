@@ -8,7 +8,9 @@ Two layouts are read (docs/design.md, 'FP8 weights'):
 - quant_method "compressed-tensors" (llm-compressor's): one config group of 8-bit float weights with
   strategy "tensor" or "channel" (`weight_scale` [1] or [N, 1]) and input activations that are null (weight
   only), static per tensor (`input_scale`), or dynamic. Dynamic scales are computed per token whatever the
-  strategy: finer than one per tensor, and a row's result then never depends on its batch.
+  strategy: finer than one per tensor, and a row's result then never depends on its batch. A kv_cache_scheme
+  (static 8-bit float scales per tensor, symmetric: the one vLLM loads) means the checkpoint holds KV-cache
+  scales (kv_cache_scales.py); with it, the config groups may be none (the weights unquantized).
 
 Either way every projection of the decoder layers is FP8 and nothing else is (the `ignore` list may name
 lm_head only); anything else is refused with a ModelLoadError naming the fix.
@@ -60,13 +62,16 @@ def _fp8_method(qc: dict) -> Fp8Scheme:
     return Fp8Scheme(Fp8Activation(scheme))
 
 
-def _compressed_tensors(qc: dict) -> Fp8Scheme:
+def _compressed_tensors(qc: dict) -> Fp8Scheme | None:
+    kv_scheme = qc.get("kv_cache_scheme")
+    if kv_scheme:
+        _check_kv_cache_scheme(kv_scheme)
+    groups = list((qc.get("config_groups") or {}).values())
+    if not groups and kv_scheme:
+        return None  # KV-cache scales alone: the weights are stored unquantized, whatever the format says
     fmt = qc.get("format", "float-quantized")
     if fmt not in ("float-quantized", "naive-quantized"):
         raise _refuse(f"has format {fmt!r} (supported: 'float-quantized', 'naive-quantized')")
-    if qc.get("kv_cache_scheme"):
-        raise _refuse("quantizes the KV cache (kv_cache_scheme)")
-    groups = list((qc.get("config_groups") or {}).values())
     if len(groups) != 1:
         raise _refuse(f"has {len(groups)} config groups (one, covering every Linear, is supported)")
     group = groups[0]
@@ -90,6 +95,27 @@ def _compressed_tensors(qc: dict) -> Fp8Scheme:
     if acts.get("strategy") != "tensor":
         raise _refuse(f"has static activation strategy {acts.get('strategy')!r} ('tensor' is supported)")
     return Fp8Scheme(Fp8Activation.STATIC)
+
+
+def _check_kv_cache_scheme(scheme: dict) -> None:
+    what = None
+    if (scheme.get("num_bits"), scheme.get("type")) != (8, "float"):
+        what = f"quantizes the KV cache to {scheme.get('num_bits')}-bit {scheme.get('type')} (8-bit float is supported)"
+    elif scheme.get("strategy") != "tensor":
+        what = f"has KV-cache strategy {scheme.get('strategy')!r} (one scale per tensor, 'tensor', is supported)"
+    elif scheme.get("dynamic"):
+        what = "has dynamic KV-cache scales (static ones, held by the checkpoint, are supported)"
+    elif not scheme.get("symmetric", True):
+        what = "has asymmetric KV-cache scales (symmetric ones are supported)"
+    if what is not None:
+        raise ModelLoadError(f"this checkpoint's quantization_config {what}, which specserve does not load; use a "
+                             "checkpoint without kv_cache_scheme or with static 8-bit float scales per tensor")
+
+
+def declares_kv_cache_scales(hf_config: dict) -> bool:
+    """Whether the checkpoint's config says it holds KV-cache scales (compressed-tensors' kv_cache_scheme)."""
+    qc = hf_config.get("quantization_config") or {}
+    return qc.get("quant_method") == "compressed-tensors" and bool(qc.get("kv_cache_scheme"))
 
 
 def _check_ignored(ignored: list[str]) -> None:

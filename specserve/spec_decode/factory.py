@@ -110,7 +110,7 @@ def build_speculator(cfg: SpeculativeConfig, runner, backend) -> Speculator:
 
         try:
             model, arch = build_model(open_model_source(cfg.model), runner.dtype, str(runner.device), backend,
-                                      quantization=cfg.quantization)
+                                      quantization=cfg.quantization, kv_cache_dtype=runner.config.kv_cache_dtype)
         except ModelLoadError as e:
             raise _bad("model", str(e)) from e
         if arch.vocab_size != target.vocab_size:

@@ -1,6 +1,6 @@
 """The FP8 KV cache's writes and reads, kernel by kernel, against an independent float64 e4m3 reference.
 
-The reference (e4m3_reference) rounds in float64 to the nearest of e4m3's 253 finite values, built from the
+The reference (tests/e4m3.py) rounds in float64 to the nearest of e4m3's 253 finite values, built from the
 format's definition (sign, 4 exponent bits of bias 7, 3 mantissa bits; subnormals below 2^-6; 448 the largest),
 ties to the even mantissa: no torch or Triton cast is involved. Every writer (the torch reference backend,
 reshape_and_cache, rotary_cache, qkv_rotary_cache) must store exactly the reference's values; attention over
@@ -25,37 +25,11 @@ from specserve.kernels.reshape_and_cache import write_kv_cache_triton  # noqa: E
 from specserve.kernels.rotary_cache import rotary_and_cache  # noqa: E402
 from specserve.models.layers import RotaryEmbedding  # noqa: E402
 
+from e4m3 import GRID, e4m3_reference  # noqa: E402
 from test_triton_attention import DEVICE, MIXED_Q_LENS, MIXED_SEQ_LENS, dense_attention, make_batch  # noqa: E402
 
 # e4m3's relative spacing: 3 mantissa bits, so rounding to nearest errs by at most 2^-4 of a normal value.
 E4M3_UNIT_ROUNDOFF = 2.0**-4
-
-
-def e4m3_grid() -> tuple[torch.Tensor, torch.Tensor]:
-    """(every finite e4m3 (fn) value ascending in float64, whether its mantissa is even), from the format's
-    definition."""
-    values = {}
-    for exponent in range(16):
-        for mantissa in range(8):
-            if exponent == 15 and mantissa == 7:
-                continue  # NaN
-            v = 2.0**-6 * mantissa / 8 if exponent == 0 else 2.0 ** (exponent - 7) * (1 + mantissa / 8)
-            values[v] = values[-v] = mantissa % 2 == 0
-    grid = sorted(values)
-    return torch.tensor(grid, dtype=torch.float64), torch.tensor([values[v] for v in grid])
-
-
-GRID, _EVEN = e4m3_grid()
-
-
-def e4m3_reference(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x / scale (divided in float32, as the cache defines it) saturated at +-448 and rounded to the nearest e4m3
-    value, ties to even, in float64: what an FP8 cache entry must hold."""
-    y = (x.float() / torch.tensor(scale, dtype=torch.float32)).double().clamp(-448.0, 448.0).flatten()
-    upper = torch.searchsorted(GRID, y).clamp(1, len(GRID) - 1)
-    lo, hi = GRID[upper - 1], GRID[upper]
-    pick_hi = (hi - y < y - lo) | ((hi - y == y - lo) & _EVEN[upper])
-    return torch.where(pick_hi, hi, lo).view(x.shape)
 
 
 def test_reference_matches_the_format():

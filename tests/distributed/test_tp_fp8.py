@@ -42,3 +42,27 @@ def test_a_rank_keeps_its_rows_scales(tiny_llama, tmp_path, quantization, checkp
     assert torch.equal(rank1.mlp.down_proj.weight_scale, one.mlp.down_proj.weight_scale)
     assert torch.equal(rank1.self_attn.o_proj.weight_scale, one.self_attn.o_proj.weight_scale)
     assert torch.equal(rank1.mlp.down_proj.weight.float(), one.mlp.down_proj.weight.float().chunk(2, 1)[1])
+
+
+def test_tp2_fp8_kv_cache_with_checkpoint_scales_equals_one_rank(tiny_llama, tmp_path):
+    """A per-tensor KV-cache scale is the same on every rank: each rank's heads are quantized alike, so two
+    ranks give one rank's greedy tokens, and a rank's shard holds the checkpoint's scales in every layer."""
+    import shutil
+
+    from specserve.attention.torch_backend import TorchAttentionBackend
+    from specserve.distributed.parallel_state import TPGroup
+    from specserve.models.loader import build_model, open_model_source
+    from tests.quantization.fp8_checkpoints import add_kv_scales
+
+    path, hf = tiny_llama
+    shutil.copytree(path, tmp_path / "m")
+    scales = [(0.0051, 0.0093), (0.0137, 0.0042)]
+    ckpt = add_kv_scales(tmp_path / "m", "compressed-tensors", scales)
+    rank1, _ = build_model(open_model_source(str(ckpt)), torch.float32, "cpu", TorchAttentionBackend(),
+                           tp=TPGroup(1, 2), kv_cache_dtype="fp8")
+    assert [layer.self_attn.kv_scales.values for layer in rank1.model.layers] == [
+        (torch.tensor(k).item(), torch.tensor(v).item()) for k, v in scales]
+    prompts = repetitive_prompts(hf.config.vocab_size, n=3, seed=5)
+    kw = dict(max_model_len=128, num_kv_blocks=32, kv_cache_dtype="fp8")
+    one = greedy_tokens(ckpt, prompts, 8, **kw)
+    assert greedy_tokens(ckpt, prompts, 8, tensor_parallel_size=2, **kw) == one

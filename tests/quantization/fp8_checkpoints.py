@@ -67,3 +67,36 @@ def write_fp8_checkpoint(src: Path, dst: Path, method: str, per_channel: bool, a
         save_file(tensors, str(path / "model.safetensors"))
         (path / "config.json").write_text(json.dumps(cfg))
     return dst
+
+
+# Layouts of KV-cache scales on the hub (the names after "model.layers.<i>.self_attn."): the key's, the value's
+# (None: one scale for both), and the shape of the tensor each quantizer writes.
+KV_SCALE_LAYOUTS = {
+    "fp8": ("k_scale", "v_scale", ()),
+    "kv_scale": ("kv_scale", None, ()),
+    "vllm": ("attn.k_scale", "attn.v_scale", ()),
+    "modelopt": ("k_proj.k_scale", "v_proj.v_scale", ()),
+    "compressed-tensors": ("k_proj.output_scale", "v_proj.output_scale", (1,)),
+}
+# compressed-tensors' declaration of static FP8 KV-cache scales per tensor.
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+def add_kv_scales(ckpt: Path, layout: str, scales: list[tuple[float, float]]) -> Path:
+    """ckpt with each layer's (k_scale, v_scale) added in `layout` (KV_SCALE_LAYOUTS; "kv_scale" writes only the
+    k of each pair); a compressed-tensors layout declares its kv_cache_scheme, in the checkpoint's own
+    quantization_config or, for an unquantized checkpoint, one with no weight groups."""
+    k_name, v_name, shape = KV_SCALE_LAYOUTS[layout]
+    weights = load_file(str(ckpt / "model.safetensors"))
+    for i, (k, v) in enumerate(scales):
+        prefix = f"model.layers.{i}.self_attn."
+        weights[prefix + k_name] = torch.tensor(k, dtype=torch.float32).reshape(shape)
+        if v_name is not None:
+            weights[prefix + v_name] = torch.tensor(v, dtype=torch.float32).reshape(shape)
+    save_file(weights, str(ckpt / "model.safetensors"))
+    if layout == "compressed-tensors":
+        config = json.loads((ckpt / "config.json").read_text())
+        quant = config.get("quantization_config") or {"quant_method": "compressed-tensors", "format": "dense"}
+        config["quantization_config"] = {**quant, "kv_cache_scheme": KV_CACHE_SCHEME}
+        (ckpt / "config.json").write_text(json.dumps(config))
+    return ckpt
