@@ -45,6 +45,9 @@ def to_markdown(results: BenchResults) -> str:
     bw = results.bandwidth_bytes_s / 1e12
     kv_dtype = cfg.get("kv_cache_dtype", "auto")
     kv = "" if kv_dtype == "auto" else f", KV cache {kv_dtype}"
+    for field, what in (("quantization", "weights"), ("draft_quantization", "EAGLE-3 head's weights")):
+        if cfg.get(field):
+            kv += f", {what} {cfg[field]}"
     out = [f"Device: {results.device_name}; " + ", ".join(f"{k} {v}" for k, v in results.versions.items())
            + f"; {cfg['dtype']}{kv}; prompt {cfg['prompt_len']} tokens, {cfg['new_tokens']} new tokens per request "
            f"({cfg['hf_new_tokens']} for transformers), greedy, EOS ignored; decode tokens/s after the prefill. "

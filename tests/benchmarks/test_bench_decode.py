@@ -95,19 +95,20 @@ def test_cli_overrides_the_preset():
     assert cfg.batch_sizes == [2, 8] and cfg.hf_batch_sizes == []
 
 
-def test_fp8_kv_cache_runs_every_engine_with_it(tmp_path, monkeypatch):
+def test_fp8_kv_cache_and_weights_run_every_engine_with_them(tmp_path, monkeypatch):
     from specserve.worker.kv_layout import KVCaches
 
     dtypes = []
     allocate = KVCaches.allocate
     monkeypatch.setattr(KVCaches, "allocate", lambda self, n: dtypes.append(self.dtype) or allocate(self, n))
     args = build_parser().parse_args(["bench", "decode", "--preset", "tiny", "--kv-cache-dtype", "fp8",
-                                      "--batch-sizes", "1", "--spec-batch-sizes", "1", "--hf-batch-sizes", ""])
+                                      "--quantization", "fp8", "--batch-sizes", "1", "--spec-batch-sizes", "1",
+                                      "--hf-batch-sizes", ""])
     md = tmp_path / "r.md"
     results = run_decode_bench(config_from_args(args), markdown_path=md)
     assert all(r.error is None and r.tok_s > 0 for r in results.rows)
     assert len(results.engines) == 2 and dtypes and set(dtypes) == {torch.float8_e4m3fn}
-    assert "float32, KV cache fp8;" in md.read_text()
+    assert "float32, KV cache fp8, weights fp8;" in md.read_text()
 
 
 @pytest.mark.parametrize("overrides, field", [
