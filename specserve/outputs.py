@@ -51,8 +51,4 @@ class RequestOutput:
     # One per sequence, in index order; with RequestOutputKind.DELTA only the sequences that advanced.
     outputs: list[CompletionOutput]
     finished: bool  # every sequence is
-    # What is new since the request's previous output (for streaming), for a request of one sequence; empty
-    # when n > 1, whose CompletionOutputs say what is new in each.
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)

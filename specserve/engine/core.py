@@ -104,9 +104,12 @@ class EngineCore:
                   if spec else None)
         self.scheduler = Scheduler(config, self.kv, num_lookahead_tokens=spec.num_draft_tokens if spec else 0,
                                    tree=spec.tree if spec else None, policy=policy)
-        # Running totals for metrics: prompt tokens of admitted requests, and tokens generated, those of
-        # requests later aborted included.
+        # Running totals for metrics, as vLLM counts them. Prompt tokens processed: a core request's prompt once
+        # its prefill produced its first token (each sequence of an n > 1 request is a core request, so its
+        # prompt counts n times), and of those, the ones its first scheduling found in the prefix cache. Tokens
+        # generated, those of requests later aborted included.
         self.num_prompt_tokens = 0
+        self.num_cached_prompt_tokens = 0
         self.num_generated_tokens = 0
         # Asynchronous scheduling: the step launched but not yet completed, and whether the next call must
         # complete it before scheduling again.
@@ -156,7 +159,6 @@ class EngineCore:
             )
         self.scheduler.add_request(Request(request.request_id, ids, params, self.eos_token_ids, limit,
                                            device=self.config.device, grammar=self._grammar(params)))
-        self.num_prompt_tokens += len(ids)
 
     def _grammar(self, params):
         """The grammar state of a request with a structured_output, None for one without."""
@@ -191,7 +193,8 @@ class EngineCore:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
                            self.kv.num_blocks - pool.num_free, self.kv.num_blocks, pool.queries, pool.hits,
                            spec.num_drafted, spec.num_accepted, tuple(spec.drafted_per_position),
-                           tuple(spec.accepted_per_position), self.num_prompt_tokens, self.num_generated_tokens,
+                           tuple(spec.accepted_per_position), self.num_prompt_tokens, self.num_cached_prompt_tokens,
+                           self.num_generated_tokens,
                            policy.steps_drafting if policy else 0, policy.steps_without_drafts if policy else 0)
 
     # ---- the step -------------------------------------------------------------------------
@@ -234,6 +237,9 @@ class EngineCore:
         for req in self.scheduler.update(sched, result):
             rid = req.request_id
             new = req.output_token_ids[before[rid]:]
+            if before[rid] == 0 and new:  # its prefill is done (a preempted request keeps its output tokens)
+                self.num_prompt_tokens += req.num_prompt_tokens
+                self.num_cached_prompt_tokens += max(req.num_cached_tokens, 0)
             self.num_generated_tokens += len(new)
             logprobs = result.logprobs.get(rid, [])[:len(new)] if req.params.logprobs is not None else None
             finished = req.is_finished

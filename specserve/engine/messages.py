@@ -71,6 +71,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     spec_drafted_per_position: tuple[int, ...] = ()
     spec_accepted_per_position: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     # Steps of a speculating engine whose requests proposed drafts, and those the policy kept from drafting
     # (spec_decode/policy.py).

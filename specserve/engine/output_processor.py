@@ -165,12 +165,8 @@ class OutputProcessor:
         # A delta output holds the sequences that advanced; the others, every sequence.
         seqs = ([state.sequences[i] for i in sorted(before)] if kind is RequestOutputKind.DELTA
                 else state.sequences)
-        completions, deltas = [], []
-        for seq in seqs:
-            completion, delta = _completion(seq, kind, before.get(seq.index, len(seq.output_token_ids)),
-                                            state.params.logprobs is not None)
-            completions.append(completion)
-            deltas.append(delta)
+        completions = [_completion(seq, kind, before.get(seq.index, len(seq.output_token_ids)),
+                                   state.params.logprobs is not None) for seq in seqs]
         everyone = state.sequences
         spec = None
         if any(s.spec for s in everyone):
@@ -191,17 +187,13 @@ class OutputProcessor:
             arrival_time=state.arrival_time,
             spec=spec or {},
         )
-        single = state.params.n == 1
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished,
-                             delta_text=deltas[0][0] if single else "",
-                             delta_token_ids=deltas[0][1] if single else [], metrics=metrics)
+                             metrics=metrics)
 
 
-def _completion(seq: SequenceState, kind: RequestOutputKind, n_before: int,
-                with_logprobs: bool) -> tuple[CompletionOutput, tuple[str, list[int]]]:
-    """A sequence's CompletionOutput in the request's output kind, and (text, token ids) new since the
-    request's previous output. Only text and tokens the caller has not had yet: a FINAL_ONLY request's
-    caller has had nothing."""
+def _completion(seq: SequenceState, kind: RequestOutputKind, n_before: int, with_logprobs: bool) -> CompletionOutput:
+    """A sequence's CompletionOutput in the request's output kind. A delta holds only the text and tokens new
+    since the request's previous output; a FINAL_ONLY request's caller has had nothing before."""
     detok = seq.detokenizer
     delta = detok.get_delta(seq.finished) if detok else ""
     new_tokens = seq.output_token_ids[0 if kind is RequestOutputKind.FINAL_ONLY else n_before:]
@@ -213,7 +205,7 @@ def _completion(seq: SequenceState, kind: RequestOutputKind, n_before: int,
         text, token_ids, lp = delta, new_tokens, None if lp is None else lp[n_before:]
     else:
         text, token_ids = delta, new_tokens
-    completion = CompletionOutput(
+    return CompletionOutput(
         index=seq.index,
         text=text,
         token_ids=token_ids,
@@ -222,4 +214,3 @@ def _completion(seq: SequenceState, kind: RequestOutputKind, n_before: int,
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
     )
-    return completion, (delta, new_tokens)

@@ -25,7 +25,7 @@ def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         merged[cb.index] = CompletionOutput(cb.index, ca.text + cb.text, ca.token_ids + cb.token_ids,
                                             cb.cumulative_logprob, logprobs, cb.finish_reason, cb.stop_reason)
     return RequestOutput(b.request_id, b.prompt, b.prompt_token_ids, [merged[i] for i in sorted(merged)],
-                         b.finished, a.delta_text + b.delta_text, a.delta_token_ids + b.delta_token_ids, b.metrics)
+                         b.finished, b.metrics)
 
 
 class RequestStream:

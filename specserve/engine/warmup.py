@@ -52,12 +52,14 @@ def scratch_requests(engine, what: str) -> Iterator[RandomPrompts]:
     if engine.has_unfinished_requests():
         raise RuntimeError(f"{what} runs before any request: the engine has unfinished requests")
     scheduler, runner = engine.scheduler, engine.runner
-    counters = engine.num_prompt_tokens, engine.num_generated_tokens, scheduler.spec_stats
+    counters = (engine.num_prompt_tokens, engine.num_cached_prompt_tokens, engine.num_generated_tokens,
+                scheduler.spec_stats)
     scheduler.spec_stats = SpecDecodeStats()
     with runner.scratch_steps():
         yield RandomPrompts(engine.arch.vocab_size)
         scheduler.drain_finished()
-    engine.num_prompt_tokens, engine.num_generated_tokens, scheduler.spec_stats = counters
+    (engine.num_prompt_tokens, engine.num_cached_prompt_tokens, engine.num_generated_tokens,
+     scheduler.spec_stats) = counters
     if scheduler.policy is not None:
         scheduler.policy.reset()
     engine.kv.reset_prefix_cache()

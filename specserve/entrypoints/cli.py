@@ -51,8 +51,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    '"num_speculative_tokens": 4}\'; methods: eagle, eagle3, ngram, draft_model')
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
+def add_sampling_args(p: argparse.ArgumentParser, several_sequences: bool = False) -> None:
+    """several_sequences: offer --n (a chat keeps one conversation, so one reply a turn)."""
     g = p.add_argument_group("sampling")
+    if several_sequences:
+        g.add_argument("--n", type=int, default=1, help="sequences sampled per prompt, sharing its KV blocks; "
+                       "with --request-seed S, sequence i is seeded S + i")
+    else:
+        p.set_defaults(n=1)
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -97,7 +103,7 @@ def memory_size(text: str) -> int:
 def sampling_params(a: argparse.Namespace, output_kind: str = "cumulative"):
     from specserve.sampling_params import SamplingParams
 
-    return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+    return SamplingParams(n=a.n, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
                           max_tokens=a.max_tokens, seed=a.request_seed, stop=a.stop, output_kind=output_kind)
 
 
@@ -111,12 +117,15 @@ def cmd_generate(a: argparse.Namespace) -> None:
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     for prompt, out in zip(a.prompts, outs):
-        c = out.outputs[0]
-        print(f"=== {prompt!r}\n{c.text}\n--- {len(c.token_ids)} tokens, finished: {c.finish_reason}")
+        print(f"=== {prompt!r}")
+        for c in out.outputs:
+            if params.n > 1:
+                print(f"--- sequence {c.index}")
+            print(f"{c.text}\n--- {len(c.token_ids)} tokens, finished: {c.finish_reason}")
         if a.stats and out.metrics.spec:
             print(f"--- speculation: {format_spec_stats(out.metrics.spec)}")
     if a.stats:
-        total = sum(len(o.outputs[0].token_ids) for o in outs)
+        total = sum(o.metrics.num_output_tokens for o in outs)
         print(f"=== {total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tokens/s)")
         if llm.engine.config.speculative_config:
             print(f"=== speculation, all requests: {format_spec_stats(llm.engine.spec_stats.as_dict())}")
@@ -152,8 +161,10 @@ def cmd_chat(a: argparse.Namespace) -> None:
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.request_id == rid:
-                    print(out.delta_text, end="", flush=True)
-                    reply += out.delta_text
+                    # A delta output: the reply's one sequence, with its text new since the previous output.
+                    for c in out.outputs:
+                        print(c.text, end="", flush=True)
+                        reply += c.text
         print()
         history.append({"role": "assistant", "content": reply})
 
@@ -174,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("--stats", action="store_true", help="print throughput and speculative-decoding acceptance")
     add_engine_args(gen)
-    add_sampling_args(gen)
+    add_sampling_args(gen, several_sequences=True)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat, streaming tokens as they come")

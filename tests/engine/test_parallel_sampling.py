@@ -3,6 +3,7 @@ seed), greedy ones equal transformers' greedy output, and the sampled ones are d
 softmax computed by transformers, with and without EAGLE-3 speculation."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import pytest
@@ -11,6 +12,7 @@ from conftest import hf_greedy
 from distribution import drafted_tokens, first_two_tokens_test
 from heads import save_eagle_head
 from specserve import LLM, SamplingParams
+from specserve.engine.request_stream import RequestStream
 from specserve.errors import InvalidRequestError
 from specserve.sampling_params import RequestOutputKind
 
@@ -132,6 +134,24 @@ def test_streamed_outputs_add_up_to_the_final_one(models, kind):
                     texts[c.index], tokens[c.index] = c.text, c.token_ids
             finished = out.finished
     assert texts == [c.text for c in final.outputs] and tokens == [c.token_ids for c in final.outputs]
+
+
+def test_delta_outputs_merged_for_a_busy_reader_add_up_to_the_final_one(models):
+    """A server's reader that falls behind gets the outputs that came meanwhile merged into one
+    (engine/request_stream.py): each sequence's text and tokens in order, and its own finish reason."""
+    llm = make_llm(models, None)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=3, stop=["o"])
+    final = llm.generate(PROMPTS[0], params, use_tqdm=False)[0]
+    engine = llm.engine
+    engine.add_request(PROMPTS[0], replace(params, output_kind=RequestOutputKind.DELTA))
+    stream = RequestStream(RequestOutputKind.DELTA)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            stream.put(out)
+    merged = asyncio.run(stream.get())
+    assert merged.finished and all(c.text for c in merged.outputs)
+    assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in merged.outputs] == \
+        [(c.index, c.text, c.token_ids, c.finish_reason) for c in final.outputs]
 
 
 def test_aborting_the_request_aborts_every_sequence(models):

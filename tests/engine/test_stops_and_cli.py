@@ -48,6 +48,40 @@ def test_cli_generate(tiny_llama, capsys):
     assert out.count("--- 5 tokens, finished: length") == 2 and "tokens/s" in out
 
 
+def test_cli_generate_prints_each_sequence(tiny_llama, capsys):
+    args = ["--model", str(tiny_llama[0]), "--max-tokens", "6", "--max-model-len", "128", "--temperature", "1",
+            "--request-seed", "5"]
+    assert main(["generate", "The quick brown fox", "--n", "3", "--stats", *args]) == 0
+    out = capsys.readouterr().out
+    expected = LLM(str(tiny_llama[0]), max_model_len=128).generate(
+        "The quick brown fox", SamplingParams(n=3, temperature=1, max_tokens=6, seed=5), use_tqdm=False)[0]
+    assert len({c.text for c in expected.outputs}) == 3
+    for c in expected.outputs:
+        assert f"--- sequence {c.index}\n{c.text}\n--- {len(c.token_ids)} tokens, finished: {c.finish_reason}" in out
+    assert f"=== {expected.metrics.num_output_tokens} tokens in" in out
+    assert main(["generate", "hi", "--n", "0", *args]) == 2
+    assert "error: n: must be an integer in [1, 128]" in capsys.readouterr().err
+
+
+def test_cli_chat_streams_the_reply(tiny_llama, capsys, monkeypatch):
+    lines = iter(["Hi there"])
+
+    def typed(prompt: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", typed)
+    assert main(["chat", "--model", str(tiny_llama[0]), "--max-tokens", "8", "--max-model-len", "128"]) == 0
+    llm = LLM(str(tiny_llama[0]), max_model_len=128)
+    reply = llm.generate(llm.apply_chat_template([{"role": "user", "content": "Hi there"}]),
+                         SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
+    assert reply and capsys.readouterr().out == reply + "\n"
+    with pytest.raises(SystemExit):  # one reply a turn: chat has no --n
+        main(["chat", "--n", "2"])
+
+
 def test_cli_reports_bad_input_without_a_traceback(capsys):
     assert main(["generate", "hi", "--model", "/no/such/model"]) == 2
     assert "error: unknown model" in capsys.readouterr().err

@@ -132,15 +132,18 @@ def test_a_seeded_run_is_the_same_with_and_without_the_warm_up(tiny_llama, head,
         assert ("Warm-up:" in caplog.text) == warmup
         engine = llm.engine
         assert engine.kv.pool.num_free == 64 and not engine.kv.pool.cached and not engine.runner.rows
-        assert engine.core.num_prompt_tokens == engine.core.num_generated_tokens == engine.spec_stats.num_steps == 0
+        core = engine.core
+        assert core.num_prompt_tokens == core.num_cached_prompt_tokens == core.num_generated_tokens == 0
+        assert engine.spec_stats.num_steps == 0
         outs = [llm.generate(prompts, params, use_tqdm=False) for _ in range(2)]  # the second hits the cache
         runs.append(([[(o.outputs[0].token_ids, o.outputs[0].logprobs, o.metrics.num_cached_tokens) for o in out]
                       for out in outs],
-                     engine.core.num_prompt_tokens, engine.core.num_generated_tokens, engine.spec_stats.as_dict(),
+                     core.num_prompt_tokens, core.num_cached_prompt_tokens, core.num_generated_tokens,
+                     engine.spec_stats.as_dict(),
                      engine.kv.prefix_cache_hit_rate, engine.kv.pool.num_free, sorted(engine.kv.pool.cached)))
         caplog.clear()
     assert runs[0] == runs[1]
-    assert runs[0][4] > 0  # the workload did hit the prefix cache
+    assert runs[0][5] > 0 and runs[0][2] > 0  # the workload did hit the prefix cache
 
 
 def test_after_the_warm_up_no_request_launches_a_new_kernel_variant(tiny_llama, head):

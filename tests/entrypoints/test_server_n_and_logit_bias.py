@@ -1,6 +1,7 @@
 """n and logit_bias through the official openai client: n choices with their indices, streamed chunks carrying
-their choice's index, usage counting the prompt once and every choice's tokens, a disconnect aborting every
-sequence, a bias that forces a token, and 400s naming what is wrong."""
+their choice's index and each choice's end, usage counting the prompt once and every choice's tokens, the
+prompt-token metrics counting every sequence's prompt and its cache hits, a disconnect aborting every sequence,
+best_of only equal to n, a bias that forces a token, and 400s naming what is wrong."""
 from __future__ import annotations
 
 import httpx
@@ -73,6 +74,44 @@ def test_chat_n_streamed_and_not_with_logprobs(server):
                                                               [ch.finish_reason for ch in r.choices])
 
 
+def test_chat_stream_ends_each_choice_once_and_counts_usage_over_choices(server):
+    c = client(server)
+    r = c.chat.completions.create(model=server.model, messages=MESSAGES, n=3, **SAMPLED)
+    chunks = list(c.chat.completions.create(model=server.model, messages=MESSAGES, n=3, stream=True,
+                                            stream_options={"include_usage": True}, **SAMPLED))
+    *body, last = chunks
+    assert last.choices == [] and all(len(ch.choices) == 1 and ch.usage is None for ch in body)
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (r.usage.prompt_tokens,
+                                                                        r.usage.completion_tokens)
+    ended = set()
+    for ch in body:
+        choice = ch.choices[0]
+        assert choice.index not in ended, f"choice {choice.index} sent a chunk after its finish_reason"
+        if choice.finish_reason is not None:
+            ended.add(choice.index)
+    assert ended == {0, 1, 2}
+    texts, reasons = joined(body, 3, lambda ch: ch.delta.content)
+    assert all(texts) and (texts, reasons) == ([ch.message.content for ch in r.choices],
+                                               [ch.finish_reason for ch in r.choices])
+
+
+def test_prompt_tokens_metrics_count_each_sequence_and_its_cache_hits(server):
+    """As vLLM counts them: prompt_tokens_total the prefill tokens of every sequence, prompt_tokens_cached_total
+    those the prefix cache served; usage counts the prompt once. The prompt is new to the server, so the first
+    sequence computes it and each later one finds every full block of it but the last token's."""
+    block = 16
+    prompt = "a prompt no other test sends: " + "violet harbor lantern " * 12
+    before = server.wait_idle()
+    r = client(server).completions.create(model=server.model, prompt=prompt, n=4, max_tokens=3, temperature=1.0)
+    m = server.wait_idle()
+    length = r.usage.prompt_tokens
+    assert length == len(server.engine.tokenizer(prompt).input_ids) > 2 * block
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    counted = m["specserve:prompt_tokens_total"] - before["specserve:prompt_tokens_total"]
+    cached = m["specserve:prompt_tokens_cached_total"] - before["specserve:prompt_tokens_cached_total"]
+    assert (counted, cached) == (4 * length, 3 * ((length - 1) // block * block))
+
+
 def test_greedy_choices_are_equal(server):
     r = client(server).completions.create(model=server.model, prompt=PROMPT, n=3, temperature=0, max_tokens=8)
     single = client(server).completions.create(model=server.model, prompt=PROMPT, temperature=0, max_tokens=8)
@@ -111,10 +150,25 @@ def test_logit_bias_forces_a_token(server):
     ({"logit_bias": {"99999": 1}}, "logit_bias", "key 99999 is not a token id of this model"),
     ({"logit_bias": {"5": -101}}, "logit_bias", "the bias of token 5 must be a number in [-100, 100]"),
     ({"logit_bias": {"five": 1}}, "logit_bias", "key 'five' is not a token id"),
-    ({"best_of": 2}, "best_of", "use n"),
+    ({"best_of": 2}, "best_of", "use n, which returns every sequence it generates; best_of equal to n is "
+                                "accepted, got best_of=2 and n=1"),
+    ({"best_of": 3, "n": 2}, "best_of", "got best_of=3 and n=2"),
 ])
 def test_refusals_name_the_field(server, fields, param, words):
     with pytest.raises(openai.BadRequestError) as e:
         client(server).completions.create(model=server.model, prompt=PROMPT, max_tokens=2, extra_body=fields)
     assert e.value.status_code == 400 and e.value.body["param"] == param and words in e.value.body["message"]
     assert client(server).completions.create(model=server.model, prompt="ok", max_tokens=2).choices[0].finish_reason
+
+
+def test_best_of_equal_to_n_is_n(server):
+    c = client(server)
+    plain = c.completions.create(model=server.model, prompt=PROMPT, n=2, **SAMPLED)
+    same = c.completions.create(model=server.model, prompt=PROMPT, n=2, best_of=2, **SAMPLED)
+    one = c.completions.create(model=server.model, prompt=PROMPT, best_of=1, **SAMPLED)
+    assert [ch.text for ch in same.choices] == [ch.text for ch in plain.choices]
+    assert [ch.text for ch in one.choices] == [plain.choices[0].text]
+    with pytest.raises(openai.BadRequestError) as e:  # a chat request has no best_of (OpenAI's API)
+        c.chat.completions.create(model=server.model, messages=MESSAGES, n=2, max_tokens=2,
+                                  extra_body={"best_of": 2})
+    assert e.value.body["param"] == "best_of" and "use n" in e.value.body["message"]

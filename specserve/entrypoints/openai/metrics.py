@@ -31,7 +31,11 @@ _ENGINE_METRICS = [
      lambda s: s.kv_cache_usage),
     ("prefix_cache_hit_rate", "Fraction of queried prompt tokens found in the prefix cache.", GaugeMetricFamily,
      lambda s: s.prefix_cache_hit_rate),
-    ("prompt_tokens", "Prompt tokens of admitted requests.", CounterMetricFamily, lambda s: s.num_prompt_tokens),
+    ("prompt_tokens", "Prefill tokens processed: each sequence's prompt (n per request of n sequences), counted when "
+     "its first token is generated, those found in the prefix cache included.", CounterMetricFamily,
+     lambda s: s.num_prompt_tokens),
+    ("prompt_tokens_cached", "Of prompt_tokens, those served by the prefix cache (prompt_tokens minus this: those "
+     "computed).", CounterMetricFamily, lambda s: s.num_cached_prompt_tokens),
     ("generation_tokens", "Tokens generated, those of requests aborted later included.", CounterMetricFamily,
      lambda s: s.num_generated_tokens),
     ("spec_decode_num_drafted_tokens", "Draft tokens proposed.", CounterMetricFamily, lambda s: s.spec_num_drafted),

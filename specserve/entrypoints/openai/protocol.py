@@ -135,11 +135,17 @@ class _SamplingRequest(_Request):
 class CompletionRequest(_SamplingRequest):
     prompt: Text | list[int]
     logprobs: int | None = None
+    # Only equal to n, which returns every sequence it generates, as n alone does (NOT_SUPPORTED_BECAUSE).
+    best_of: int | None = None
 
     def param_name(self, engine_field: str) -> str:
         return "prompt" if engine_field == "prompt_token_ids" else engine_field
 
     def to_sampling_params(self) -> SamplingParams:
+        n = 1 if self.n is None else self.n
+        if self.best_of is not None and self.best_of != n:
+            raise InvalidRequestError("best_of", f"{NOT_SUPPORTED_BECAUSE['best_of']}; best_of equal to n is "
+                                      f"accepted, got best_of={self.best_of} and n={n}")
         # OpenAI's default for completions is 16 tokens.
         return self._sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs,
                                      self._structured_output())
