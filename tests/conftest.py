@@ -12,6 +12,9 @@ torch.set_num_threads(min(4, os.cpu_count() or 1))
 # its module is first imported): switched on here, before any test module imports one.
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    from triton_interpreter import speed_up_patching
+
+    speed_up_patching()
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -32,36 +32,20 @@ def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_tp2_greedy_equals_tp1_with_prefix_hits(tiny_llama):
-    path, hf = tiny_llama
-    prompts = repetitive_prompts(hf.config.vocab_size, n=5, seed=3)
-    # The second batch repeats prompts whose full blocks the prefix cache holds.
-    batches = [prompts, prompts[:3]]
-    want = _generate(path, batches)
-    got = _generate(path, batches, tensor_parallel_size=2)
-    assert [_tokens(b) for b in got] == [_tokens(b) for b in want]
-    assert sum(o.metrics.num_cached_tokens for o in got[1]) > 0
-
-
-def test_tp2_chunked_prefill_and_preemption(tiny_llama):
-    path, hf = tiny_llama
+def test_tp2_greedy_equals_tp1_with_prefix_hits_chunks_preemption_and_one_kv_head(tmp_path, tokenizer_dir):
+    """One KV head for two ranks (each rank keeps a copy of it), chunks of 16 tokens, 10 blocks of 16 that cannot
+    hold 6 requests of up to 96 tokens at once, then a batch repeating prompts whose full blocks the prefix cache
+    holds. Two sharded KV heads are run at TP=2 by tests/distributed/test_tp_engines.py and test_tp_graphs.py."""
+    hf = make_hf_model(tmp_path, tokenizer_dir, "llama", num_key_value_heads=1)
     prompts = repetitive_prompts(hf.config.vocab_size, n=6, seed=5)
-    # Chunks of 16 tokens, and 10 blocks of 16 cannot hold 6 requests of up to 96 tokens at once.
+    batches = [prompts, prompts[-2:]]
     cfg = dict(max_model_len=128, block_size=16, num_kv_blocks=10, max_num_batched_tokens=16)
-    want = _generate(path, [prompts], **cfg)
-    got = _generate(path, [prompts], tensor_parallel_size=2, **cfg)
+    want = _generate(tmp_path, batches, **cfg)
+    got = _generate(tmp_path, batches, tensor_parallel_size=2, **cfg)
     assert [_tokens(b) for b in got] == [_tokens(b) for b in want]
     assert max(len(p) for p in prompts) > 16
     assert sum(o.metrics.num_preemptions for o in got[0]) > 0
-
-
-def test_tp2_replicates_a_single_kv_head(tmp_path, tokenizer_dir):
-    """One KV head for two ranks: each rank keeps a copy of it."""
-    hf = make_hf_model(tmp_path, tokenizer_dir, "llama", num_key_value_heads=1)
-    batches = [repetitive_prompts(hf.config.vocab_size, n=3, seed=7)]
-    want = _generate(tmp_path, batches)
-    got = _generate(tmp_path, batches, tensor_parallel_size=2)
-    assert [_tokens(b) for b in got] == [_tokens(b) for b in want]
+    assert sum(o.metrics.num_cached_tokens for o in got[1]) > 0
 
 
 def test_workers_stop_when_the_engine_is_collected(tiny_llama):

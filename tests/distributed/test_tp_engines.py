@@ -21,10 +21,13 @@ def _tokens(path, prompts, **kwargs):
 
 
 def test_tp2_with_the_start_up_warm_up(tiny_llama):
+    """Both ranks run every kind of warm-up scenario (prefills alone, on a cached prefix and together, decode
+    batches, chunks) and stay in step; a small engine keeps the plan short."""
     path, hf = tiny_llama
     prompts = repetitive_prompts(hf.config.vocab_size, n=3, seed=1)
-    want = _tokens(path, prompts)
-    assert _tokens(path, prompts, tensor_parallel_size=2, warmup=True) == want
+    small = dict(max_num_seqs=3, max_num_batched_tokens=32)
+    want = _tokens(path, prompts, **small)
+    assert _tokens(path, prompts, tensor_parallel_size=2, warmup=True, **small) == want
 
 
 def test_a_failed_start_leaves_the_process_free_for_the_next_engine(tiny_llama, tmp_path):

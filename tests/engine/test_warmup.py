@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from conftest import make_hf_model
 from heads import save_eagle_head
 from kernel_variants import KernelVariants, describe_new
 from specserve import LLM, SamplingParams
@@ -146,11 +147,21 @@ def test_a_seeded_run_is_the_same_with_and_without_the_warm_up(tiny_llama, head,
     assert runs[0][5] > 0 and runs[0][2] > 0  # the workload did hit the prefix cache
 
 
-def test_after_the_warm_up_no_request_launches_a_new_kernel_variant(tiny_llama, head):
+@pytest.fixture(scope="module")
+def narrow_llama(tmp_path_factory, tokenizer_dir):
+    """(directory, EAGLE-3 head) of tiny_llama's shape with 2 query heads on 1 KV head: the interpreter runs a
+    program per head in the projection and attention kernels, so each launch costs fewer programs, while the
+    kernels, their constexprs and the integer classes a batch decides are those of the wider model."""
+    path = tmp_path_factory.mktemp("narrow_llama")
+    hf = make_hf_model(path, tokenizer_dir, "llama", num_attention_heads=2, num_key_value_heads=1)
+    return path, save_eagle_head(path.parent / "narrow_eagle3", hf.config, "eagle3", seed=3)
+
+
+def test_after_the_warm_up_no_request_launches_a_new_kernel_variant(narrow_llama):
     """Under the interpreter, the triton backend and the fused kernels on, graphs as on a GPU (the CPU stand-in):
     a random workload afterwards launches only kernel variants the capture and the warm-up launched
     (tests/kernel_variants.py)."""
-    path, hf = tiny_llama
+    path, head = narrow_llama
     llm = LLM(str(path), attention_backend="triton", max_model_len=48, max_num_seqs=3, max_num_batched_tokens=20,
               num_kv_blocks=40, cudagraph_capture_sizes=[1, 2, 4, 8, 16],
               speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 2})
@@ -162,7 +173,7 @@ def test_after_the_warm_up_no_request_launches_a_new_kernel_variant(tiny_llama, 
         engine.runner.capture_graphs(M.FULL_AND_PIECEWISE, EagerRecorder(), engine.attention_backend)
         warm_up(engine.core)
         warmed = set(seen)
-        prompts, params = workload(hf.config.vocab_size, 10, seed=2)
+        prompts, params = workload(engine.core.arch.vocab_size, 10, seed=2)
         llm.generate([p[:40] for p in prompts], params, use_tqdm=False)
         for p, sp in zip(prompts[:4], params[:4]):
             llm.generate(p[:40], sp, use_tqdm=False)

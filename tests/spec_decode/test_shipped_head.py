@@ -18,10 +18,15 @@ GREEDY = SamplingParams(temperature=0, max_tokens=48)
 
 
 @pytest.fixture(scope="module")
-def reference():
-    llm = LLM("smollm2-135m", max_model_len=512)
-    chats = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
-    return chats, [o.outputs[0].token_ids for o in llm.generate(chats, GREEDY, use_tqdm=False)]
+def plain():
+    """The model without speculation, loaded once for the module's references."""
+    return LLM("smollm2-135m", max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def reference(plain):
+    chats = [plain.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    return chats, [o.outputs[0].token_ids for o in plain.generate(chats, GREEDY, use_tqdm=False)]
 
 
 def test_shipped_head_is_small_and_in_vllm_layout():
@@ -40,18 +45,18 @@ def test_shipped_head_accepts_drafts_losslessly(reference):
     assert stats["mean_acceptance_length"] >= 1.8, stats
 
 
-def test_a_tree_of_drafts_emits_the_models_tokens_and_logprobs(reference):
+def test_a_tree_of_drafts_emits_the_models_tokens_and_logprobs(plain, reference):
     """The shipped head drafting a tree: tokens and logprobs (those of the accepted path's rows) as without
     speculation, and more tokens a step than a chain of the tree's depth accepts on these prompts (1.8)."""
     chats, _ = reference
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
-    plain = LLM("smollm2-135m", max_model_len=512).generate(chats, params, use_tqdm=False)
+    without = plain.generate(chats, params, use_tqdm=False)
     llm = LLM("smollm2-135m", max_model_len=512, speculative_config={
         "method": "eagle3", "model": "smollm2-135m-eagle3",
         "speculative_token_tree": "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"})
     tree = llm.generate(chats, params, use_tqdm=False)
     assert llm.engine.spec_stats.mean_acceptance_length >= 1.8
-    for p, t in zip(plain, tree):
+    for p, t in zip(without, tree):
         assert t.outputs[0].token_ids == p.outputs[0].token_ids
         for want, got in zip(p.outputs[0].logprobs, t.outputs[0].logprobs, strict=True):
             assert want.keys() == got.keys()
