@@ -84,7 +84,7 @@ def kernels():
     projection = dict(x_ptr=bf16, res_ptr=bf16, res_out_ptr=bf16, norm_w_ptr=bf16, w_ptr=bf16, out_ptr=bf16,
                       idx_ptr=bf16, part_ptr=bf16, counter_ptr=bf16, M=i32, N=i32, K=i32, k_per=i32, stride_xm=i32,
                       stride_rm=i32, stride_rom=i32, stride_wn=i32, stride_om=i32, eps="fp32", DOT_FP32=False,
-                      BLOCK_M=16, SPLIT_K=1)
+                      BLOCK_M=16, SPLIT_K=1, w_scale_ptr=f32, x_scale_ptr=f32, W_SCALED=False, X_SCALED=False)
     for rows, cfg in ((1, tiles["norm_small_one_token"]), (16, tiles["norm_small"]), (4, tiles["norm_medium"])):
         yield fused_linear._fused_linear_kernel, dict(
             projection, ADD=True, NORM=True, SILU_MUL=True, TOP=0, COMPACT=cfg.compact, ROWS=rows,
@@ -92,6 +92,12 @@ def kernels():
     yield fused_linear._fused_linear_kernel, dict(
         projection, ADD=False, NORM=False, SILU_MUL=False, TOP=0, COMPACT=False, ROWS=16, PRE_K=256,
         SLICE_K=16, LATE_RSTD=False, BLOCK_N=tiles["small_short_k"].block_n, BLOCK_K=tiles["small_short_k"].block_k)
+    # FP8 weights (quantization/fp8_linear.py): weight-only, and with FP8 inputs scaled per row.
+    for x_scaled in (False, True):
+        yield fused_linear._fused_linear_kernel, dict(
+            projection, x_ptr="*fp8e4nv" if x_scaled else bf16, w_ptr="*fp8e4nv", W_SCALED=True,
+            X_SCALED=x_scaled, ADD=False, NORM=False, SILU_MUL=False, TOP=0, COMPACT=False, ROWS=16, PRE_K=256,
+            SLICE_K=16, LATE_RSTD=False, BLOCK_N=64, BLOCK_K=128)
     # The head's down_proj (576 x 6144), K split over 4 programs a column tile (atomics, L2 loads, a barrier).
     yield fused_linear._fused_linear_kernel, dict(
         projection, part_ptr=f32, counter_ptr=p32, ADD=False, NORM=False, SILU_MUL=False, TOP=0, COMPACT=False,
