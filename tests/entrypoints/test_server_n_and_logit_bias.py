@@ -110,6 +110,8 @@ def test_prompt_tokens_metrics_count_each_sequence_and_its_cache_hits(server):
     counted = m["specserve:prompt_tokens_total"] - before["specserve:prompt_tokens_total"]
     cached = m["specserve:prompt_tokens_cached_total"] - before["specserve:prompt_tokens_cached_total"]
     assert (counted, cached) == (4 * length, 3 * ((length - 1) // block * block))
+    length_ended = "specserve:requests_total{finish_reason=length}"
+    assert m[length_ended] - before.get(length_ended, 0) == 4  # each sequence, by its own finish reason
 
 
 def test_greedy_choices_are_equal(server):
@@ -127,7 +129,7 @@ def test_a_disconnect_aborts_every_sequence(server):
                 if i == 6:
                     break  # leaving the block closes the connection mid-stream
     m = server.wait_idle()
-    assert m["specserve:requests_total{finish_reason=abort}"] == before + 1
+    assert m["specserve:requests_total{finish_reason=abort}"] == before + 4  # each sequence, as vLLM counts
     assert m["specserve:generation_tokens_total"] < 4 * 400
 
 

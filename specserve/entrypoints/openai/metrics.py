@@ -80,8 +80,8 @@ class ServerMetrics:
     def __init__(self, engine: AsyncLLM):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(PREFIX + "requests", "Requests ended, by finish reason "
-                                "(stop, length, abort: the client left, timeout, error).",
+        self.requests = Counter(PREFIX + "requests", "Sequences ended (a request's n each, as vLLM counts "
+                                "them), by finish reason (stop, length, abort: the client left, timeout, error).",
                                 ["finish_reason"], registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -92,9 +92,11 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         r.register(EngineStatsCollector(engine))
 
-    def record_request(self, finish_reason: str, last: RequestOutput | None) -> None:
-        """Observe a request that ended; `last` is its last output (None if it never got one)."""
-        self.requests.labels(finish_reason).inc()
+    def record_request(self, finish_reasons: list[str], last: RequestOutput | None) -> None:
+        """Observe a request that ended, with each sequence's finish reason; `last` is its last output (None if
+        it never got one)."""
+        for reason in finish_reasons:
+            self.requests.labels(reason).inc()
         if last is None:
             return
         m = last.metrics

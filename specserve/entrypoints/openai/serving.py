@@ -108,15 +108,16 @@ class OpenAIServing:
             raise to_openai_error(e, param_name) from e
 
     async def _generate(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> Outputs:
-        """engine.generate, observing each request in the metrics when it ends."""
+        """engine.generate, observing each request in the metrics when it ends: each of its n sequences by its
+        own finish reason, or by the request's end (abort, timeout, error) where it did not finish."""
         last, reason = None, "abort"  # ended early without an error: the client went away
+        finished: dict[int, str] = {}  # sequence index -> its finish reason
         try:
             # Closed explicitly, so leaving early aborts the request now rather than at garbage collection.
             async with contextlib.aclosing(self.engine.generate(prompt, params, request_id)) as outputs:
                 async for out in outputs:
                     last = out
-                    if out.finished:
-                        reason = out.outputs[0].finish_reason
+                    finished.update((seq.index, seq.finish_reason) for seq in out.outputs if seq.finish_reason)
                     yield out
         except (InvalidRequestError, QueueFullError):
             reason = None  # refused, never admitted
@@ -129,7 +130,7 @@ class OpenAIServing:
             raise
         finally:
             if reason is not None:
-                self.metrics.record_request(reason, last)
+                self.metrics.record_request([finished.get(i, reason) for i in range(params.n)], last)
 
 
 async def _prepend(first: RequestOutput, rest: Outputs) -> Outputs:
