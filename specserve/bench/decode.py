@@ -174,7 +174,7 @@ PRESETS: dict[str, dict] = {
     # Seconds on a CPU: the same code paths on a 4-layer random model.
     "tiny": dict(models=["tiny"], device="cpu", modes=["NONE"], mode_batch_sizes=[1], default_mode="NONE",
                  batch_sizes=[1, 4], spec=[SpecSetting(2, 0.8)], spec_batch_sizes=[1, 4], hf_batch_sizes=[1, 4],
-                 prompt_len=16, new_tokens=12, hf_new_tokens=12),
+                 prompt_len=16, new_tokens=12, hf_new_tokens=32),
 }
 
 
