@@ -175,8 +175,7 @@ class Scheduler:
             budget -= num_new
 
         out.scheduled = scheduled
-        num_sampling = sum(s.samples for s in scheduled)
-        if self.policy is not None and num_sampling:
+        if self.policy is not None and (num_sampling := sum(s.samples for s in scheduled)):
             out.propose_drafts = self.policy.choose(num_sampling) > 0
         if scheduled:
             self._inflight_proposes = out.propose_drafts
@@ -217,7 +216,8 @@ class Scheduler:
         """Advance each request past the tokens computed this step (result: the runner's output);
         returns the requests that got new tokens."""
         updated = []
-        step_stats = SpecDecodeStats()
+        # This step's acceptance, for a policy that learns from it (a dynamic one).
+        step_stats = SpecDecodeStats() if self.policy is not None and self.policy.dynamic else None
         for s in out.scheduled:
             req = s.request
             req.num_inflight_tokens -= s.num_new_tokens
@@ -235,7 +235,8 @@ class Scheduler:
                 positions = n if self.tree is None else self.tree.depth_of_prefix(n)
                 req.spec_stats.record(positions, len(new_tokens) - 1)
                 self.spec_stats.record(positions, len(new_tokens) - 1)
-                step_stats.record(positions, len(new_tokens) - 1)
+                if step_stats is not None:
+                    step_stats.record(positions, len(new_tokens) - 1)
             for t in new_tokens:
                 if req.append_token(t):
                     break
@@ -243,7 +244,7 @@ class Scheduler:
             if not req.is_finished and not req.num_inflight_tokens:
                 req.spec_token_ids = result.drafts.get(req.request_id, [])[: self._num_drafts(req, req.num_tokens)]
             updated.append(req)
-        if self.policy is not None and step_stats.num_steps:
+        if step_stats is not None and step_stats.num_steps:
             self.policy.observe(step_stats)
         return updated
 
