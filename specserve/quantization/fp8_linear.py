@@ -8,8 +8,9 @@ Which GEMM runs: on the fused path (any CUDA module; a CPU module under Triton's
 the small-M Triton kernel (kernels/fused_linear.py, fp8_linear) where the measured table picks it
 (kernels/fp8_gemm_choice.py) or where `torch._scaled_mm` cannot run (a float32 or float16 model, a W8A16
 layer), torch._scaled_mm with rowwise scales (bfloat16 output) otherwise; past the Triton kernel's rows, a
-layer _scaled_mm cannot take dequantizes. The unfused path (the CPU's) is the reference: dequantize both
-operands and multiply in float32.
+layer _scaled_mm cannot take dequantizes. A dynamic input is quantized per token by one kernel there
+(kernels/fp8_rows.py). The unfused path (the CPU's) is the reference: dequantize both operands and multiply
+in float32.
 """
 from __future__ import annotations
 
@@ -80,6 +81,10 @@ class Fp8Linear(FusableModule):
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the GEMM's input, its scale [M, 1]): x and None for W8A16."""
         if self.activation is Fp8Activation.DYNAMIC:
+            if self.fused:
+                from specserve.kernels.fp8_rows import quantize_rows
+
+                return quantize_rows(x)
             return quantize_per_token(x)
         if self.activation is Fp8Activation.STATIC:
             return quantize_static(x, self.input_scale.amax())

@@ -98,6 +98,12 @@ def kernels():
             projection, x_ptr="*fp8e4nv" if x_scaled else bf16, w_ptr="*fp8e4nv", W_SCALED=True,
             X_SCALED=x_scaled, ADD=False, NORM=False, SILU_MUL=False, TOP=0, COMPACT=False, ROWS=16, PRE_K=256,
             SLICE_K=16, LATE_RSTD=False, BLOCK_N=64, BLOCK_K=128)
+    # The per-token quantization of an FP8 layer's input (quantization/fp8_linear.py).
+    from specserve.kernels import fp8_rows
+
+    yield fp8_rows._quantize_rows_kernel, dict(
+        x_ptr=bf16, q_ptr="*fp8e4nv", scale_ptr=f32, K=i32, stride_xm=i32, stride_qm=i32, fp8_max="fp32",
+        min_scale="fp32", BLOCK_K=fp8_rows.BLOCK_K)
     # The head's down_proj (576 x 6144), K split over 4 programs a column tile (atomics, L2 loads, a barrier).
     yield fused_linear._fused_linear_kernel, dict(
         projection, part_ptr=f32, counter_ptr=p32, ADD=False, NORM=False, SILU_MUL=False, TOP=0, COMPACT=False,

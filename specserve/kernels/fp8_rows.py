@@ -1,0 +1,54 @@
+"""Per-token (row) FP8 quantization of activations in one Triton launch: quantization/fp8.py's
+quantize_per_token, which as torch operations is five kernels and a temporary the size of x.
+
+One program a row: a pass over the row for its largest magnitude, then a pass that divides by the row's scale
+(amax / 448, at least MIN_SCALE) and rounds to e4m3 as the FP8 KV cache's writers do (kernels/fp8_kv.py:
+divided exactly, clamped, rounded to nearest even), so each value and scale equals the torch reference's.
+The second pass rereads the row from L2. Launches depend on shapes only (CUDA-graph capturable).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.kernels.fp8_kv import quantize_e4m3
+from specserve.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+
+# Elements of a row per loop iteration on a GPU; the interpreter takes short ones, so that test rows span
+# several chunks and the masks.
+BLOCK_K = 2048
+INTERPRETER_BLOCK_K = 64
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, fp8_max, min_scale,
+                          BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), fp8_max), min_scale)
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0)
+        tl.store(q_ptr + row * stride_qm + offs, quantize_e4m3(x, scale, q_ptr.dtype.element_ty), mask=offs < K)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [M, K] e4m3, scale [M, 1] float32) of x [M, K] (float32, bfloat16 or float16, unit stride along K):
+    one dynamic scale per row, as quantize_per_token."""
+    if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be a float32/bfloat16/float16 [M, K] with unit stride along K, got {x.dtype} "
+                         f"{tuple(x.shape)} with strides {x.stride()}")
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m and k:
+        block_k = INTERPRETER_BLOCK_K if x.device.type == "cpu" else min(BLOCK_K, triton.next_power_of_2(k))
+        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX, MIN_SCALE, BLOCK_K=block_k,
+                                    num_warps=4)
+    return q, scale
