@@ -34,6 +34,7 @@ class FillThreads:
             raise ValueError(f"max_rows and threads must be at least 1, got {self.max_rows} and {self.threads}")
 
 
+@lru_cache(maxsize=None)
 def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity, which a container or taskset narrows)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -70,10 +70,8 @@ def _live(s: ScheduledRequest) -> bool:
 
 def _fill_sample(host: torch.Tensor, requests: list[ScheduledRequest]) -> int:
     """Rows 0.. of host: each request's mask after its tokens. Returns the rows written."""
-    if not _any_grammar(requests):
-        return len(requests)
     live = [i for i, s in enumerate(requests) if _live(s)]
-    if len(live) < len(requests):
+    if len(live) < len(requests) and _any_grammar(requests):
         host[:len(requests)].fill_(-1)
     _batch_fill([requests[i].request.grammar.matcher for i in live], host, live)
     return len(requests)
@@ -105,24 +103,21 @@ def _fill_chains(host: torch.Tensor, first: int, width: int, requests: list[Sche
     requests of a depth in one batched call, as RequestGrammar.fill_masks walks one chain: a request stops at
     the first draft its grammar refuses or that ends it (a stop token), and its matcher is rolled back by the
     drafts it took."""
-    import xgrammar as xgr
-
     walking = [(i, s.request.grammar.matcher) for i, s in enumerate(requests) if _live(s)]
     walking = [(i, m) for i, m in walking if not m.is_terminated()]
     taken = [0] * len(requests)
     for depth in range(width):
         _batch_fill([m for _, m in walking], host, [first + i * width + depth for i, _ in walking])
-        walking = [(i, m) for i, m in walking if depth < len(drafts[i])]
-        if not walking:
-            break
-        accepted = xgr.BatchGrammarMatcher.batch_accept_token([m for _, m in walking],
-                                                              [drafts[i][depth] for i, _ in walking])
-        for (i, _), ok in zip(walking, accepted):
-            taken[i] += ok
-        walking = [(i, m) for (i, m), ok in zip(walking, accepted) if ok and not m.is_terminated()]
-    back = [(requests[i].request.grammar.matcher, n) for i, n in enumerate(taken) if n]
-    if back:
-        xgr.BatchGrammarMatcher.batch_rollback([m for m, _ in back], [n for _, n in back])
+        going = []
+        for i, m in walking:
+            if depth < len(drafts[i]) and m.accept_token(drafts[i][depth]):
+                taken[i] += 1
+                if not m.is_terminated():
+                    going.append((i, m))
+        walking = going
+    for s, n in zip(requests, taken):
+        if n:
+            s.request.grammar.matcher.rollback(n)
 
 
 def _batch_fill(matchers: list, host: torch.Tensor, rows: list[int]) -> None:
