@@ -144,7 +144,7 @@ def step_times(gs: list[RequestGrammar], vocab: int, rows: list[int], drafts: in
 
 def sweep(gs: list[RequestGrammar], vocab: int, rows: list[int], threads: list[int], repeats: int) -> list[FillThreads]:
     cpus = usable_cpus()
-    threads = [t for t in threads if t <= cpus]
+    threads = sorted({1, *(t for t in threads if t <= cpus)})  # one thread, the engine's, is the baseline
     buffer = buffer_for(max(rows), vocab)
     fillers = {t: xgr.BatchGrammarMatcher(max_threads=t) for t in threads}
     print(f"bare batch fill, median us a call, {cpus} usable CPUs")

@@ -62,8 +62,13 @@ def load_table(cpus: int) -> tuple[FillThreads, ...]:
     fitting = [c for c in measured if c <= cpus]
     if not fitting:
         return ()
-    rows = json.loads(table_path(fitting[-1]).read_text())["buckets"]
-    return tuple(sorted((FillThreads(**row) for row in rows), key=lambda b: b.max_rows))
+    path = table_path(fitting[-1])
+    try:
+        buckets = [FillThreads(**row) for row in json.loads(path.read_text())["buckets"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a table of fill threads ({e}); rewrite it with "
+                         f"`python benchmarks/step_masks_host.py --sweep --write` on this host") from e
+    return tuple(sorted(buckets, key=lambda b: b.max_rows))
 
 
 def fill_threads(rows: int, cpus: int | None = None) -> int:

@@ -47,6 +47,12 @@ def test_the_shipped_tables_load():
         assert [b.max_rows for b in buckets] == sorted({b.max_rows for b in buckets})
 
 
+def test_a_table_that_does_not_parse_names_its_file_and_the_fix(tables):
+    (tables / "8cpus.json").write_text('{"cpus": 8, "buckets": [{"max_rows": 8}]}')
+    with pytest.raises(ValueError, match=r"8cpus\.json is not a table.*--sweep --write"):
+        fill_threads(8, cpus=8)
+
+
 def test_a_bucket_needs_rows_and_threads():
     with pytest.raises(ValueError, match="at least 1"):
         FillThreads(0, 1)
