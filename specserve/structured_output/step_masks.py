@@ -23,6 +23,7 @@ import torch
 
 from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.sample.token_bitmask import TokenMask
+from specserve.structured_output.fill_threads import fill_threads
 from specserve.worker.input_buffers import TokenBitmaskBuffer
 
 
@@ -69,15 +70,10 @@ def _live(s: ScheduledRequest) -> bool:
 
 def _fill_sample(host: torch.Tensor, requests: list[ScheduledRequest]) -> int:
     """Rows 0.. of host: each request's mask after its tokens. Returns the rows written."""
-    if not _any_grammar(requests):
-        return len(requests)
     live = [i for i, s in enumerate(requests) if _live(s)]
-    if len(live) < len(requests):
+    if len(live) < len(requests) and _any_grammar(requests):
         host[:len(requests)].fill_(-1)
-    if live:
-        # One call for every row: xgrammar fills a row in microseconds, and a call per row from Python costs
-        # as much again. One thread, the engine's: waking a pool's threads costs more than the rows.
-        _filler().batch_fill_next_token_bitmask([requests[i].request.grammar.matcher for i in live], host, live)
+    _batch_fill([requests[i].request.grammar.matcher for i in live], host, live)
     return len(requests)
 
 
@@ -92,14 +88,48 @@ def _fill_verify(host: torch.Tensor, first: int, requests: list[ScheduledRequest
     if not _any_grammar(requests):
         return len(requests) * width
     host[first:first + len(requests) * width].fill_(-1)
+    if tree_parents is None:
+        _fill_chains(host, first, width, requests, drafts)
+        return len(requests) * width
     for i, s in enumerate(requests):
         if _live(s):
             s.request.grammar.fill_masks(host, first + i * width, drafts[i], tree_parents)
     return len(requests) * width
 
 
+def _fill_chains(host: torch.Tensor, first: int, width: int, requests: list[ScheduledRequest],
+                 drafts: list[list[int]]) -> None:
+    """Each live request's row first + i * width + j: its mask after its drafts 0..j-1, depth by depth, all the
+    requests of a depth in one batched call, as RequestGrammar.fill_masks walks one chain: a request stops at
+    the first draft its grammar refuses or that ends it (a stop token), and its matcher is rolled back by the
+    drafts it took."""
+    walking = [(i, s.request.grammar.matcher) for i, s in enumerate(requests) if _live(s)]
+    walking = [(i, m) for i, m in walking if not m.is_terminated()]
+    taken = [0] * len(requests)
+    for depth in range(width):
+        _batch_fill([m for _, m in walking], host, [first + i * width + depth for i, _ in walking])
+        going = []
+        for i, m in walking:
+            if depth < len(drafts[i]) and m.accept_token(drafts[i][depth]):
+                taken[i] += 1
+                if not m.is_terminated():
+                    going.append((i, m))
+        walking = going
+    for s, n in zip(requests, taken):
+        if n:
+            s.request.grammar.matcher.rollback(n)
+
+
+def _batch_fill(matchers: list, host: torch.Tensor, rows: list[int]) -> None:
+    """matchers[r]'s next-token mask into host[rows[r]], in one call on as many threads as the host's table
+    gives that many rows (structured_output/fill_threads.py): a call per row from Python costs as much again
+    as xgrammar's fill of it."""
+    if matchers:
+        _filler(fill_threads(len(matchers))).batch_fill_next_token_bitmask(matchers, host, rows)
+
+
 @functools.cache
-def _filler():
+def _filler(threads: int):
     import xgrammar as xgr
 
-    return xgr.BatchGrammarMatcher(max_threads=1)
+    return xgr.BatchGrammarMatcher(max_threads=threads)

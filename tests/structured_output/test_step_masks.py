@@ -1,5 +1,6 @@
-"""A request's masks along a chain of drafts (RequestGrammar.fill_masks, a walk of the chain as a tree) equal its
-matcher's masks built one token at a time, and leave the matcher where it was."""
+"""A request's masks along a chain of drafts (RequestGrammar.fill_masks, a walk of the chain as a tree) and a step's
+masks (StepMasks.build, batched over the step's requests) equal its matcher's masks built one token at a time, and
+leave the matcher where it was."""
 from __future__ import annotations
 
 import random
@@ -10,7 +11,12 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from schemas import SCHEMAS
+from specserve.engine.request import Request, RequestStatus
+from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from specserve.sampling_params import SamplingParams
 from specserve.structured_output.request_grammar import RequestGrammar
+from specserve.structured_output.step_masks import StepMasks
+from specserve.worker.input_buffers import TokenBitmaskBuffer
 
 
 def allowed(bitmask: torch.Tensor, row: int, vocab: int) -> list[int]:
@@ -79,4 +85,82 @@ def test_chain_masks_equal_each_matchers_own(compiled):
     for m, ref in zip(matchers, references):
         m.fill_next_token_bitmask(a, 0)
         ref.fill_next_token_bitmask(b, 0)
+        assert torch.equal(a, b)
+
+
+def scheduled(request_id: str, grammar_matcher, drafts: list[int]) -> ScheduledRequest:
+    grammar = None if grammar_matcher is None else RequestGrammar(grammar_matcher)
+    request = Request(request_id, [1], SamplingParams(temperature=0, max_tokens=8), set(), 4096, grammar=grammar)
+    return ScheduledRequest(request, 1 + len(drafts), drafts, [], True, 1)
+
+
+def reference_chain(ref, drafts: list[int], rows: torch.Tensor) -> None:
+    """rows[j]: ref's mask after drafts 0..j-1, one token at a time, up to the first refused or ending draft."""
+    if ref.is_terminated():
+        return
+    ref.fill_next_token_bitmask(rows, 0)
+    for j, t in enumerate(drafts):
+        if not ref.accept_token(t) or ref.is_terminated():
+            return
+        ref.fill_next_token_bitmask(rows, 1 + j)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_step_masks_equal_a_fill_row_by_row(compiled, monkeypatch, threads):
+    """StepMasks.build (batched fills, chains walked depth by depth over all requests, on `threads` threads) writes
+    the masks a matcher of each request fills one row at a time; rows of requests that have no grammar or have
+    ended allow everything; every matcher is back where it started."""
+    import specserve.structured_output.step_masks as step_masks
+
+    monkeypatch.setattr(step_masks, "fill_threads", lambda rows: threads)
+    vocab, grammars = compiled
+    rng = random.Random(threads)
+    k = 4
+    groups = {"sample": [], "verify": []}
+    references = {"sample": [], "verify": []}
+    homes = []  # (a request's matcher, one that took its tokens and nothing else)
+    for group in groups:
+        for i in range(24):
+            grammar = grammars[(i * 5) % len(grammars)]
+            if i % 11 == 3:
+                groups[group].append(scheduled(f"{group}{i}", None, [rng.randrange(vocab) for _ in range(k)]
+                                               if group == "verify" else []))
+                references[group].append(None)
+                continue
+            m, ref, home = (xgr.GrammarMatcher(grammar) for _ in range(3))
+            for t in walk(m, vocab, rng, rng.randrange(0, 14)):
+                assert ref.accept_token(t) and home.accept_token(t)
+            homes.append((m, home))
+            drafts = []
+            if group == "verify":
+                drafts = walk(m, vocab, rng, rng.randrange(0, k + 1))
+                m.rollback(len(drafts))
+                if drafts and i % 3 == 0:
+                    drafts[rng.randrange(len(drafts))] = rng.randrange(vocab)  # a draft the grammar likely refuses
+            s = scheduled(f"{group}{i}", m, drafts)
+            if i % 7 == 5:
+                s.request.status = RequestStatus.FINISHED_ABORTED
+            groups[group].append(s)
+            references[group].append(None if s.request.is_finished else ref)
+    sched = SchedulerOutput(groups["sample"] + groups["verify"])
+    n = len(groups["sample"])
+    width = 1 + k
+    words = -(-vocab // 32)
+    host = torch.zeros(n + n * width, words, dtype=torch.int32)
+    buffer = TokenBitmaskBuffer(host, host, torch.ones(1, dtype=torch.int64))
+    masks = StepMasks.build(sched, list(range(n)), list(range(n, 2 * n)), buffer, lambda s: s.spec_token_ids)
+    want = torch.full_like(host, -1)
+    for i, ref in enumerate(references["sample"]):
+        if ref is not None:
+            ref.fill_next_token_bitmask(want, i)
+    for i, (ref, s) in enumerate(zip(references["verify"], groups["verify"])):
+        if ref is not None:
+            reference_chain(ref, s.spec_token_ids, want[n + i * width:n + (i + 1) * width])
+    assert torch.equal(host, want)
+    assert masks.sample is not None and masks.verify is not None
+    # Every matcher is back where it started: its next mask is that of a fresh matcher given its tokens.
+    a, b = xgr.allocate_token_bitmask(1, vocab), xgr.allocate_token_bitmask(1, vocab)
+    for m, home in homes:
+        m.fill_next_token_bitmask(a, 0)
+        home.fill_next_token_bitmask(b, 0)
         assert torch.equal(a, b)
