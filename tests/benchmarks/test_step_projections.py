@@ -1,5 +1,6 @@
 """benchmarks/bench_step_projections.py on the CPU: its command line, the per-rank shapes it times (against the
-slices the weight loader cuts for every rank, and against the Llama-3-8B TP=2 figures by hand), the
+slices the weight loader cuts for every rank, the layers rank 0's model holds, and the Llama-3-8B TP=2
+figures by hand), the
 candidates each kernel takes, and --write-config's table, which keeps the classes the sweep did not measure."""
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from step_projections_shapes import parse_args, rank_layer, step_projections, ta
 
 from specserve.distributed.parallel_state import TPGroup  # noqa: E402
 from specserve.kernels.small_m_configs import CANDIDATES, SmallMConfig  # noqa: E402
+from specserve.models.llama import LlamaForCausalLM  # noqa: E402
 from specserve.models.parallel_layers import shard_weight  # noqa: E402
 
 
@@ -56,6 +58,13 @@ def test_rank_shapes_are_what_every_rank_loads(target, size):
         if timed["target qkv"].bias:
             assert loaded["target qkv bias"] == (timed["target qkv"].n,)
     assert all(p.per_step == target_arch(target).num_layers for p in timed.values())
+    # The model the engine's rank 0 builds, on the meta device.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(target_arch(target), backend=None, tp=TPGroup(0, size))
+    layer = model.model.layers[-1]
+    assert [tuple(linear.weight.shape) for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)] == [
+        (p.n, p.k) for p in timed.values()]
 
 
 def test_llama3_8b_at_tp2_by_hand():
