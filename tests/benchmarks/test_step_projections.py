@@ -1,7 +1,6 @@
-"""benchmarks/bench_step_projections.py on the CPU: its command line, the per-rank shapes it times (against the
-slices the weight loader cuts for every rank, the layers rank 0's model holds, and the Llama-3-8B TP=2
-figures by hand), the
-candidates each kernel takes, and --write-config's table, which keeps the classes the sweep did not measure."""
+"""benchmarks/bench_step_projections.py on the CPU: its command line; the per-rank shapes it times, against the
+slices the weight loader cuts for every rank, the layers rank 0's model holds and the Llama-3-8B TP=2 figures
+by hand; the candidates each kernel takes; --write-config's table, which keeps the classes not measured."""
 from __future__ import annotations
 
 import sys
