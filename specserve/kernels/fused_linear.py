@@ -56,13 +56,17 @@ def _fused_linear_kernel(
     """With SPLIT_K > 1 (plain projections only), program (pid, s) of the grid (column tiles, SPLIT_K) sums
     K from s * k_per (a multiple of BLOCK_K) into part_ptr's float32 [SPLIT_K, M, N]; counter_ptr holds a
     zero per column tile, back at zero when the launch ends. With W_SCALED the weight is FP8 with a float32 scale
-    per output column (w_scale_ptr [N]), with X_SCALED x is FP8 with one per row (x_scale_ptr [M]): both operands
-    are widened exactly to the dot's dtype and the float32 sums scaled once, after the K loop."""
+    per output column (w_scale_ptr [N]), with X_SCALED x is FP8 with one per row (x_scale_ptr [M], no prologue):
+    both operands are widened exactly to the dot's dtype and the float32 sums scaled once, after the K loop."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
     w_ty = w_ptr.dtype.element_ty
-    # An FP8 weight multiplies in the output's dtype, into which e4m3 widens exactly.
-    dot_ty = tl.float32 if DOT_FP32 else (out_ptr.dtype.element_ty if W_SCALED else w_ty)
+    # An FP8 weight multiplies in the output's dtype, into which e4m3 widens exactly; with an FP8 input too, in
+    # float16, which holds every e4m3 value and into which the hardware widens e4m3 in one instruction (bfloat16
+    # takes several: measured twice as slow, BENCHMARKS.md 'FP8 weights').
+    dot_ty = tl.float32 if DOT_FP32 else (tl.float16 if X_SCALED else (out_ptr.dtype.element_ty if W_SCALED
+                                                                         else w_ty))
     # int64 rows: a vocabulary-sized weight passes 2**31 elements.
     gate_rows = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
     up_rows = w_ptr + (offs_n + N).to(tl.int64)[None, :] * stride_wn
@@ -80,8 +84,13 @@ def _fused_linear_kernel(
         k_end = tl.minimum(k_start + k_per, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = input_chunk(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, M, K, stride_xm, stride_rm,
-                        ADD, NORM, COMPACT, ROWS, BLOCK_M, LATE_RSTD).to(dot_ty)
+        if X_SCALED:
+            # Loaded as it is and widened once (input_chunk's prologue would round-trip it through float32).
+            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0).to(dot_ty)
+        else:
+            a = input_chunk(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, M, K, stride_xm, stride_rm,
+                            ADD, NORM, COMPACT, ROWS, BLOCK_M, LATE_RSTD).to(dot_ty)
         w_mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
         w = tl.load(gate_rows + offs_k[:, None], mask=w_mask, other=0.0)
         # IEEE: float32 operands must not silently drop to tf32.
@@ -95,7 +104,6 @@ def _fused_linear_kernel(
         acc = acc * rstd[:, None]
         acc_up = acc_up * rstd[:, None]
 
-    offs_m = tl.arange(0, BLOCK_M)
     if SPLIT_K > 1:
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         parts = part_ptr + offs_m[:, None] * N + offs_n[None, :]
