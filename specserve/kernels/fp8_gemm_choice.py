@@ -1,9 +1,10 @@
 """Which GEMM an FP8 projection runs at each shape: torch._scaled_mm (cuBLAS) or the small-M Triton kernel.
 
 The choice is data, measured on the device (docs/design.md, 'FP8 weights'): `benchmarks/fp8_gemm_choice.py`
-times both kernels for each projection shape (N, K) at each token count M up to the Triton kernel's row limit
-and writes, per device, `kernels/configs/fp8_gemm/<device name>.json`: for each (N, K) a list of token-count
-buckets and the faster kernel in each. A shape, token count or device the table does not name takes
+times both kernels for each projection shape (N, K) at each token count M up to the Triton kernel's row limit,
+the Triton kernel in several tiles, and writes, per device, `kernels/configs/fp8_gemm/<device name>.json`: for
+each (N, K) a list of token-count buckets, the faster kernel in each and, for Triton, its fastest tile (none:
+the 16-bit tile data's, small_m_configs.py). A shape, token count or device the table does not name takes
 `torch._scaled_mm` (DEFAULT), as does every M past the Triton kernel's limit.
 """
 from __future__ import annotations
@@ -14,6 +15,8 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+from specserve.kernels.small_m_configs import SmallMConfig
 
 # The Triton kernel's row limit (small_m_prologue.MAX_ROWS, which imports Triton; tests check they agree).
 TRITON_MAX_ROWS = 32
@@ -34,12 +37,27 @@ class Fp8GemmChoice:
     k: int
     max_m: int
     kernel: str
+    # The Triton kernel's tile (small_m_configs.SmallMConfig's fields); 0: the tile data's.
+    block_n: int = 0
+    block_k: int = 0
+    num_warps: int = 0
+    num_stages: int = 0
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
         if self.kernel == TRITON and self.max_m > TRITON_MAX_ROWS:
             raise ValueError(f"the Triton kernel takes at most {TRITON_MAX_ROWS} rows, got a bucket up to {self.max_m}")
+        tile = (self.block_n, self.block_k, self.num_warps, self.num_stages)
+        if any(tile) and (self.kernel != TRITON or not all(v > 0 for v in tile)):
+            raise ValueError(f"a tile goes with the Triton kernel and names all of block_n, block_k, num_warps and "
+                             f"num_stages, got kernel {self.kernel!r} and {tile}")
+
+    def config(self) -> SmallMConfig | None:
+        """The Triton kernel's tile, None for the tile data's."""
+        if not self.block_n:
+            return None
+        return SmallMConfig(self.block_n, self.block_k, self.num_warps, self.num_stages)
 
 
 def choice_path(device_name: str) -> Path:
@@ -67,14 +85,13 @@ def load_choices(device_name: str) -> dict[tuple[int, int], tuple[Fp8GemmChoice,
     return {shape: tuple(sorted(rows, key=lambda c: c.max_m)) for shape, rows in table.items()}
 
 
-def choose_kernel(n: int, k: int, m: int, device: torch.device) -> str:
-    """The kernel for a projection [n, k] over m tokens on device: the table's bucket for m, else DEFAULT."""
-    if m > TRITON_MAX_ROWS:
-        return DEFAULT
-    for choice in load_choices(_device_name(device)).get((n, k), ()):
-        if m <= choice.max_m:
-            return choice.kernel
-    return DEFAULT
+def choose(n: int, k: int, m: int, device: torch.device) -> Fp8GemmChoice:
+    """The choice for a projection [n, k] over m tokens on device: the table's bucket for m, else DEFAULT."""
+    if m <= TRITON_MAX_ROWS:
+        for choice in load_choices(_device_name(device)).get((n, k), ()):
+            if m <= choice.max_m:
+                return choice
+    return Fp8GemmChoice(n, k, m, DEFAULT)
 
 
 @lru_cache(maxsize=None)

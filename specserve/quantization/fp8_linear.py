@@ -5,7 +5,7 @@ model's dtype. The input is quantized as `activation` says: per token on the fly
 checkpoint's static scale (W8A8, static), or not at all (W8A16: the weight is widened inside the GEMM).
 
 Which GEMM runs: on the fused path (any CUDA module; a CPU module under Triton's interpreter when forced),
-the small-M Triton kernel (kernels/fused_linear.py, fp8_linear) where the measured table picks it
+the small-M Triton kernel (kernels/fused_linear.py, fp8_linear) in the table's tile where it picks it (the tile measured for a bfloat16 model's FP8 input)
 (kernels/fp8_gemm_choice.py) or where `torch._scaled_mm` cannot run (a float32 or float16 model, a W8A16
 layer), torch._scaled_mm with rowwise scales (bfloat16 output) otherwise; past the Triton kernel's rows, a
 layer _scaled_mm cannot take dequantizes. A dynamic input is quantized per token by one kernel there
@@ -19,7 +19,7 @@ import enum
 import torch
 from torch import nn
 
-from specserve.kernels.fp8_gemm_choice import TRITON, TRITON_MAX_ROWS, choose_kernel
+from specserve.kernels.fp8_gemm_choice import TRITON, TRITON_MAX_ROWS, choose
 from specserve.models.layers import FusableModule
 from specserve.quantization.fp8 import FP8_DTYPE, dequantize, quantize_per_channel, quantize_per_token, quantize_static
 
@@ -104,11 +104,12 @@ class Fp8Linear(FusableModule):
         if not self.fused:
             return self.reference(xq, x_scale, dtype)
         scaled_mm_fits = dtype == torch.bfloat16 and x_scale is not None
-        if m <= TRITON_MAX_ROWS and (not scaled_mm_fits
-                              or choose_kernel(self.out_features, self.in_features, m, x.device) == TRITON):
+        choice = choose(self.out_features, self.in_features, m, x.device)
+        if m <= TRITON_MAX_ROWS and (not scaled_mm_fits or choice.kernel == TRITON):
             from specserve.kernels.fused_linear import fp8_linear
 
-            return fp8_linear(xq, self.weight, self.weight_scale, x_scale, out_dtype=dtype)
+            return fp8_linear(xq, self.weight, self.weight_scale, x_scale, out_dtype=dtype,
+                              config=choice.config() if scaled_mm_fits else None)
         if scaled_mm_fits:
             # Rowwise scaling: scale_a [M, 1], scale_b [1, N]; the weight transposed is the column-major [K, N]
             # operand cuBLAS takes.

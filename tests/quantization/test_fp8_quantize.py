@@ -9,7 +9,8 @@ from torch import nn
 
 from specserve.errors import ConfigError
 from specserve.kernels import fp8_gemm_choice
-from specserve.kernels.fp8_gemm_choice import Fp8GemmChoice, choose_kernel, write_choices
+from specserve.kernels.fp8_gemm_choice import Fp8GemmChoice, choose, write_choices
+from specserve.kernels.small_m_configs import SmallMConfig
 from specserve.quantization.fp8 import FP8_DTYPE, FP8_MAX, FP8_RELATIVE_ERROR, quantize_per_channel, quantize_per_token
 from specserve.quantization.fp8_linear import Fp8Activation, Fp8Linear
 
@@ -136,18 +137,42 @@ def test_the_choice_table(tmp_path, monkeypatch):
     monkeypatch.setattr(fp8_gemm_choice, "CHOICE_DIR", tmp_path)
     fp8_gemm_choice.load_choices.cache_clear()
     cpu = torch.device("cpu")
-    assert choose_kernel(64, 32, 1, cpu) == "scaled_mm"  # no table: the default
-    write_choices(tmp_path / "cpu.json", "cpu", [Fp8GemmChoice(64, 32, 4, "triton"),
+    assert choose(64, 32, 1, cpu).kernel == "scaled_mm"  # no table: the default
+    write_choices(tmp_path / "cpu.json", "cpu", [Fp8GemmChoice(64, 32, 4, "triton", 64, 512, 8, 3),
                                                   Fp8GemmChoice(64, 32, 16, "scaled_mm"),
                                                   Fp8GemmChoice(64, 32, 32, "triton")])
     fp8_gemm_choice.load_choices.cache_clear()
     assert json.loads((tmp_path / "cpu.json").read_text())["device"] == "cpu"
-    assert [choose_kernel(64, 32, m, cpu) for m in (1, 4, 5, 16, 17, 32, 33)] == \
+    assert [choose(64, 32, m, cpu).kernel for m in (1, 4, 5, 16, 17, 32, 33)] == \
         ["triton", "triton", "scaled_mm", "scaled_mm", "triton", "triton", "scaled_mm"]
-    assert choose_kernel(32, 64, 1, cpu) == "scaled_mm"  # a shape it does not name
+    # A bucket's tile, or the tile data's where it names none.
+    assert choose(64, 32, 3, cpu).config() == SmallMConfig(64, 512, 8, 3)
+    assert choose(64, 32, 20, cpu).config() is None
+    assert choose(32, 64, 1, cpu).kernel == "scaled_mm"  # a shape it does not name
     fp8_gemm_choice.load_choices.cache_clear()
     with pytest.raises(ValueError, match="at most 32 rows"):
         Fp8GemmChoice(64, 32, 64, "triton")
+    with pytest.raises(ValueError, match="a tile goes with the Triton kernel"):
+        Fp8GemmChoice(64, 32, 4, "scaled_mm", 64, 512, 8, 3)
+    with pytest.raises(ValueError, match="names all of"):
+        Fp8GemmChoice(64, 32, 4, "triton", 64, 512)
+
+
+def test_the_layer_runs_the_tables_tile(tmp_path, monkeypatch):
+    """A bfloat16 layer whose shape the table gives the Triton kernel runs it in the table's tile."""
+    import specserve.kernels.fused_linear as fused_linear_module
+
+    monkeypatch.setattr(fp8_gemm_choice, "CHOICE_DIR", tmp_path)
+    fp8_gemm_choice.load_choices.cache_clear()
+    write_choices(tmp_path / "cpu.json", "cpu", [Fp8GemmChoice(24, 32, 8, "triton", 16, 64, 4, 2)])
+    seen = []
+    monkeypatch.setattr(fused_linear_module, "fp8_linear",
+                        lambda *a, config=None, **kw: seen.append(config) or torch.zeros(3, 24, dtype=torch.bfloat16))
+    layer = _layer(torch.randn(24, 32), Fp8Activation.DYNAMIC)
+    layer.fused = True
+    layer(torch.randn(3, 32).to(torch.bfloat16))
+    fp8_gemm_choice.load_choices.cache_clear()
+    assert seen == [SmallMConfig(16, 64, 4, 2)]
 
 
 def test_options_refuse_unsupported_values():
