@@ -37,9 +37,10 @@ class SmallMConfig:
     split_k: int = 1
 
 
-# Up to this many weight bytes a projection is latency-bound (SmolLM2-135M's are 0.7 to 3.5 MB): narrow tiles
+# Below this many weight bytes a projection is latency-bound (SmolLM2-135M's are 0.7 to 3.5 MB): narrow tiles
 # spread its few output columns over enough programs, and long K chunks keep the loop short. Larger weights
-# (Llama-3-8B's, 33 to 235 MB) are bandwidth-bound.
+# (Llama-3-8B's, 33 to 235 MB; a rank's o_proj at tensor-parallel size 2, exactly 16 MiB, reads faster in
+# their tiles: BENCHMARKS.md, 'Tensor parallelism') are bandwidth-bound.
 SMALL_WEIGHT_BYTES = 16 << 20
 # Up to SHORT_K input features a small weight's K fits in few short chunks, where long ones would leave the
 # last of two iterations nearly all mask.
@@ -110,7 +111,7 @@ def linear_class(weight: torch.Tensor, wide: bool, norm: bool = False, m: int = 
     """The shape class of a projection with this weight over m tokens (on a GPU); wide: the gate/up kernel, two
     accumulators; norm: with the RMSNorm prologue; top: keeping each program's best columns (which, like the
     other prologues and epilogues, does not split K)."""
-    small = weight_bytes(weight) <= SMALL_WEIGHT_BYTES
+    small = weight_bytes(weight) < SMALL_WEIGHT_BYTES
     if norm:
         if not small:
             return "norm_large_one_token" if m == 1 else "norm_large"
@@ -129,7 +130,7 @@ def linear_class(weight: torch.Tensor, wide: bool, norm: bool = False, m: int = 
 def qkv_class(weight: torch.Tensor, norm: bool = False, m: int = 16) -> str:
     """The shape class of the qkv kernel (on a GPU), whose block_n counts rotary pairs: 16 at least, tl.dot's
     minimum width."""
-    small = weight_bytes(weight) <= SMALL_WEIGHT_BYTES
+    small = weight_bytes(weight) < SMALL_WEIGHT_BYTES
     if norm:
         if not small:
             return "qkv_norm_large_one_token" if m == 1 else "qkv_norm_large"

@@ -40,7 +40,7 @@ class FusableModule(nn.Module):
 # otherwise fall back to cuBLAS and the separate norm, rotary and SiLU kernels; past 16 rows the tile
 # doubles to 32, still bound by the weight read. 32 is the kernel's row limit (small_m_prologue.MAX_ROWS).
 SMALL_M_MAX_TOKENS = 32
-# Up to this many weight bytes the norm in front of the qkv and gate/up projections (with the residual
+# Below this many weight bytes the norm in front of the qkv and gate/up projections (with the residual
 # add) folds into their small-M kernels, rotary + KV-cache write and SiLU-and-mul in the epilogues: on a
 # small weight the kernels saved outweigh rereading the input rows in every program (BENCHMARKS.md,
 # 'Kernel choices').
@@ -73,7 +73,7 @@ def output_projection(module: FusableModule, linear: nn.Module, x: torch.Tensor)
 def fuses_neighbours(module: FusableModule, linear: nn.Module, x: torch.Tensor) -> bool:
     """Whether linear's small-M kernel over x also runs the kernels around it: the norm in front (prologue),
     rotary and the cache write after a qkv projection (epilogue). The one place that decides."""
-    return small_m_linear(module, linear, x) and (weight_bytes(linear.weight) <= FOLD_NORM_MAX_WEIGHT_BYTES
+    return small_m_linear(module, linear, x) and (weight_bytes(linear.weight) < FOLD_NORM_MAX_WEIGHT_BYTES
                                    or x.shape[0] <= FOLD_NORM_ANY_WEIGHT_MAX_TOKENS)
 
 

@@ -127,3 +127,14 @@ def test_float32_weights_take_half_the_k_chunk_and_the_cpu_the_interpreters_tile
     cpu = torch.empty(576, 576)
     assert linear_config(cpu, wide=False) == INTERPRETER and linear_config(cpu, wide=True, norm=True).compact
     assert qkv_config(cpu) == INTERPRETER_QKV and qkv_config(cpu, norm=True).compact
+
+
+def test_a_weight_of_exactly_the_small_limit_takes_the_large_tiles():
+    """A rank's o_proj at tensor-parallel size 2 (4096 x 2048 bfloat16, 16 MiB) reads faster in the large
+    tiles (BENCHMARKS.md, 'Tensor parallelism')."""
+    from specserve.kernels.small_m_configs import SMALL_WEIGHT_BYTES, linear_class
+
+    at_limit = torch.empty(4096, 2048, dtype=torch.bfloat16, device="meta")
+    assert at_limit.numel() * 2 == SMALL_WEIGHT_BYTES
+    assert linear_class(at_limit, wide=False, m=1) == "large"
+    assert linear_class(torch.empty(4096, 2047, dtype=torch.bfloat16, device="meta"), wide=False, m=1) != "large"
