@@ -5,6 +5,8 @@ tokens, drafts and acceptances equal TP=1's without graphs. On a GPU the same de
 CUDA graphs (tests/gpu/test_tensor_parallel_cuda.py)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 from specserve import LLM, SamplingParams
@@ -15,7 +17,10 @@ from tests.heads import save_eagle_head
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 TREE = "[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]"
-ENGINE = dict(dtype="float32", device="cpu", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+# Blocks of 8 tokens: a lone request's full graphs are recorded for query lengths up to a block, 7 graphs where
+# blocks of 16 take 15 of the same kind.
+ENGINE = dict(dtype="float32", device="cpu", max_model_len=128, block_size=8, max_num_seqs=4,
+              max_num_batched_tokens=64,
               cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64])
 
 
@@ -31,16 +36,43 @@ def _spec(head, drafts: str | None):
     return {**spec, "speculative_token_tree": TREE} if drafts == "tree" else spec
 
 
+@dataclass(frozen=True)
+class Reference:
+    tokens: list[list[int]]
+    drafted_and_accepted: tuple[int, int]
+
+
+@pytest.fixture(scope="module")
+def tp1_reference(tiny_llama, head):
+    """TP=1's greedy run of the prompts without graphs, once per drafter (graph modes of one drafter share it)."""
+    path, hf = tiny_llama
+    runs: dict[str | None, Reference] = {}
+
+    def reference(drafts: str | None) -> Reference:
+        if drafts not in runs:
+            ref = LLM(str(path), speculative_config=_spec(head, drafts), **ENGINE)
+            try:
+                tokens = [o.outputs[0].token_ids for o in ref.generate(prompts(hf), GREEDY, use_tqdm=False)]
+                runs[drafts] = Reference(tokens, (ref.engine.spec_stats.num_drafted,
+                                                  ref.engine.spec_stats.num_accepted))
+            finally:
+                ref.engine.core.close()
+        return runs[drafts]
+
+    return reference
+
+
+def prompts(hf) -> list[list[int]]:
+    return repetitive_prompts(hf.config.vocab_size, n=3, seed=17)
+
+
 @pytest.mark.parametrize("drafts, mode", [(None, M.FULL_AND_PIECEWISE), ("chain", M.FULL_AND_PIECEWISE),
                                           ("tree", M.FULL_AND_PIECEWISE), ("chain", M.PIECEWISE)],
                          ids=["none-full", "chain-full", "tree-full", "chain-piecewise"])
-def test_tp2_graphs_follow_rank0_and_equal_tp1(tiny_llama, head, drafts, mode):
+def test_tp2_graphs_follow_rank0_and_equal_tp1(tiny_llama, head, tp1_reference, drafts, mode):
     path, hf = tiny_llama
-    prompts = repetitive_prompts(hf.config.vocab_size, n=3, seed=17)
     spec = _spec(head, drafts)
-    ref = LLM(str(path), speculative_config=spec, **ENGINE)
-    want = [o.outputs[0].token_ids for o in ref.generate(prompts, GREEDY, use_tqdm=False)]
-    want_stats = (ref.engine.spec_stats.num_drafted, ref.engine.spec_stats.num_accepted)
+    want = tp1_reference(drafts)
     llm = LLM(str(path), speculative_config=spec, tensor_parallel_size=2, **ENGINE)
     try:
         runner = llm.engine.runner
@@ -51,9 +83,9 @@ def test_tp2_graphs_follow_rank0_and_equal_tp1(tiny_llama, head, drafts, mode):
                 original = manager.run
                 manager.run = lambda desc, fn, md, name=name, original=original: (
                     replays[name].append(desc.mode) or original(desc, fn, md))
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-        assert got == want
-        assert (llm.engine.spec_stats.num_drafted, llm.engine.spec_stats.num_accepted) == want_stats
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts(hf), GREEDY, use_tqdm=False)]
+        assert got == want.tokens
+        assert (llm.engine.spec_stats.num_drafted, llm.engine.spec_stats.num_accepted) == want.drafted_and_accepted
         # Rank 0 replayed graphs, which the other rank followed: the whole step where full graphs are recorded,
         # the target's piecewise graphs otherwise.
         if mode is M.FULL_AND_PIECEWISE:

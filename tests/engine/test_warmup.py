@@ -162,8 +162,10 @@ def test_after_the_warm_up_no_request_launches_a_new_kernel_variant(narrow_llama
     a random workload afterwards launches only kernel variants the capture and the warm-up launched
     (tests/kernel_variants.py)."""
     path, head = narrow_llama
+    # Blocks of 8 tokens: a lone request's full graphs cover query lengths up to a block (2 to 8, not to 16), and
+    # lengths 9 to 16 replay the piecewise graphs, whose variants the warm-up plans as well.
     llm = LLM(str(path), attention_backend="triton", max_model_len=48, max_num_seqs=3, max_num_batched_tokens=20,
-              num_kv_blocks=40, cudagraph_capture_sizes=[1, 2, 4, 8, 16],
+              block_size=8, num_kv_blocks=80, cudagraph_capture_sizes=[1, 2, 4, 8, 16],
               speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 2})
     engine = llm.engine
     for model in (engine.core.model, engine.runner.speculator.head):
