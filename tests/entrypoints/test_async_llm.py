@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from core_factories import BrokenCore, FixedTimeCore
-from specserve import SamplingParams
+from specserve import LLM, SamplingParams
 from specserve.config import EngineConfig
 from specserve.engine.async_llm import AsyncLLM
 from specserve.errors import EngineUnavailableError
@@ -107,12 +107,13 @@ def test_killed_core_fails_running_and_new_requests(tiny_llama):
 
 
 def test_stream_interval_merges_tokens_and_keeps_the_text(tiny_llama):
-    async def tokens_and_text(interval: int) -> tuple[list[int], list[int], str]:
-        # Steps of at least FixedTimeCore.STEP_S leave the reader time to take the first output alone.
-        engine = make_engine(tiny_llama, stream_interval=interval, core_factory=FixedTimeCore)
+    params = SamplingParams(temperature=0, max_tokens=37, ignore_eos=True, output_kind="delta")
+    # Steps of at least FixedTimeCore.STEP_S leave the reader time to take the first output alone.
+    engine = make_engine(tiny_llama, stream_interval=8, core_factory=FixedTimeCore)
+
+    async def run() -> tuple[list[int], list[int], str]:
         await engine.start()
         sizes, ids, text = [], [], ""
-        params = SamplingParams(temperature=0, max_tokens=37, ignore_eos=True, output_kind="delta")
         async for out in engine.generate("the cat sat on", params):
             sizes.append(len(out.outputs[0].token_ids))
             ids += out.outputs[0].token_ids
@@ -120,11 +121,12 @@ def test_stream_interval_merges_tokens_and_keeps_the_text(tiny_llama):
         await engine.shutdown()
         return sizes, ids, text
 
-    async def run():
-        return [await tokens_and_text(n) for n in (1, 8)]
-
-    (sizes1, ids1, text1), (sizes8, ids8, text8) = asyncio.run(run())
-    assert (ids1, text1) == (ids8, text8) and len(ids1) == 37
+    sizes, ids, text = asyncio.run(run())
+    # The same tokens and text as the offline engine's whole output (every token a delta of its own is the
+    # servers' default, test_openai_server.py::test_streamed_equals_non_streamed).
+    whole = LLM(str(tiny_llama[0]), max_model_len=512, num_kv_blocks=64).generate(
+        "the cat sat on", SamplingParams(temperature=0, max_tokens=37, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert (ids, text) == (list(whole.token_ids), whole.text) and len(ids) == 37
     # The first output at once (merged only with what came before its reader ran); then chunks of at least 8
     # until the last.
-    assert sizes8[0] < 8 and all(n >= 8 for n in sizes8[1:-1]) and len(sizes8) <= 1 + 36 // 8 + 1
+    assert sizes[0] < 8 and all(n >= 8 for n in sizes[1:-1]) and len(sizes) <= 1 + 36 // 8 + 1

@@ -94,8 +94,10 @@ def test_streamed_equals_non_streamed(plain):
     assert chat_texts(plain, PROMPTS, stream=True) == chat_texts(plain, PROMPTS, stream=False)
 
 
-@pytest.mark.parametrize("interval", [3, 64])
-def test_every_stream_interval_streams_the_same_text(plain, tiny_llama, interval):
+def test_a_stream_interval_streams_the_same_text(plain, tiny_llama):
+    """An interval that does not divide max_tokens: chunks are handed over once they hold `interval` tokens,
+    and the last one, shorter, when its sequence ends (engine/request_stream.py)."""
+    interval = 5
     reference = completion_texts(plain, PROMPTS, stream=False)
     chat_reference = chat_texts(plain, PROMPTS, stream=False)
     with LiveServer(str(tiny_llama[0]), stream_interval=interval, **ENGINE) as server:

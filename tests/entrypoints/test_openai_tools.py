@@ -1,8 +1,9 @@
 """Tool calling through the server, with the official openai client: a round trip (the model calls a tool,
 the client sends the result back in a tool message, the model answers with text), streamed and not, with the
-Qwen 2.5 template and the hermes parser (with and without n-gram speculation) and the Llama 3.1 template and
-the llama3_json parser; forced calls' arguments follow their schemas; what cannot be honoured is a 400 that
-names the field and the fix."""
+Qwen 2.5 template and the hermes parser under n-gram speculation (several tokens a step) and the Llama 3.1
+template and the llama3_json parser without it (one token a step); forced calls' arguments follow their schemas;
+what cannot be honoured is a 400 that names the field and the fix. Each parser reads its text the same way
+whatever the engine: test_tool_parsers.py cuts its streams at every point."""
 from __future__ import annotations
 
 import json
@@ -34,8 +35,7 @@ TOOLS = [{"type": "function",
          {"type": "function", "function": {"name": "get_time", "description": "The time.", "parameters": TIME}}]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-SERVERS = {"hermes": ("qwen2_5_tools.jinja", None), "hermes-ngram": ("qwen2_5_tools.jinja", NGRAM),
-           "llama3_json": ("llama3_1_json_tools.jinja", None)}
+SERVERS = {"hermes-ngram": ("qwen2_5_tools.jinja", NGRAM), "llama3_json": ("llama3_1_json_tools.jinja", None)}
 
 
 @pytest.fixture(scope="module", autouse=True)

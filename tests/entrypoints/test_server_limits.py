@@ -37,7 +37,7 @@ def long_model(tmp_path_factory, tokenizer_dir) -> str:
 
 @pytest.fixture(scope="module")
 def server(long_model):
-    with LiveServer(long_model, max_waiting=1, request_timeout=TIMEOUT_S, **ENGINE) as s:
+    with LiveServer(long_model, max_waiting=2, request_timeout=TIMEOUT_S, **ENGINE) as s:
         yield s
 
 
@@ -51,36 +51,35 @@ def post(s: LiveServer, payload: dict) -> httpx.Response:
 
 
 def test_full_queue_answers_503_then_recovers(server):
-    with ThreadPoolExecutor(1) as pool, httpx.Client(timeout=30) as http:
+    with ThreadPoolExecutor(2) as pool, httpx.Client(timeout=30) as http:
         with http.stream("POST", server.url + "/v1/completions", json=body(server, CONTEXT - 100, True)) as running:
             lines = running.iter_lines()  # kept: dropping the iterator would close the connection
             next(lines)  # a token is out: the stream holds the only running slot
-            queued = pool.submit(post, server, body(server, 4))
-            server.wait_for(lambda m: m["specserve:num_requests_waiting"] == 1)
+            queued = [pool.submit(post, server, body(server, 4)) for _ in range(2)]
+            server.wait_for(lambda m: m["specserve:num_requests_waiting"] == 2)
             refused = post(server, body(server, 4))
             assert refused.status_code == 503, refused.text
             assert refused.json()["error"]["code"] == "queue_full"
-        # Closing the stream aborted it, which lets the queued request run.
-        done = queued.result(timeout=30)
-    assert done.status_code == 200 and done.json()["choices"][0]["finish_reason"] == "length"
+        # Closing the stream aborted it, which lets the queued requests run.
+        done = [q.result(timeout=30) for q in queued]
+    assert all(d.status_code == 200 and d.json()["choices"][0]["finish_reason"] == "length" for d in done)
     server.wait_idle()
 
 
-def test_sequences_past_the_queue_fail_the_whole_request(long_model):
+def test_sequences_past_the_queue_fail_the_whole_request(server):
     """n = 2 with one place left in the queue: the first sequence is queued, the second refused, and the whole
     request is answered 503 with its queued sequence withdrawn."""
-    with LiveServer(long_model, max_waiting=2, **ENGINE) as s, ThreadPoolExecutor(1) as pool, \
-            httpx.Client(timeout=30) as http:
-        with http.stream("POST", s.url + "/v1/completions", json=body(s, CONTEXT - 100, True)) as running:
+    with ThreadPoolExecutor(1) as pool, httpx.Client(timeout=30) as http:
+        with http.stream("POST", server.url + "/v1/completions", json=body(server, CONTEXT - 100, True)) as running:
             lines = running.iter_lines()
             next(lines)  # the stream holds the only running slot
-            queued = pool.submit(post, s, body(s, 4))
-            s.wait_for(lambda m: m["specserve:num_requests_waiting"] == 1)
-            refused = post(s, {**body(s, 4), "n": 2})
+            queued = pool.submit(post, server, body(server, 4))
+            server.wait_for(lambda m: m["specserve:num_requests_waiting"] == 1)
+            refused = post(server, {**body(server, 4), "n": 2})
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_full", refused.text
-            s.wait_for(lambda m: m["specserve:num_requests_waiting"] == 1)
+            server.wait_for(lambda m: m["specserve:num_requests_waiting"] == 1)
         assert queued.result(timeout=30).status_code == 200
-        s.wait_idle()
+    server.wait_idle()
 
 
 def test_deadline_aborts_and_reports(server):
