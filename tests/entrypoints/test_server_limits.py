@@ -14,7 +14,7 @@ import pytest
 from conftest import make_hf_model
 from live_server import LiveServer, one_torch_thread
 
-TIMEOUT_S = 3.0
+TIMEOUT_S = 5.0
 # A long context makes generations that outlast the deadline: thousands of steps.
 CONTEXT = 4096
 
