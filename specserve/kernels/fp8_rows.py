@@ -3,8 +3,9 @@ quantize_per_token, which as torch operations is five kernels and a temporary th
 
 One program a row: a pass over the row for its largest magnitude, then a pass that divides by the row's scale
 (amax / 448, at least MIN_SCALE) and rounds to e4m3 as the FP8 KV cache's writers do (kernels/fp8_kv.py:
-divided exactly, clamped, rounded to nearest even), so each value and scale equals the torch reference's.
-The second pass rereads the row from L2. Launches depend on shapes only (CUDA-graph capturable).
+divided exactly, clamped, rounded to nearest even): each value and scale equals the torch reference's on the
+CPU; on CUDA torch divides a scale by 448 as a multiply by its reciprocal, a last-bit difference. The second
+pass rereads the row from L2. Launches depend on shapes only (CUDA-graph capturable).
 """
 from __future__ import annotations
 

@@ -5,12 +5,12 @@ model's dtype. The input is quantized as `activation` says: per token on the fly
 checkpoint's static scale (W8A8, static), or not at all (W8A16: the weight is widened inside the GEMM).
 
 Which GEMM runs: on the fused path (any CUDA module; a CPU module under Triton's interpreter when forced),
-the small-M Triton kernel (kernels/fused_linear.py, fp8_linear) in the table's tile where it picks it (the tile measured for a bfloat16 model's FP8 input)
-(kernels/fp8_gemm_choice.py) or where `torch._scaled_mm` cannot run (a float32 or float16 model, a W8A16
-layer), torch._scaled_mm with rowwise scales (bfloat16 output) otherwise; past the Triton kernel's rows, a
-layer _scaled_mm cannot take dequantizes. A dynamic input is quantized per token by one kernel there
-(kernels/fp8_rows.py). The unfused path (the CPU's) is the reference: dequantize both operands and multiply
-in float32.
+the small-M Triton kernel (kernels/fused_linear.py, fp8_linear) where the measured table picks it, in the
+table's tile, which was measured for a bfloat16 model's FP8 input (kernels/fp8_gemm_choice.py), or where
+`torch._scaled_mm` cannot run (a float32 or float16 model, a W8A16 layer); torch._scaled_mm with rowwise
+scales (bfloat16 output) otherwise; past the Triton kernel's rows, a layer _scaled_mm cannot take
+dequantizes. A dynamic input is quantized per token by one kernel there (kernels/fp8_rows.py). The unfused
+path (the CPU's) is the reference: dequantize both operands and multiply in float32.
 """
 from __future__ import annotations
 
