@@ -172,17 +172,11 @@ class EngineConfig:
         _check(isinstance(self.warmup, bool), "warmup", f"must be True, False or None, got {self.warmup!r}")
 
     def _check_tensor_parallel(self) -> None:
-        """What runs sharded so far: the target (in graphs or eagerly) scheduled synchronously, a drafter on
-        rank 0. None fields choose that."""
+        """What runs sharded so far: the target (in graphs or eagerly), a drafter on rank 0."""
         tp = self.tensor_parallel_size
         _check(not self.debug_cudagraph and os.environ.get("SPECSERVE_DEBUG_CUDAGRAPH", "0") in ("", "0"),
                "debug_cudagraph", f"re-runs replayed steps eagerly on rank 0 alone, which the other ranks' "
                f"collectives cannot follow; turn it off with tensor_parallel_size > 1 (got {tp})")
-        if self.async_scheduling is None:
-            self.async_scheduling = False
-        _check(not self.async_scheduling, "async_scheduling",
-               f"asynchronous scheduling is not supported yet with tensor_parallel_size > 1 (got {tp}); "
-               "pass async_scheduling=False")
         if self.device.startswith("cuda"):
             _check(self.device == "cuda", "device", f"with tensor_parallel_size > 1 rank r runs on cuda:r; pass "
                    f"device='cuda', not {self.device!r} (choose the GPUs with CUDA_VISIBLE_DEVICES)")

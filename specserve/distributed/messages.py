@@ -8,6 +8,7 @@ import numpy as np
 from specserve.config import EngineConfig
 from specserve.models.loader import ModelSource
 from specserve.worker.cudagraph import BatchDescriptor
+from specserve.worker.staged_inputs import StagedExtra
 from specserve.worker.step_path import StepPath
 
 
@@ -35,7 +36,9 @@ class WorkerStep:
     collectives in the same order: each request's query ids, lengths and block ids; a tree of drafts' position
     shift and tree bits per token (None for chains); the hidden rows of each lm_head call rank 0 makes outside
     graphs, in order (its sampling, then its verification); the number of KV-cache slot moves rank 0
-    broadcasts after verifying trees outside graphs (0: none); and the graphs rank 0 replays."""
+    broadcasts after verifying trees outside graphs (0: none); the graphs rank 0 replays; the extras rank 0
+    stages (staged_inputs.py), so that both stage the same layout; and whether rank 0 shares its step's
+    outputs at the step's end (StepOutputs.share_from_rank0)."""
 
     input_ids: np.ndarray
     query_lens: np.ndarray
@@ -49,6 +52,9 @@ class WorkerStep:
     tree_bits: np.ndarray | None = None
     lm_head_rows: list[np.ndarray] = field(default_factory=list)
     num_tree_moves: int = 0
+    extras: dict[StagedExtra, np.ndarray] = field(default_factory=dict)
+    masked: bool = False
+    shares_outputs: bool = False
 
 
 @dataclass

@@ -20,7 +20,9 @@ from specserve.distributed.parallel_state import destroy_tp_group, init_tp_group
 from specserve.models.loader import ModelSource, build_model
 from specserve.spec_decode.tree_verify import move_kv
 from specserve.worker.cudagraph_mode import CUDAGraphMode
+from specserve.worker.inflight_inputs import take_inflight_inputs
 from specserve.worker.model_runner import ModelRunner
+from specserve.worker.staged_inputs import StagedExtra
 from specserve.worker.step_path import Sampling, Verification, WholeStep
 
 
@@ -89,15 +91,21 @@ def _start(config: EngineConfig, source: ModelSource, conn) -> tuple[ModelRunner
 def follow_step(runner: ModelRunner, step: WorkerStep) -> None:
     """The rank's part of rank 0's step: the same forward over its shard, lm_head over the rows rank 0 takes
     logits of, and the KV moves of verified trees, each replayed from the graph rank 0 replays, so that every
-    rank runs the same collectives in the same order. Only rank 0 samples, verifies and drafts."""
+    rank runs the same collectives in the same order. Only rank 0 samples, verifies and drafts; with asynchronous
+    scheduling it shares its outputs, from which every rank takes the in-flight requests' inputs."""
     b = runner.buffers
-    metadata = b.prepare(step.input_ids, step.query_lens, step.seq_lens, step.block_table, runner.block_size, {},
-                         step.tree_shift, step.tree_bits)
+    metadata = b.prepare(step.input_ids, step.query_lens, step.seq_lens, step.block_table, runner.block_size,
+                         step.extras, step.tree_shift, step.tree_bits, masked=step.masked)
     desc, path = step.descriptor, step.path
     if path.whole is not WholeStep.NONE:
         require_graph(runner.whole_step_graphs, desc, path.whole.value).run(desc, None, None)
         return
     b.spread()
+    inflight = len(step.extras.get(StagedExtra.INFLIGHT, ()))
+    if inflight:
+        out = runner.outputs
+        take_inflight_inputs(b.staged, out.accepted, out.tokens, out.drafts, b.input_ids, b.positions, b.seq_lens,
+                             b.slot_mapping, b.block_table, runner.block_size, max_rows=inflight)
     if desc.mode is not CUDAGraphMode.NONE:
         require_graph(runner.graphs, desc, "target")
     (padded_hidden, _), _ = runner._run_target(desc, metadata)
@@ -109,3 +117,5 @@ def follow_step(runner: ModelRunner, step: WorkerStep) -> None:
     if step.num_tree_moves:
         moves = torch.empty(2, step.num_tree_moves, dtype=torch.int64, device=hidden.device)
         move_kv(runner.kv.stack, *broadcast_from_rank0(moves))
+    if step.shares_outputs:
+        runner.outputs.share_from_rank0(len(step.query_lens))

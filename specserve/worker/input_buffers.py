@@ -62,9 +62,13 @@ class InputBuffers:
         self.staged = torch.zeros(capacity, dtype=i64, device=device)
         pin = device.type == "cuda"
         # Host staging copies, pinned on CUDA so the copy is asynchronous. Two, used in turn: with
-        # asynchronous scheduling the host fills step N+1's while step N's copy may still be queued
-        # (step N-1 is done by then, so its copy is free).
+        # asynchronous scheduling the host fills step N+1's while step N's copy may still be queued. A step
+        # that samples nothing is never waited for, so the host may come back to a buffer whose copy has not
+        # run yet: each buffer's copy records an event that its next filling waits for (usually done).
         self._host = [torch.zeros(capacity, dtype=i64, pin_memory=pin) for _ in range(2)]
+        self._copied = [torch.cuda.Event() for _ in range(2)] if pin else None
+        # Looked up once: looking the stream up costs as much host time as recording the event.
+        self._stream = torch.cuda.current_stream(device) if pin else None
         self._staging = 0
         self._layout: StagedLayout | None = None
         words = -(-vocab_size // 32)
@@ -103,9 +107,13 @@ class InputBuffers:
         if tree_shift is not None:
             positions = positions - tree_shift
         host = self._host[self._staging]
+        if self._copied is not None:
+            self._copied[self._staging].synchronize()
         layout = pack_step_inputs(host.numpy(), input_ids, positions, slots, seq_lens, qsl[1:], table, extras or {},
                                   tree_bits, masked)
         self.staged[:layout.size].copy_(host[:layout.size], non_blocking=True)
+        if self._copied is not None:
+            self._copied[self._staging].record(self._stream)
         self._layout = layout
         metadata = self.padded_metadata(num_reqs, num_tokens, int(query_lens.max()), int(seq_lens.max()))
         if self.device.type == "cpu":

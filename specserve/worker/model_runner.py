@@ -104,6 +104,9 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
                                     vocab_size=arch.vocab_size)
         self.outputs = StepOutputs(config.max_num_seqs, spec.num_draft_tokens if spec else 0, self.device,
                                    max_accepted=spec.num_speculative_tokens if spec else 0)
+        # Every rank reads a step's in-flight inputs from the previous step's outputs (asynchronous scheduling),
+        # which only rank 0 computes: each step that samples ends with rank 0 sharing them, on every rank.
+        self.shares_outputs = config.tensor_parallel_size > 1 and config.async_scheduling
         # Request id -> its row in the last launched step, for a step scheduled before that one's results
         # were back.
         self._previous: dict[str, PreviousRow] = {}
@@ -299,7 +302,8 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         b = self.buffers
         if self.tp_workers is not None:
             self.tp_workers.send_step(worker_step(ids, qlens_np, slens, table, tree_layout, plan, desc, path,
-                                                  self.tree.depth if self.tree else 0))
+                                                  self.tree.depth if self.tree else 0,
+                                                  self.shares_outputs and bool(sampling)))
         handle = StepHandle(sched, sampling, path)
         self._previous = {sched.scheduled[i].request.request_id:
                           PreviousRow(i, len(sched.scheduled[i].spec_token_ids)) for i in sampling}
@@ -332,6 +336,8 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
             self._verify(hidden, sched, plan.verify_rows, handle, desc, path.verification, masks)
         if path.drafts_on_device:
             self._propose(sched, sampling, desc, (padded_hidden, padded_aux), metadata, path.drafting)
+        if self.shares_outputs:
+            self.outputs.share_from_rank0(len(sched.scheduled))
         handle.host, handle.event = self.outputs.copy_to_host(len(sched.scheduled))
         return handle
 

@@ -5,11 +5,14 @@ for a plain decode) | the next step's drafts. At most max_accepted drafts are ac
 drafts, the depth for a tree of num_drafts. The next step reads them on the device when it was
 scheduled before this one's results were back (asynchronous scheduling); the host gets all of them in
 one copy into pinned memory, alternating between two host buffers because a step's copy may land while
-the host still reads the previous step's.
+the host still reads the previous step's. Under tensor parallelism with asynchronous scheduling every rank
+holds rank 0's rows (share_from_rank0), since every rank reads its next step's in-flight inputs from them.
 """
 from __future__ import annotations
 
 import torch
+
+from specserve.distributed.communication import broadcast_from_rank0
 
 
 class StepOutputs:
@@ -40,3 +43,7 @@ class StepOutputs:
             return host, None
         self._events[i].record(self._stream)
         return host, self._events[i]
+
+    def share_from_rank0(self, num_rows: int) -> None:
+        """Rank 0's rows [0, num_rows) on every rank, in the step's stream order (only rank 0 samples)."""
+        broadcast_from_rank0(self.packed[:num_rows])

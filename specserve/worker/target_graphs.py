@@ -156,6 +156,8 @@ class TargetGraphs:
                                                   b.staged[NUM_REQS:NUM_REQS + 1], self.draft_last_indices,
                                                   self.draft_last_tokens)
             out.drafts[:n].copy_(drafts)
+        if self.shares_outputs:
+            out.share_from_rank0(n)
 
     def _whole_tree_step(self, desc: BatchDescriptor, metadata):
         """_whole_step for trees of drafts: every request verifies the whole tree greedily, so its tokens are
@@ -182,3 +184,5 @@ class TargetGraphs:
         spec.propose_tree_in_graph(desc, (padded_hidden, padded_aux), metadata, outcome.moves,
                                    b.staged[NUM_REQS:NUM_REQS + 1], self.draft_last_indices, self.draft_base_positions,
                                    self.draft_block_table, out.drafts[:n])
+        if self.shares_outputs:
+            out.share_from_rank0(n)

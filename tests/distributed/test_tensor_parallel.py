@@ -69,7 +69,6 @@ def test_a_dead_worker_fails_the_engine(tiny_llama):
 @pytest.mark.parametrize("kwargs, field", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size"),
     (dict(tensor_parallel_size=3), "tensor_parallel_size"),  # 4 heads
-    (dict(tensor_parallel_size=2, async_scheduling=True), "async_scheduling"),
     (dict(tensor_parallel_size=2, debug_cudagraph=True), "debug_cudagraph"),
 ])
 def test_config_errors_name_the_fix(tiny_llama, kwargs, field):

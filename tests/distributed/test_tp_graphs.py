@@ -44,20 +44,21 @@ class Reference:
 
 @pytest.fixture(scope="module")
 def tp1_reference(tiny_llama, head):
-    """TP=1's greedy run of the prompts without graphs, once per drafter (graph modes of one drafter share it)."""
+    """TP=1's greedy run of the prompts without graphs, once per drafter and scheduling (asynchronous scheduling
+    drafts for steps a synchronous engine knows it will not run, so the drafted counts differ)."""
     path, hf = tiny_llama
-    runs: dict[str | None, Reference] = {}
+    runs: dict[tuple[str | None, bool], Reference] = {}
 
-    def reference(drafts: str | None) -> Reference:
-        if drafts not in runs:
-            ref = LLM(str(path), speculative_config=_spec(head, drafts), **ENGINE)
+    def reference(drafts: str | None, async_scheduling: bool) -> Reference:
+        key = (drafts, async_scheduling)
+        if key not in runs:
+            ref = LLM(str(path), speculative_config=_spec(head, drafts), async_scheduling=async_scheduling, **ENGINE)
             try:
                 tokens = [o.outputs[0].token_ids for o in ref.generate(prompts(hf), GREEDY, use_tqdm=False)]
-                runs[drafts] = Reference(tokens, (ref.engine.spec_stats.num_drafted,
-                                                  ref.engine.spec_stats.num_accepted))
+                runs[key] = Reference(tokens, (ref.engine.spec_stats.num_drafted, ref.engine.spec_stats.num_accepted))
             finally:
                 ref.engine.core.close()
-        return runs[drafts]
+        return runs[key]
 
     return reference
 
@@ -66,14 +67,17 @@ def prompts(hf) -> list[list[int]]:
     return repetitive_prompts(hf.config.vocab_size, n=3, seed=17)
 
 
-@pytest.mark.parametrize("drafts, mode", [(None, M.FULL_AND_PIECEWISE), ("chain", M.FULL_AND_PIECEWISE),
-                                          ("tree", M.FULL_AND_PIECEWISE), ("chain", M.PIECEWISE)],
-                         ids=["none-full", "chain-full", "tree-full", "chain-piecewise"])
-def test_tp2_graphs_follow_rank0_and_equal_tp1(tiny_llama, head, tp1_reference, drafts, mode):
+@pytest.mark.parametrize("drafts, mode, async_scheduling", [
+    (None, M.FULL_AND_PIECEWISE, False), ("chain", M.FULL_AND_PIECEWISE, True), ("tree", M.FULL_AND_PIECEWISE, True),
+    ("chain", M.PIECEWISE, True)], ids=["none-full", "chain-full-async", "tree-full-async", "chain-piecewise-async"])
+def test_tp2_graphs_follow_rank0_and_equal_tp1(tiny_llama, head, tp1_reference, drafts, mode, async_scheduling):
+    """With asynchronous scheduling the whole step's graph takes its in-flight inputs from the outputs rank 0
+    shares at the end of the previous step's graph."""
     path, hf = tiny_llama
     spec = _spec(head, drafts)
-    want = tp1_reference(drafts)
-    llm = LLM(str(path), speculative_config=spec, tensor_parallel_size=2, **ENGINE)
+    want = tp1_reference(drafts, async_scheduling)
+    llm = LLM(str(path), speculative_config=spec, tensor_parallel_size=2, async_scheduling=async_scheduling,
+              **ENGINE)
     try:
         runner = llm.engine.runner
         runner.capture_graphs(mode, EagerRecorder(), llm.engine.attention_backend)

@@ -38,9 +38,13 @@ def _run(path, batches, **kwargs):
         llm.engine.core.close()
 
 
-@pytest.mark.parametrize("method, tree", [("eagle3", None), ("eagle3", TREE), ("eagle", None)],
-                         ids=["eagle3-chain", "eagle3-tree", "eagle-chain"])
-def test_tp2_speculation_equals_tp1(tiny_llama, heads, method, tree):
+@pytest.mark.parametrize("method, tree, async_scheduling", [("eagle3", None, False), ("eagle3", TREE, True),
+                                                             ("eagle", None, True)],
+                         ids=["eagle3-chain", "eagle3-tree-async", "eagle-chain-async"])
+def test_tp2_speculation_equals_tp1(tiny_llama, heads, method, tree, async_scheduling):
+    """With asynchronous scheduling every rank takes the in-flight requests' inputs from the outputs rank 0
+    shares (StepOutputs.share_from_rank0); TP=1 schedules the same way, since asynchronous scheduling drafts
+    for steps that a synchronous engine knows it will not run."""
     path, hf = tiny_llama
     prompts = repetitive_prompts(hf.config.vocab_size, n=6, seed=11)
     # The second batch repeats the last prompts, whose full blocks the prefix cache still holds.
@@ -48,9 +52,9 @@ def test_tp2_speculation_equals_tp1(tiny_llama, heads, method, tree):
     spec = {"method": method, "model": str(heads[method]), "num_speculative_tokens": 3}
     if tree is not None:
         spec = {**spec, "speculative_token_tree": tree, "num_speculative_tokens": 3}
-    want = _run(path, batches, speculative_config=spec, **SMALL)
+    want = _run(path, batches, speculative_config=spec, async_scheduling=async_scheduling, **SMALL)
     got = _run(path, batches, speculative_config={**spec, "draft_tensor_parallel_size": 1},
-               tensor_parallel_size=2, **SMALL)
+               tensor_parallel_size=2, async_scheduling=async_scheduling, **SMALL)
     assert got[0] == want[0]
     assert got[1] == want[1] and got[1][0] > 0  # the same drafts proposed and accepted
     assert got[2] > 0 and got[3] > 0  # preempted and hit the prefix cache
