@@ -1,6 +1,7 @@
 """Reading GGUF files: config, tokenizer source and dequantized weights under Hugging Face names."""
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,10 +27,19 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 
 
 def open_gguf(path: Path):
+    """The file's reader, shared by every caller in this process while the file is unchanged: the reader parses
+    all metadata up front (a tokenizer's tens of thousands of strings one by one, seconds), and a load reads
+    the config and then the weights. The reader maps the file read-only, so sharing it is safe."""
+    stat = path.stat()
+    return _read_gguf(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _read_gguf(path: str, size: int, mtime_ns: int):
     import gguf
 
     try:
-        return gguf.GGUFReader(str(path))
+        return gguf.GGUFReader(path)
     except Exception as e:  # the reader raises assorted errors on damaged files
         raise ModelLoadError(
             f"cannot read GGUF file {path}: {type(e).__name__}: {e}. The file is corrupt or truncated; download it again"

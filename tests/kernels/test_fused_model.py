@@ -406,8 +406,9 @@ def test_folded_norms(monkeypatch, tokens, dtype):
     """Norms folded into qkv and gate/up (first layer without residual, aux hidden states of every layer,
     qkv bias) against the plain path and against the fused path without folding."""
     monkeypatch.setattr(sys.modules[__name__], "STEPS", FOLD_STEPS[tokens])
-    arch = tiny_arch(architecture="Qwen2ForCausalLM", attention_bias=True)
-    model = LlamaForCausalLM(arch, get_attention_backend("triton"), aux_hidden_layers=(0, 1, 2))
+    # Two layers: the first without a residual coming in, the second with one.
+    arch = tiny_arch(architecture="Qwen2ForCausalLM", attention_bias=True, num_layers=2)
+    model = LlamaForCausalLM(arch, get_attention_backend("triton"), aux_hidden_layers=(0, 1))
     randomize(model)
     plain, fused = both_paths(model, dtype)
     expected, expected_caches = run_target(plain, arch, dtype)
