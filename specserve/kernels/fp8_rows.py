@@ -23,6 +23,17 @@ INTERPRETER_BLOCK_K = 64
 
 
 @triton.jit
+def row_scale(amax, fp8_max, min_scale):
+    """A row's scale from its largest magnitude (float32): amax / 448 divided exactly, at least MIN_SCALE."""
+    return tl.maximum(tl.math.div_rn(amax, fp8_max), min_scale)
+
+
+def row_block(k: int, device: torch.device) -> int:
+    """Elements of a row per loop iteration of a kernel over rows of k elements on device."""
+    return INTERPRETER_BLOCK_K if device.type == "cpu" else min(BLOCK_K, triton.next_power_of_2(k))
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, fp8_max, min_scale,
                           BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -31,7 +42,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, fp8_
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), fp8_max), min_scale)
+    scale = row_scale(tl.max(amax, 0), fp8_max, min_scale)
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
@@ -49,7 +60,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m and k:
-        block_k = INTERPRETER_BLOCK_K if x.device.type == "cpu" else min(BLOCK_K, triton.next_power_of_2(k))
-        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX, MIN_SCALE, BLOCK_K=block_k,
-                                    num_warps=4)
+        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX, MIN_SCALE,
+                                    BLOCK_K=row_block(k, x.device), num_warps=4)
     return q, scale

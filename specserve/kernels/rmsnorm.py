@@ -1,10 +1,13 @@
-"""RMSNorm in Triton, plain and fused with the residual add that precedes it.
+"""RMSNorm in Triton, plain and fused with the residual add that precedes it, and either of these writing
+its output quantized to FP8 per row for the projection after it (docs/design.md, 'FP8 weights').
 
 One program per row. The rounding follows the unfused torch path (models/
 layers.py RMSNorm): the sum is stored in the input dtype and normalised from
 that stored value, and the normalised row is rounded to the input dtype
 before the weight multiplies it, so the two paths differ only in reduction
-order. Launches depend on shapes only (CUDA-graph capturable, no host sync).
+order. The FP8 output is that rounded row quantized as kernels/fp8_rows.py does (its scale rule and
+e4m3 rounding), so it is bit-equal to quantize_rows of the norm's output. Launches depend on shapes only
+(CUDA-graph capturable, no host sync).
 """
 from __future__ import annotations
 
@@ -12,14 +15,19 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.fp8_kv import quantize_e4m3
+from specserve.kernels.fp8_rows import row_scale
+from specserve.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Rows
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr,
+    scale_ptr,  # QUANTIZE: a float32 scale per row, out_ptr's rows are e4m3
     heads,  # rows are (token, head) pairs: a [tokens, heads, n] input is normed per head
     stride_xt, stride_xh, stride_rt, stride_rh,
-    n, eps,
-    ADD: tl.constexpr, BLOCK: tl.constexpr,
+    n, eps, fp8_max, min_scale,
+    ADD: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     tok, head = row // heads, row % heads
@@ -32,10 +40,15 @@ def _rms_norm_kernel(
         tl.store(r_ptrs, total, mask=mask)
         x = total.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
-    out_ty = out_ptr.dtype.element_ty
+    dtype = x_ptr.dtype.element_ty
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (x * rstd).to(out_ty).to(tl.float32) * w
-    tl.store(out_ptr + row * n + cols, y.to(out_ty), mask=mask)
+    y = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype)  # 0 past n (w is)
+    if QUANTIZE:
+        scale = row_scale(tl.max(tl.abs(y.to(tl.float32)), 0), fp8_max, min_scale)
+        tl.store(scale_ptr + row, scale)
+        tl.store(out_ptr + row * n + cols, quantize_e4m3(y, scale, out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + row * n + cols, y, mask=mask)
 
 
 def _row_layout(t: torch.Tensor) -> tuple[int, int, int]:
@@ -47,21 +60,22 @@ def _row_layout(t: torch.Tensor) -> tuple[int, int, int]:
     return t.shape[1], t.stride(0), t.stride(1)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            quantize: bool = False) -> torch.Tensor | Fp8Rows:
     n = x.shape[-1]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=FP8_DTYPE if quantize else x.dtype, device=x.device)
     rows = out.numel() // n if n else 0
-    if rows == 0:
-        return out
-    heads, stride_xt, stride_xh = _row_layout(x)
-    _, stride_rt, stride_rh = _row_layout(residual) if residual is not None else (1, 0, 0)
-    block = triton.next_power_of_2(n)
-    _rms_norm_kernel[(rows,)](
-        x, x if residual is None else residual, weight, out,
-        heads, stride_xt, stride_xh, stride_rt, stride_rh, n, eps,
-        ADD=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8),
-    )
-    return out
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device) if quantize else out
+    if rows:
+        heads, stride_xt, stride_xh = _row_layout(x)
+        _, stride_rt, stride_rh = _row_layout(residual) if residual is not None else (1, 0, 0)
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(rows,)](
+            x, x if residual is None else residual, weight, out, scale,
+            heads, stride_xt, stride_xh, stride_rt, stride_rh, n, eps, FP8_MAX, MIN_SCALE,
+            ADD=residual is not None, QUANTIZE=quantize, BLOCK=block, num_warps=min(max(block // 256, 1), 8),
+        )
+    return Fp8Rows(out, scale, x.dtype) if quantize else out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -78,3 +92,12 @@ def fused_add_rms_norm(
     """residual += x in place; returns (rms_norm(residual) as a new tensor, residual). x is left as it was."""
     assert x.shape == residual.shape and x.dtype == residual.dtype
     return _launch(x, residual, weight, eps), residual
+
+
+def rms_norm_fp8_rows(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> Fp8Rows:
+    """quantize_rows(rms_norm(x)) of a [tokens, n] x in one kernel; given residual, residual += x in place first
+    and the sum is normed, as fused_add_rms_norm."""
+    if x.dim() != 2 or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype)):
+        raise ValueError(f"x must be [tokens, n] and residual None or of x's shape and dtype, got x {x.dtype} "
+                         f"{tuple(x.shape)}, residual {None if residual is None else (residual.dtype, residual.shape)}")
+    return _launch(x, residual, weight, eps, quantize=True)

@@ -8,6 +8,8 @@ Every function here is made of device operations only (no host sync), so it is c
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -18,6 +20,16 @@ MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 # e4m3 keeps 3 mantissa bits: rounding to nearest errs by at most half a unit in the last place, 2**-4 of
 # a value (relative), for values at or above the smallest normal (2**-6 before scaling).
 FP8_RELATIVE_ERROR = 2.0 ** -4
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Activations quantized per token (row): q [M, K] e4m3 and scale [M, 1] float32, value = q * scale; dtype
+    is the one they were computed in (the model's), which a projection of them outputs."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
 
 
 def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
