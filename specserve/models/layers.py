@@ -83,6 +83,22 @@ def folds_norm(module: FusableModule, norm: nn.Module, linear: nn.Module, x: tor
     return isinstance(norm, RMSNorm) and fuses_neighbours(module, linear, x)
 
 
+def takes_fp8_rows(linear: nn.Module) -> bool:
+    """Whether the kernel ahead of linear (RMSNorm with the residual add, SiLU-and-mul) writes its output as
+    FP8 rows for it (quantization/fp8.Fp8Rows, Fp8Linear.forward_rows), saving the launch that would quantize
+    linear's input: linear is an FP8 projection with dynamic per-token input scales on the fused path. The one
+    place that decides."""
+    from specserve.quantization.fp8_linear import Fp8Activation, Fp8Linear  # which imports this module
+
+    return isinstance(linear, Fp8Linear) and linear.fused and linear.activation is Fp8Activation.DYNAMIC
+
+
+def folds_fp8_norm(norm: nn.Module, linear: nn.Module) -> bool:
+    """Whether norm (and the residual add) writes linear's input as FP8 rows (takes_fp8_rows); norm may be
+    nn.Identity (the EAGLE-1 head's layer has no input norm)."""
+    return isinstance(norm, RMSNorm) and norm.fused and takes_fp8_rows(linear)
+
+
 def add_and_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
     """(norm(x + residual), x + residual); with no residual yet (a first layer), (norm(x), x)."""
     if residual is None:
@@ -125,6 +141,15 @@ class RMSNorm(FusableModule):
             return self._norm(x)
         x = residual + x
         return self._norm(x), x
+
+    def forward_fp8_rows(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """(forward's norm output quantized per row, x + residual or x), in one kernel of the fused path; x and
+        residual are treated as forward treats them."""
+        from specserve.kernels.rmsnorm import rms_norm_fp8_rows
+
+        if residual is None:
+            return rms_norm_fp8_rows(x, None, self.weight, self.eps), x
+        return rms_norm_fp8_rows(residual, x, self.weight, self.eps), x
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -208,11 +233,22 @@ class GatedMLP(FusableModule):
 
             h, total = fused_linear(x, self.gate_up_proj.weight, silu_mul=True, **prologue_args(norm, residual))
             return output_projection(self, self.down_proj, h), x if total is None else total
+        if folds_fp8_norm(norm, self.gate_up_proj):
+            rows, residual = norm.forward_fp8_rows(x, residual)
+            return self._down(self.gate_up_proj.forward_rows(rows)), residual
         x, residual = add_and_norm(norm, x, residual)
         return self(x), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self._down(self.gate_up_proj(x))
+
+    def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down_proj(silu(gate) * up) of the gate/up projection's output."""
+        if self.fused and takes_fp8_rows(self.down_proj):
+            from specserve.kernels.activation import silu_and_mul_fp8_rows
+
+            rows = silu_and_mul_fp8_rows(gate_up.reshape(-1, gate_up.shape[-1]))
+            return self.down_proj.forward_rows(rows).reshape(*gate_up.shape[:-1], -1)
         if self.fused:
             from specserve.kernels.activation import silu_and_mul
 

@@ -22,8 +22,8 @@ from specserve.distributed.parallel_state import TPGroup
 from specserve.sample.argmax import greedy_argmax
 from specserve.sample.token_bitmask import TokenMask
 from specserve.models.arch_config import ArchConfig
-from specserve.models.layers import (FusableModule, GatedMLP, RMSNorm, RotaryEmbedding, add_and_norm, folds_norm,
-                                     fuses_neighbours, output_projection, prologue_args)
+from specserve.models.layers import (FusableModule, GatedMLP, RMSNorm, RotaryEmbedding, add_and_norm, folds_fp8_norm,
+                                     folds_norm, fuses_neighbours, output_projection, prologue_args)
 from specserve.models.parallel_layers import ParallelLMHead, VocabParallelEmbedding, shard_arch, shard_weight
 from specserve.models.weight_loading import load_hf_weights
 
@@ -50,11 +50,16 @@ class Attention(FusableModule):
     def forward_prenorm(self, norm: nn.Module, x, residual, positions, rotary: RotaryEmbedding, kv_cache,
                         metadata: AttentionMetadata):
         """(self(norm(x + residual), ...), x + residual), as add_and_norm. At small M the norm folds into one
-        kernel with the qkv projection, its bias, rotary and the KV-cache write (not with a per-head q/k norm)."""
+        kernel with the qkv projection, its bias, rotary and the KV-cache write (not with a per-head q/k norm);
+        before an FP8 qkv projection it writes the projection's quantized input (folds_fp8_norm)."""
         if not self.qk_norm and folds_norm(self, norm, self.qkv_proj, x):
             out, total = self._qkv_kernel_and_attend(x, positions, rotary, kv_cache, metadata,
                                                      **prologue_args(norm, residual))
             return out, x if total is None else total
+        if folds_fp8_norm(norm, self.qkv_proj):
+            rows, residual = norm.forward_fp8_rows(x, residual)
+            return self._attend_projected(self.qkv_proj.forward_rows(rows), positions, rotary, kv_cache,
+                                          metadata), residual
         x, residual = add_and_norm(norm, x, residual)
         return self(x, positions, rotary, kv_cache, metadata), residual
 
@@ -78,7 +83,11 @@ class Attention(FusableModule):
         if not self.qk_norm and fuses_neighbours(self, self.qkv_proj, x):
             # An input normed already (an EAGLE head's layer): the qkv kernel without its prologue.
             return self._qkv_kernel_and_attend(x, positions, rotary, kv_cache, metadata)[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self._attend_projected(self.qkv_proj(x), positions, rotary, kv_cache, metadata)
+
+    def _attend_projected(self, qkv, positions, rotary: RotaryEmbedding, kv_cache, metadata: AttentionMetadata):
+        """Attention over the qkv projection's output, then o_proj."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)

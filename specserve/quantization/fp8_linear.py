@@ -9,8 +9,9 @@ the small-M Triton kernel (kernels/fused_linear.py, fp8_linear) where the measur
 table's tile, which was measured for a bfloat16 model's FP8 input (kernels/fp8_gemm_choice.py), or where
 `torch._scaled_mm` cannot run (a float32 or float16 model, a W8A16 layer); torch._scaled_mm with rowwise
 scales (bfloat16 output) otherwise; past the Triton kernel's rows, a layer _scaled_mm cannot take
-dequantizes. A dynamic input is quantized per token by one kernel there (kernels/fp8_rows.py). The unfused
-path (the CPU's) is the reference: dequantize both operands and multiply in float32.
+dequantizes. A dynamic input is quantized per token by one kernel there (kernels/fp8_rows.py), or already by
+the kernel that computed it (the norm or SiLU-and-mul ahead: forward_rows). The unfused path (the CPU's) is
+the reference: dequantize both operands and multiply in float32.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from torch import nn
 
 from specserve.kernels.fp8_gemm_choice import TRITON, TRITON_MAX_ROWS, choose
 from specserve.models.layers import FusableModule
-from specserve.quantization.fp8 import FP8_DTYPE, dequantize, quantize_per_channel, quantize_per_token, quantize_static
+from specserve.quantization.fp8 import (FP8_DTYPE, Fp8Rows, dequantize, quantize_per_channel, quantize_per_token,
+                                        quantize_static)
 
 
 class Fp8Activation(enum.Enum):
@@ -93,18 +95,28 @@ class Fp8Linear(FusableModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features)
-        out = self._matmul(x)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*lead, self.out_features)
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        m, dtype = x.shape[0], x.dtype
         xq, x_scale = self.quantize_input(x)
+        return self._project(xq, x_scale, x.dtype).reshape(*lead, self.out_features)
+
+    def forward_rows(self, rows: Fp8Rows) -> torch.Tensor:
+        """self(x) [M, out_features] for x [M, in_features] quantized per token already, by the kernel that
+        computed it (models/layers.py, takes_fp8_rows): a dynamic-input layer's alone."""
+        if self.activation is not Fp8Activation.DYNAMIC or rows.q.shape[1:] != (self.in_features,):
+            raise ValueError(f"rows quantized per token [M, {self.in_features}] feed a layer with dynamic input "
+                             f"scales only; this one's input is {self.activation.value}, the rows "
+                             f"{tuple(rows.q.shape)}")
+        return self._project(rows.q, rows.scale, rows.dtype)
+
+    def _project(self, xq: torch.Tensor, x_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        out = self._matmul(xq, x_scale, dtype)
+        return out if self.bias is None else out + self.bias
+
+    def _matmul(self, xq: torch.Tensor, x_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         if not self.fused:
             return self.reference(xq, x_scale, dtype)
+        m = xq.shape[0]
         scaled_mm_fits = dtype == torch.bfloat16 and x_scale is not None
-        choice = choose(self.out_features, self.in_features, m, x.device)
+        choice = choose(self.out_features, self.in_features, m, xq.device)
         if m <= TRITON_MAX_ROWS and (not scaled_mm_fits or choice.kernel == TRITON):
             from specserve.kernels.fused_linear import fp8_linear
 
