@@ -5,7 +5,9 @@
 Each op runs both ways through the model's own modules (the fused flag of
 models/layers.py switched on and off). Times are GPU microseconds per call
 replayed from a CUDA graph, as the engine's full graphs run them: launch
-overhead is left out, the gaps between a graph's kernels are not. The last
+overhead is left out, the gaps between a graph's kernels are not. The "fp8
+rows" ops are the norm or SiLU-and-mul kernel writing an FP8 projection's
+per-token quantized input, against that kernel then kernels/fp8_rows.py. The last
 row of each group is a whole decoder layer (GEMMs and Triton attention
 included) over decode requests of CONTEXT cached tokens.
 """
@@ -18,7 +20,8 @@ import torch
 from specserve.attention.backend import get_attention_backend
 from specserve.bench.gpu_timing import gpu_ms
 from specserve.attention.metadata import AttentionMetadata
-from specserve.kernels.activation import silu_and_mul
+from specserve.kernels.activation import silu_and_mul, silu_and_mul_fp8_rows
+from specserve.kernels.fp8_rows import quantize_rows
 from specserve.kernels.reshape_and_cache import write_kv_cache_triton
 from specserve.models.arch_config import ArchConfig
 from specserve.models.layers import RMSNorm, RotaryEmbedding, set_fused_kernels
@@ -105,6 +108,10 @@ def op_cases(shape: str, num_tokens: int, dtype: torch.dtype) -> dict:
         "add + rms_norm": (lambda: norm_path(False, x, residual), lambda: norm_path(True, x, residual)),
         "rms_norm": (lambda: norm_path(False, x), lambda: norm_path(True, x)),
         "silu_and_mul": (mul_unfused, lambda: silu_and_mul(gate_up)),
+        "add + rms_norm + fp8 rows": (lambda: quantize_rows(norm_path(True, x, residual)[0]),
+                                      lambda: norm.forward_fp8_rows(x, residual)),
+        "silu_and_mul + fp8 rows": (lambda: quantize_rows(silu_and_mul(gate_up)),
+                                    lambda: silu_and_mul_fp8_rows(gate_up)),
         "rotary + kv write": (rotary_unfused,
                               lambda: rotary.rotate_and_cache(positions, q, k, v, cache, slots)),
         f"decoder layer (decode, ctx {CONTEXT})": (lambda: layer_path(False), lambda: layer_path(True)),

@@ -16,6 +16,7 @@ from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import build_model, open_model_source
 
 from .test_activation import check_silu_and_mul
+from .test_fp8_folded import check_norm_fp8_rows, check_silu_and_mul_fp8_rows
 from .test_fused_model import (STEPS, assert_near, check_eagle3_greedy_step, check_eagle3_greedy_tokens, check_head,
                                check_target, make_step, new_caches, randomize, tiny_arch)
 from .test_rmsnorm import check_fused_add, check_rms_norm
@@ -37,6 +38,16 @@ def test_kernels_at_model_shapes(shape, num_tokens, dtype):
     check_fused_add(num_tokens, hidden, dtype)
     check_silu_and_mul(num_tokens, inter, dtype)
     check_rotary_and_cache(num_tokens, num_heads, num_kv_heads, head_dim, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_fp8_rows_kernels_at_model_shapes(shape, dtype):
+    """Compiled, the norm and SiLU-and-mul that write FP8 rows are bit for bit the kernel then quantize_rows."""
+    hidden, inter = SHAPES[shape][:2]
+    check_norm_fp8_rows(hidden, dtype, add=False)
+    check_norm_fp8_rows(hidden, dtype, add=True)
+    check_silu_and_mul_fp8_rows(inter, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
