@@ -177,10 +177,20 @@ def kernels():
     yield triton_backend._paged_attention_kernel, dict(
         attention, k_cache_ptr=fp8, v_cache_ptr=fp8, FP8=True, BLOCK_M=64, GROUP=3, HEAD_DIM=64, BLOCK_Q=21,
         BLOCK_N=64, NUM_SPLITS=1, TREE=True)
-    # The fused residual add + RMSNorm.
-    yield rmsnorm._rms_norm_kernel, dict(
-        x_ptr=bf16, residual_ptr=bf16, weight_ptr=bf16, out_ptr=bf16, heads=i32, stride_xt=i32, stride_xh=i32,
-        stride_rt=i32, stride_rh=i32, n=i32, eps="fp32", ADD=True, BLOCK=1024)
+    # The fused residual add + RMSNorm; Llama-3-8B's writing an FP8 projection's input rows.
+    norm = dict(x_ptr=bf16, residual_ptr=bf16, weight_ptr=bf16, out_ptr=bf16, scale_ptr=bf16, heads=i32,
+                stride_xt=i32, stride_xh=i32, stride_rt=i32, stride_rh=i32, n=i32, eps="fp32", fp8_max="fp32",
+                min_scale="fp32", ADD=True, QUANTIZE=False, BLOCK=1024)
+    yield rmsnorm._rms_norm_kernel, norm
+    yield rmsnorm._rms_norm_kernel, dict(norm, out_ptr="*fp8e4nv", scale_ptr=f32, QUANTIZE=True, BLOCK=4096)
+    # SiLU-and-mul, plain and writing down_proj's FP8 input rows.
+    from specserve.kernels import activation
+
+    yield activation._silu_and_mul_kernel, dict(gate_up_ptr=bf16, out_ptr=bf16, stride_in=i32, inter=i32,
+                                                BLOCK=activation._BLOCK)
+    yield activation._silu_and_mul_fp8_kernel, dict(
+        gate_up_ptr=bf16, q_ptr="*fp8e4nv", scale_ptr=f32, stride_in=i32, inter=i32, fp8_max="fp32",
+        min_scale="fp32", BLOCK=fp8_rows.BLOCK_K)
     from specserve.kernels import argmax
 
     yield argmax._chunk_argmax_kernel, dict(x_ptr=bf16, stride_x=i32, n_cols=i32, val_ptr=f32, idx_ptr=p32,
