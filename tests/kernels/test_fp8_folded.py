@@ -16,7 +16,7 @@ from specserve.quantization.fp8 import MIN_SCALE
 from specserve.quantization.fp8_linear import Fp8Activation, Fp8Linear
 from specserve.quantization.fp8_model import quantize_projections
 
-from .test_fused_model import STEPS, count_calls, make_step, new_caches, randomize, tiny_arch
+from .test_fused_model import STEPS, count_calls, randomize, run_target, tiny_arch
 from .util import DEVICE, DTYPES, poison_intact, poisoned_view
 
 EPS = 1e-5
@@ -102,14 +102,8 @@ def test_only_a_dynamic_input_layer_takes_rows():
 
 def _run(model, arch, dtype) -> list[torch.Tensor]:
     """The logits of each step of STEPS (a prefill, then a decode beside a verification, padded)."""
-    caches = new_caches(arch, arch.num_layers, dtype)
-    logits = []
-    for kw in STEPS:
-        step = make_step(**kw)
-        with torch.no_grad():
-            hidden, _ = model(step.input_ids, step.positions, caches, step.metadata)
-            logits.append(model.compute_logits(hidden[: step.num_real_tokens]))
-    return logits
+    with torch.no_grad():
+        return [model.compute_logits(hidden) for hidden, _ in run_target(model, arch, dtype)[0]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
