@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytest_plugins = ["entrypoints.shared_servers"]
+
 torch.set_num_threads(min(4, os.cpu_count() or 1))
 # Without a GPU, Triton kernels run in Triton's interpreter, which is chosen when a kernel is defined (when
 # its module is first imported): switched on here, before any test module imports one.
