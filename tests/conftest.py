@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytest_plugins = ["entrypoints.shared_servers"]
+
 torch.set_num_threads(min(4, os.cpu_count() or 1))
 # Without a GPU, Triton kernels run in Triton's interpreter, which is chosen when a kernel is defined (when
 # its module is first imported): switched on here, before any test module imports one.
@@ -81,6 +83,11 @@ def make_hf_model(path: Path, tokenizer_dir: Path, arch: str = "llama", tie: boo
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, path / f.name)
     return model
+
+
+# Engine arguments for CPU tests that do not test the KV cache's size: room for every such test's requests
+# (128k of tiny_llama's tokens), allocated in milliseconds where the CPU default (2 GiB) takes most of a second.
+TEST_KV = dict(kv_cache_memory_bytes=64 << 20)
 
 
 @pytest.fixture(scope="session")

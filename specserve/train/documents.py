@@ -16,6 +16,7 @@ and the source of SUITE_CODE_MODULES: none of those is a document here
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import pydoc
 import random
@@ -83,8 +84,10 @@ _INHERITED_FROM_BUILTINS = re.compile(r"^ *\| +[\w ]+ inherited from builtins\.\
 _CLASS_PART_RULE = re.compile(r"^ *\| +-{10,}$")
 
 
+@functools.cache
 def module_help(name: str) -> str:
-    """The module's pydoc help as plain text, without what it inherits from built-ins or its file's path."""
+    """The module's pydoc help as plain text, without what it inherits from built-ins or its file's path.
+    Rendered once per process (seconds for every document module): an imported module's help does not change."""
     text = _FILE_PART.sub("", pydoc.render_doc(importlib.import_module(name), renderer=pydoc.plaintext))
     kept, skipping = [], False
     for line in text.splitlines():

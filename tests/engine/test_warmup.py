@@ -149,14 +149,15 @@ def test_a_seeded_run_is_the_same_with_and_without_the_warm_up(tiny_llama, head,
 
 @pytest.fixture(scope="module")
 def narrow_llama(tmp_path_factory, tokenizer_dir):
-    """(directory, EAGLE-3 head) of tiny_llama's shape with 2 query heads on 1 KV head and 1 layer: the
-    interpreter runs a program per head in the projection and attention kernels, so each launch costs fewer
-    programs, while the kernels and the integer classes a batch decides are those of the wider model. A
-    second layer would add only variants whose residual-add constexpr differs, launched in the same steps
-    with the same integer classes as the first layer's."""
+    """(directory, EAGLE-3 head) of a Llama narrower than tiny_llama: tiny_llama's head size (16) with 2 query
+    heads on 1 KV head, half its widths (hidden 32, MLP 64) and 1 layer. The interpreter runs a program per head
+    in the attention kernels and one per column tile and K chunk in the projections, so each launch costs fewer
+    programs, while the kernels and the integer classes a batch decides (widths that are multiples of 16) are
+    those of the wider model. A second layer would add only variants whose residual-add constexpr differs,
+    launched in the same steps with the same integer classes as the first layer's."""
     path = tmp_path_factory.mktemp("narrow_llama")
-    hf = make_hf_model(path, tokenizer_dir, "llama", num_attention_heads=2, num_key_value_heads=1,
-                       num_hidden_layers=1)
+    hf = make_hf_model(path, tokenizer_dir, "llama", hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                       num_key_value_heads=1, num_hidden_layers=1)
     return path, save_eagle_head(path.parent / "narrow_eagle3", hf.config, "eagle3", seed=3)
 
 

@@ -13,8 +13,10 @@ from specserve.entrypoints.eval_acceptance import evaluate, stats_between, stats
 from specserve.prompt_files import load_prompt_file, prompt_token_ids
 from specserve.spec_decode.metrics import SpecDecodeStats
 
-# A KV pool sized for these tests rather than the default 2 GB, which takes seconds to allocate.
+# A KV pool sized for these tests rather than the default 2 GB, which takes seconds to allocate (the commands'
+# engines: by bytes).
 ENGINE = {"max_model_len": 256, "num_kv_blocks": 128}
+KV_CACHE = "4MiB"
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +131,7 @@ def test_command_prints_a_table_and_writes_json(setup, tmp_path, capsys):
     out = tmp_path / "report.json"
     rc = main(["eval-acceptance", "--model", model, "--speculative-config", json.dumps(spec), "--prompts", prompts,
                "--k", "1", "3", "--temperature", "0", "1", "--max-tokens", "8", "--num-prompts", "2",
-               "--max-model-len", "256", "--json", str(out)])
+               "--max-model-len", "256", "--kv-cache-memory", KV_CACHE, "--json", str(out)])
     assert rc == 0
     table = capsys.readouterr().out
     assert "accept len" in table and "(no speculation)" in table
@@ -145,7 +147,7 @@ def test_interleaved_command_prints_each_rounds_speedup(setup, capsys):
     model, spec, prompts = setup
     rc = main(["eval-acceptance", "--model", model, "--speculative-config", json.dumps(spec), "--prompts", prompts,
                "--k", "2", "--temperature", "0", "--max-tokens", "8", "--num-prompts", "2", "--max-model-len", "256",
-               "--repeats", "3", "--interleave", "--json", "-"])
+               "--kv-cache-memory", KV_CACHE, "--repeats", "3", "--interleave", "--json", "-"])
     assert rc == 0
     out = capsys.readouterr().out
     table, report = out.split("\n{", 1)
@@ -226,7 +228,8 @@ def test_suite_command_prints_a_table_per_category_and_a_summary(setup, suite, t
     out = tmp_path / "suite.json"
     rc = main(["eval-acceptance", "--model", model, "--speculative-config", json.dumps(spec), "--suite", suite,
                "--categories", "code", "chat", "--k", "1", "--temperature", "0", "1", "--max-tokens", "4",
-               "--max-model-len", "256", "--no-baseline", "--json", str(out)])
+               "--max-model-len", "256", "--kv-cache-memory", KV_CACHE, "--no-baseline",
+               "--json", str(out)])
     assert rc == 0
     table = capsys.readouterr().out
     report = json.loads(out.read_text())

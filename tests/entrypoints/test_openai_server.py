@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from entrypoints.shared_servers import NGRAM, SERVER_ENGINE
 from live_server import LiveServer, one_torch_thread
 from specserve import LLM, SamplingParams
 from specserve.config import EngineConfig
@@ -19,8 +20,6 @@ from specserve.entrypoints.cli import main
 
 HAS_SPEC = "speculative_config" in {f.name for f in dataclasses.fields(EngineConfig)}
 needs_spec = pytest.mark.skipif(not HAS_SPEC, reason="speculative decoding is not in EngineConfig yet (no speculative_config field)")
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
-ENGINE = dict(max_model_len=512, num_kv_blocks=256, max_num_seqs=64)
 # Repetitive prompts give the n-gram proposer matches to draft from.
 PROMPTS = ["the cat sat on the mat, the cat sat on the mat, the cat",
            "Speculative decoding drafts tokens. Speculative decoding drafts",
@@ -32,18 +31,6 @@ GREEDY = dict(temperature=0, max_tokens=24, extra_body={"ignore_eos": True})
 def _one_torch_thread():
     with one_torch_thread():
         yield
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_llama):
-    with LiveServer(str(tiny_llama[0]), **ENGINE) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def spec(tiny_llama):
-    with LiveServer(str(tiny_llama[0]), speculative_config=NGRAM, **ENGINE) as server:
-        yield server
 
 
 def client(server: LiveServer) -> openai.OpenAI:
@@ -81,26 +68,27 @@ def chat_texts(server: LiveServer, prompts: list[str], stream: bool) -> list[str
     return out
 
 
-def test_models_health_and_usage(plain):
-    assert httpx.get(plain.url + "/health").status_code == 200
-    assert [m.id for m in client(plain).models.list().data] == [plain.model]
-    r = client(plain).completions.create(model=plain.model, prompt=PROMPTS[0], **GREEDY)
+def test_models_health_and_usage(plain_server):
+    assert httpx.get(plain_server.url + "/health").status_code == 200
+    assert [m.id for m in client(plain_server).models.list().data] == [plain_server.model]
+    r = client(plain_server).completions.create(model=plain_server.model, prompt=PROMPTS[0], **GREEDY)
     assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens > 0
     assert r.usage.total_tokens == r.usage.prompt_tokens + 24
 
 
-def test_streamed_equals_non_streamed(plain):
-    assert completion_texts(plain, PROMPTS, stream=True) == completion_texts(plain, PROMPTS, stream=False)
-    assert chat_texts(plain, PROMPTS, stream=True) == chat_texts(plain, PROMPTS, stream=False)
+def test_streamed_equals_non_streamed(plain_server):
+    assert (completion_texts(plain_server, PROMPTS, stream=True)
+            == completion_texts(plain_server, PROMPTS, stream=False))
+    assert chat_texts(plain_server, PROMPTS, stream=True) == chat_texts(plain_server, PROMPTS, stream=False)
 
 
-def test_a_stream_interval_streams_the_same_text(plain, tiny_llama):
+def test_a_stream_interval_streams_the_same_text(plain_server, tiny_llama):
     """An interval that does not divide max_tokens: chunks are handed over once they hold `interval` tokens,
     and the last one, shorter, when its sequence ends (engine/request_stream.py)."""
     interval = 5
-    reference = completion_texts(plain, PROMPTS, stream=False)
-    chat_reference = chat_texts(plain, PROMPTS, stream=False)
-    with LiveServer(str(tiny_llama[0]), stream_interval=interval, **ENGINE) as server:
+    reference = completion_texts(plain_server, PROMPTS, stream=False)
+    chat_reference = chat_texts(plain_server, PROMPTS, stream=False)
+    with LiveServer(str(tiny_llama[0]), stream_interval=interval, **SERVER_ENGINE) as server:
         assert completion_texts(server, PROMPTS, stream=True) == reference
         assert chat_texts(server, PROMPTS, stream=True) == chat_reference
         chunks = list(client(server).completions.create(model=server.model, prompt=PROMPTS[0], stream=True,
@@ -110,33 +98,33 @@ def test_a_stream_interval_streams_the_same_text(plain, tiny_llama):
 
 
 @needs_spec
-def test_speculative_streams_equal_plain_output(plain, spec):
-    reference = completion_texts(plain, PROMPTS, stream=False)
-    assert completion_texts(spec, PROMPTS, stream=False) == reference
-    assert completion_texts(spec, PROMPTS, stream=True) == reference
-    assert chat_texts(spec, PROMPTS, stream=True) == chat_texts(plain, PROMPTS, stream=False)
+def test_speculative_streams_equal_plain_output(plain_server, ngram_server):
+    reference = completion_texts(plain_server, PROMPTS, stream=False)
+    assert completion_texts(ngram_server, PROMPTS, stream=False) == reference
+    assert completion_texts(ngram_server, PROMPTS, stream=True) == reference
+    assert chat_texts(ngram_server, PROMPTS, stream=True) == chat_texts(plain_server, PROMPTS, stream=False)
 
 
-def test_logprobs(plain):
-    c = client(plain)
-    r = c.completions.create(model=plain.model, prompt=PROMPTS[0], logprobs=2, **GREEDY)
+def test_logprobs(plain_server):
+    c = client(plain_server)
+    r = c.completions.create(model=plain_server.model, prompt=PROMPTS[0], logprobs=2, **GREEDY)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 24
     # At temperature 0 the sampled token is the most likely one.
     assert all(tlp >= max(top.values()) for tlp, top in zip(lp.token_logprobs, lp.top_logprobs))
-    r = c.chat.completions.create(model=plain.model, messages=[{"role": "user", "content": "hi"}],
+    r = c.chat.completions.create(model=plain_server.model, messages=[{"role": "user", "content": "hi"}],
                                   logprobs=True, top_logprobs=3, **GREEDY)
     content = r.choices[0].logprobs.content
     assert len(content) == 24 and all(len(t.top_logprobs) == 3 for t in content)
     assert all((t.token, t.logprob) == (t.top_logprobs[0].token, t.top_logprobs[0].logprob) for t in content)
 
 
-def test_64_concurrent_streams(plain):
+def test_64_concurrent_streams(plain_server):
     prompts = [f"Request number {i}: the quick brown fox" for i in range(64)]
-    params = dict(model=plain.model, temperature=0, max_tokens=16)
+    params = dict(model=plain_server.model, temperature=0, max_tokens=16)
 
     async def run() -> tuple[list[str], list[str]]:
-        c = openai.AsyncOpenAI(base_url=plain.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        c = openai.AsyncOpenAI(base_url=plain_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
         async def whole(p: str) -> str:
             return (await c.completions.create(prompt=p, **params)).choices[0].text
@@ -152,21 +140,21 @@ def test_64_concurrent_streams(plain):
 
     ref, got = asyncio.run(run())
     assert got == ref and len(set(ref)) > 1
-    plain.wait_idle()
+    plain_server.wait_idle()
 
 
-def test_disconnect_aborts_and_frees_blocks(plain):
-    before = plain.metrics().get("specserve:requests_total{finish_reason=abort}", 0)
-    body = {"model": plain.model, "prompt": PROMPTS[1], "max_tokens": 480, "ignore_eos": True, "temperature": 0}
-    with httpx.Client(base_url=plain.url, timeout=30) as http:
+def test_disconnect_aborts_and_frees_blocks(plain_server):
+    before = plain_server.metrics().get("specserve:requests_total{finish_reason=abort}", 0)
+    body = {"model": plain_server.model, "prompt": PROMPTS[1], "max_tokens": 480, "ignore_eos": True, "temperature": 0}
+    with httpx.Client(base_url=plain_server.url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             for i, _ in enumerate(r.iter_lines()):
                 if i == 4:
                     break  # leaving the block closes the connection mid-stream
-        generated = plain.wait_idle()["specserve:generation_tokens_total"]
+        generated = plain_server.wait_idle()["specserve:generation_tokens_total"]
         with pytest.raises(httpx.ReadTimeout):
             http.post("/v1/completions", json=body, timeout=0.3)
-    m = plain.wait_idle()
+    m = plain_server.wait_idle()
     assert m["specserve:requests_total{finish_reason=abort}"] == before + 2
     # The non-streamed request's caller left before any output: its tokens still count.
     assert m["specserve:generation_tokens_total"] > generated
@@ -210,35 +198,36 @@ BAD_INPUT = [
 
 @pytest.mark.parametrize("endpoint, body, status, param, words", BAD_INPUT,
                          ids=[f"{e}-{i}" for i, (e, *_rest) in enumerate(BAD_INPUT)])
-def test_bad_input_is_refused_and_server_survives(plain, endpoint, body, status, param, words):
+def test_bad_input_is_refused_and_server_survives(plain_server, endpoint, body, status, param, words):
     path = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}.get(endpoint, f"/v1/{endpoint}")
     if isinstance(body, dict):
-        base = {"model": plain.model, "max_tokens": 4}
+        base = {"model": plain_server.model, "max_tokens": 4}
         base.update({"prompt": PROMPTS[0]} if endpoint == "completions" else
                     {"messages": [{"role": "user", "content": "hi"}]})
         content = json.dumps({**base, **body})
     else:
-        content = body.replace("MODEL", plain.model)
-    r = httpx.post(plain.url + path, content=content, headers={"content-type": "application/json"}, timeout=30)
+        content = body.replace("MODEL", plain_server.model)
+    r = httpx.post(plain_server.url + path, content=content, headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
     assert all(w in error["message"] for w in words), error["message"]
-    assert client(plain).completions.create(model=plain.model, prompt="ok", max_tokens=2).choices[0].finish_reason
+    ok = client(plain_server).completions.create(model=plain_server.model, prompt="ok", max_tokens=2)
+    assert ok.choices[0].finish_reason
 
 
-def test_wrong_method_is_an_openai_error(plain):
-    r = httpx.get(plain.url + "/v1/completions")
+def test_wrong_method_is_an_openai_error(plain_server):
+    r = httpx.get(plain_server.url + "/v1/completions")
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
 
 
 @needs_spec
-def test_metrics_match_engine(spec, tiny_llama):
-    before = spec.wait_idle()
-    completion_texts(spec, PROMPTS, stream=True)
-    m = spec.wait_idle()
+def test_metrics_match_engine(ngram_server, tiny_llama):
+    before = ngram_server.wait_idle()
+    completion_texts(ngram_server, PROMPTS, stream=True)
+    m = ngram_server.wait_idle()
     # The same requests in an offline engine of the same configuration draft and accept the same tokens.
-    offline = LLM(str(tiny_llama[0]), speculative_config=NGRAM, **ENGINE)
+    offline = LLM(str(tiny_llama[0]), speculative_config=NGRAM, **SERVER_ENGINE)
     offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     stats = offline.engine.spec_stats
     assert stats.num_accepted > 0
@@ -256,10 +245,10 @@ def test_metrics_match_engine(spec, tiny_llama):
 
 
 @needs_spec
-def test_bench_serve_cli(spec, tmp_path, capsys):
+def test_bench_serve_cli(ngram_server, tmp_path, capsys):
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text("\n".join(json.dumps({"turns": [p, "second turn"]}) for p in PROMPTS) + "\n")
-    common = ["bench", "serve", "--base-url", spec.url, "--dataset", str(dataset), "--max-tokens", "12"]
+    common = ["bench", "serve", "--base-url", ngram_server.url, "--dataset", str(dataset), "--max-tokens", "12"]
     assert main(common + ["--num-prompts", "6", "--concurrency", "3"]) == 0
     assert main(common + ["--num-prompts", "4", "--request-rate", "50", "--endpoint", "completions"]) == 0
     # The streams shared among client processes: every request is counted once, each process's load adds up.

@@ -91,7 +91,9 @@ def test_a_huge_body_is_refused_while_others_keep_answering(server):
     server.wait_idle()
 
 
-def test_a_thousand_streams_with_random_disconnects_lose_nothing(server):
+def test_hundreds_of_streams_with_random_disconnects_lose_nothing(server):
+    """Five times as many streams as connections and running sequences, half of them left at a random point:
+    requests end, are aborted and are admitted in the same steps, wave after wave."""
     rng = random.Random(0)
     prompts = [f"request {i}: the quick brown fox jumps" for i in range(20)]
     with httpx.Client(base_url=server.url, timeout=60) as http:
@@ -114,12 +116,12 @@ def test_a_thousand_streams_with_random_disconnects_lose_nothing(server):
     async def run():
         limits = httpx.Limits(max_connections=64)
         async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as client:
-            jobs = [(prompts[i % len(prompts)], rng.randrange(6) if rng.random() < 0.5 else None) for i in range(1000)]
+            jobs = [(prompts[i % len(prompts)], rng.randrange(6) if rng.random() < 0.5 else None) for i in range(5 * 64)]
             return jobs, await asyncio.gather(*(one(client, p, k) for p, k in jobs))
 
     jobs, texts = asyncio.run(run())
     finished = [(p, t) for (p, k), t in zip(jobs, texts) if k is None]
-    assert len(finished) > 400 and all(t == reference[p] for p, t in finished)
+    assert len(finished) > 120 and all(t == reference[p] for p, t in finished)
     m = server.wait_idle(timeout=30)
     assert m["specserve:kv_cache_usage_perc"] == 0 and m["specserve:num_requests_running"] == 0
 

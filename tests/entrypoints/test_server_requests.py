@@ -11,21 +11,26 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from entrypoints.shared_servers import SERVER_ENGINE
 from live_server import LiveServer, one_torch_thread
 from specserve import LLM, SamplingParams
 from specserve.entrypoints.openai.chat_prompt import chat_prompt
 from specserve.entrypoints.openai.protocol import ChatMessage
 from specserve.models.loader import load_tokenizer, open_model_source
 
-ENGINE = dict(max_model_len=512, num_kv_blocks=128, max_num_seqs=16)
 PROMPT = "the cat sat on the mat, the cat sat on the mat, the cat"
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama):
-    with one_torch_thread(), LiveServer(str(tiny_llama[0]), **ENGINE) as s:
-        yield s
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    with one_torch_thread():
+        yield
+
+
+@pytest.fixture
+def server(plain_server):
+    return plain_server
 
 
 def client(server: LiveServer) -> openai.OpenAI:
@@ -205,7 +210,7 @@ def test_sampling_fields_are_honoured(server, tiny_llama):
     r = c.completions.create(**{**greedy, "stop": [stop]}).choices[0]
     assert (r.text, r.finish_reason) == (text[:text.index(stop)], "stop")
     # Penalties: as the offline engine applies them.
-    offline = LLM(str(tiny_llama[0]), **ENGINE)
+    offline = LLM(str(tiny_llama[0]), **SERVER_ENGINE)
     penalized = dict(frequency_penalty=1.5, presence_penalty=0.5)
     expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **penalized),
                                 use_tqdm=False)[0].outputs[0].text

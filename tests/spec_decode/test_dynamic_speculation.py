@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from conftest import repetitive_prompts as prompts
+from conftest import TEST_KV, repetitive_prompts as prompts
 from heads import save_eagle_head
 from specserve import LLM, SamplingParams
 from specserve.entrypoints.openai.metrics import PREFIX, EngineStatsCollector
@@ -22,7 +22,8 @@ def models(tiny_llama, tmp_path_factory):
     path, hf = tiny_llama
     root = tmp_path_factory.mktemp("dynamic")
     ps = prompts(hf.config.vocab_size)
-    ref = [o.outputs[0].token_ids for o in LLM(str(path), max_model_len=256).generate(ps, GREEDY, use_tqdm=False)]
+    plain = LLM(str(path), max_model_len=256, **TEST_KV)
+    ref = [o.outputs[0].token_ids for o in plain.generate(ps, GREEDY, use_tqdm=False)]
     return {"path": path, "root": root, "prompts": ps, "ref": ref,
             "eagle3": str(save_eagle_head(root / "eagle3", hf.config, "eagle3", seed=2))}
 
@@ -38,7 +39,7 @@ def dynamic_llm(models, table: str, forced_acceptance_prob: float) -> LLM:
     """The tiny model with a dynamic EAGLE-3 head at k=3 whose drafts are accepted with the given probability."""
     return LLM(str(models["path"]), max_model_len=256, speculative_config={
         "method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3,
-        "forced_acceptance_prob": forced_acceptance_prob, "dynamic": True, "cost_table": table})
+        "forced_acceptance_prob": forced_acceptance_prob, "dynamic": True, "cost_table": table}, **TEST_KV)
 
 
 def tokens(outs) -> list[list[int]]:
@@ -111,8 +112,9 @@ def test_drafting_follows_the_batch_size_and_output_is_unchanged(models, async_s
             "cost_table": table}
     ps = models["prompts"]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 12, 16, 48, 56, 64)]
-    want = tokens(LLM(str(models["path"]), max_model_len=256).generate(ps, params, use_tqdm=False))
-    llm = LLM(str(models["path"]), max_model_len=256, speculative_config=spec, async_scheduling=async_scheduling)
+    want = tokens(LLM(str(models["path"]), max_model_len=256, **TEST_KV).generate(ps, params, use_tqdm=False))
+    llm = LLM(str(models["path"]), max_model_len=256, speculative_config=spec, async_scheduling=async_scheduling,
+              **TEST_KV)
     assert tokens(llm.generate(ps, params, use_tqdm=False)) == want
     policy = llm.engine.core.scheduler.policy
     assert policy.steps_without_drafts > 0 and policy.steps_drafting > 0 and policy.current == 4
@@ -121,7 +123,7 @@ def test_drafting_follows_the_batch_size_and_output_is_unchanged(models, async_s
 
 def test_step_times_are_measured_at_start_up_and_leave_nothing_behind(models):
     llm = LLM(str(models["path"]), max_model_len=256, max_num_seqs=4, speculative_config={
-        "method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3, "dynamic": True})
+        "method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3, "dynamic": True}, **TEST_KV)
     core = llm.engine.core
     costs = core.scheduler.policy.costs
     assert costs.batch_sizes == (1, 2, 4) and costs.draft_counts == (0, 3)

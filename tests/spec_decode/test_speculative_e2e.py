@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import make_hf_model, repetitive_prompts as prompts
+from conftest import TEST_KV, make_hf_model, repetitive_prompts as prompts
 from heads import save_eagle_head
 from specserve import LLM, ConfigError, SamplingParams
 
@@ -16,7 +16,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 def target(tiny_llama):
     path, hf = tiny_llama
     ps = prompts(hf.config.vocab_size)
-    llm = LLM(str(path), max_model_len=256)
+    llm = LLM(str(path), max_model_len=256, **TEST_KV)
     ref = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
     return path, hf, ps, ref
 
@@ -65,7 +65,7 @@ def test_greedy_equals_no_speculation(target, spec_models, method, k):
 def test_target_as_its_own_draft_accepts_everything(target):
     path, _, ps, ref = target
     llm = LLM(str(path), max_model_len=256,
-              speculative_config={"method": "draft_model", "model": str(path), "num_speculative_tokens": 4})
+              speculative_config={"method": "draft_model", "model": str(path), "num_speculative_tokens": 4}, **TEST_KV)
     outs = llm.generate(ps, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     stats = llm.engine.spec_stats
@@ -75,7 +75,7 @@ def test_target_as_its_own_draft_accepts_everything(target):
 
 def test_stop_string_inside_accepted_drafts(target):
     path, _, ps, _ = target
-    plain = LLM(str(path), max_model_len=256)
+    plain = LLM(str(path), max_model_len=256, **TEST_KV)
     full = plain.generate([ps[0]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
     text = full.outputs[0].text
     stop = text[len(text) // 2: len(text) // 2 + 3]
@@ -83,7 +83,7 @@ def test_stop_string_inside_accepted_drafts(target):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
     want = plain.generate([ps[0]], params, use_tqdm=False)[0].outputs[0]
     spec = LLM(str(path), max_model_len=256,
-               speculative_config={"method": "draft_model", "model": str(path), "num_speculative_tokens": 5})
+               speculative_config={"method": "draft_model", "model": str(path), "num_speculative_tokens": 5}, **TEST_KV)
     got = spec.generate([ps[0]], params, use_tqdm=False)[0].outputs[0]
     assert spec.engine.spec_stats.num_accepted > 0
     assert got.text == want.text == text[: text.index(stop)]
@@ -94,7 +94,7 @@ def test_stop_string_inside_accepted_drafts(target):
 def test_sampling_with_a_model_drafter_is_seeded_and_runs(target, spec_models, method):
     path, _, ps, _ = target
     params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=12, seed=1234)
-    llm = LLM(str(path), max_model_len=256, speculative_config=spec_config(method, 3, spec_models))
+    llm = LLM(str(path), max_model_len=256, speculative_config=spec_config(method, 3, spec_models), **TEST_KV)
     a = llm.generate(ps[:3], params, use_tqdm=False)
     b = llm.generate(ps[:3], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
@@ -111,7 +111,7 @@ def test_sampling_with_a_model_drafter_is_seeded_and_runs(target, spec_models, m
 ])
 def test_bad_speculative_config(target, cfg, field):
     with pytest.raises(ConfigError) as e:
-        LLM(str(target[0]), max_model_len=256, speculative_config=cfg)
+        LLM(str(target[0]), max_model_len=256, speculative_config=cfg, **TEST_KV)
     assert e.value.field == field
 
 
@@ -120,16 +120,17 @@ def test_head_that_does_not_fit_names_both_sizes(target, tmp_path):
     head = save_eagle_head(tmp_path / "wide", hf.config, "eagle", hidden=hf.config.hidden_size * 2)
     with pytest.raises(ConfigError, match=rf"hidden size {hf.config.hidden_size * 2} .* {hf.config.hidden_size}"):
         LLM(str(path), max_model_len=256,
-            speculative_config={"method": "eagle", "model": str(head), "num_speculative_tokens": 3})
+            speculative_config={"method": "eagle", "model": str(head), "num_speculative_tokens": 3}, **TEST_KV)
 
 
 def test_penalized_request_beside_speculating_ones_keeps_its_penalties(target):
     path, _, ps, ref = target
     penalized = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.8,
                                frequency_penalty=1.0)
-    want = LLM(str(path), max_model_len=256).generate([ps[0]], penalized, use_tqdm=False)[0].outputs[0].token_ids
+    plain = LLM(str(path), max_model_len=256, **TEST_KV)
+    want = plain.generate([ps[0]], penalized, use_tqdm=False)[0].outputs[0].token_ids
     llm = LLM(str(path), max_model_len=256,
-              speculative_config={"method": "draft_model", "model": str(path), "num_speculative_tokens": 3})
+              speculative_config={"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}, **TEST_KV)
     outs = llm.generate(ps[:4], [penalized] + [GREEDY] * 3, use_tqdm=False)
     assert outs[0].outputs[0].token_ids == want
     assert [o.outputs[0].token_ids for o in outs[1:]] == ref[1:4]

@@ -7,6 +7,7 @@ import pytest
 from heads import save_eagle_head
 from step_drafts import recorded_drafts
 from test_speculative_e2e import GREEDY, target  # noqa: F401 (the target's fixture, with its reference outputs)
+from conftest import TEST_KV
 from specserve import LLM
 from specserve.worker.cudagraph_mode import CUDAGraphMode as M
 from specserve.worker.graph_recorder import EagerRecorder
@@ -40,7 +41,8 @@ def test_tree_under_graphs_with_the_cpu_stand_in(target, heads, mode):
     path, _, ps, ref = target
     llm = LLM(str(path), max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
               cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64],
-              speculative_config={"method": "eagle3", "model": str(heads["eagle3"]), "speculative_token_tree": TREE})
+              speculative_config={"method": "eagle3", "model": str(heads["eagle3"]), "speculative_token_tree": TREE},
+              **TEST_KV)
     runner = llm.engine.runner
     runner.capture_graphs(mode, EagerRecorder(), llm.engine.attention_backend)
     whole = runner.whole_step_graphs
@@ -76,7 +78,8 @@ def test_a_cached_prompts_tail_runs_as_a_full_graph(target, heads):
     path, _, ps, ref = target
     llm = LLM(str(path), max_model_len=256, max_num_seqs=1, max_num_batched_tokens=64,
               cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64],
-              speculative_config={"method": "eagle3", "model": str(heads["eagle3"]), "speculative_token_tree": TREE})
+              speculative_config={"method": "eagle3", "model": str(heads["eagle3"]), "speculative_token_tree": TREE},
+              **TEST_KV)
     runner = llm.engine.runner
     runner.capture_graphs(M.FULL_AND_PIECEWISE, EagerRecorder(), llm.engine.attention_backend)
     assert [o.outputs[0].token_ids for o in llm.generate(ps[:2], GREEDY, use_tqdm=False)] == ref[:2]

@@ -15,7 +15,6 @@ from heads import save_eagle_head
 from schemas import SCHEMAS
 
 ENGINE = dict(max_model_len=512, num_kv_blocks=128, max_num_seqs=16)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
 MESSAGES = [{"role": "user", "content": "Give me JSON"}]
 
@@ -34,8 +33,12 @@ def eagle3_head(tiny_llama, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module", params=["plain", "ngram", "eagle3", "eagle3_tree"])
 def client(request, tiny_llama, eagle3_head):
-    spec = {"plain": None, "ngram": NGRAM,
-            "eagle3": {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 3},
+    """Without speculation and with n-gram drafts, the servers the modules share; with EAGLE-3, this module's."""
+    if request.param in ("plain", "ngram"):
+        server = request.getfixturevalue(f"{request.param}_server")
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120), server.model
+        return
+    spec = {"eagle3": {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 3},
             "eagle3_tree": {"method": "eagle3", "model": eagle3_head, "speculative_token_tree": TREE}}[request.param]
     with LiveServer(str(tiny_llama[0]), speculative_config=spec, **ENGINE) as server:
         yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120), server.model
