@@ -23,7 +23,6 @@ from specserve.spec_decode.tree_verify import move_kv
 from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager
 from specserve.worker.cudagraph_mode import CUDAGraphMode
 from specserve.worker.graph_recorder import AttentionSplitter, CudaGraphRecorder, EagerRecorder
-from specserve.worker.inflight_inputs import take_inflight_inputs
 
 
 class GraphPart(Enum):
@@ -97,17 +96,16 @@ class GraphFollower:
     def _whole_step(self, desc: BatchDescriptor, metadata) -> torch.Tensor:
         """The collectives of rank 0's whole step (TargetGraphs._whole_step, _whole_tree_step), after the
         in-flight requests' inputs that the step takes from rank 0's shared outputs."""
-        r, b, out, n = self.runner, self.runner.buffers, self.runner.outputs, desc.num_reqs
-        b.spread()
-        take_inflight_inputs(b.staged, out.accepted, out.tokens, out.drafts, b.input_ids, b.positions, b.seq_lens,
-                             b.slot_mapping, b.block_table, r.block_size, max_rows=n)
+        r, n = self.runner, desc.num_reqs
+        r.buffers.spread()
+        r.fill_inflight_inputs(n)
         padded_hidden, _ = r._target_forward(desc, metadata)
         logits = r.model.lm_head(padded_hidden[: n * desc.query_len])
         if self.tree_depth:
             moves = torch.empty(2, n * self.tree_depth, dtype=torch.int64, device=logits.device)
             move_kv(r.kv.stack, *broadcast_from_rank0(moves))
         if r.shares_outputs:
-            out.share_from_rank0(n)
+            r.outputs.share_from_rank0(n)
         return logits
 
 

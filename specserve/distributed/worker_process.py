@@ -20,7 +20,6 @@ from specserve.distributed.parallel_state import destroy_tp_group, init_tp_group
 from specserve.models.loader import ModelSource, build_model
 from specserve.spec_decode.tree_verify import move_kv
 from specserve.worker.cudagraph_mode import CUDAGraphMode
-from specserve.worker.inflight_inputs import take_inflight_inputs
 from specserve.worker.model_runner import ModelRunner
 from specserve.worker.staged_inputs import StagedExtra
 from specserve.worker.step_path import Sampling, Verification, WholeStep
@@ -103,9 +102,7 @@ def follow_step(runner: ModelRunner, step: WorkerStep) -> None:
     b.spread()
     inflight = len(step.extras.get(StagedExtra.INFLIGHT, ()))
     if inflight:
-        out = runner.outputs
-        take_inflight_inputs(b.staged, out.accepted, out.tokens, out.drafts, b.input_ids, b.positions, b.seq_lens,
-                             b.slot_mapping, b.block_table, runner.block_size, max_rows=inflight)
+        runner.fill_inflight_inputs(inflight)
     if desc.mode is not CUDAGraphMode.NONE:
         require_graph(runner.graphs, desc, "target")
     (padded_hidden, _), _ = runner._run_target(desc, metadata)

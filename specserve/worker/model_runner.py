@@ -35,7 +35,7 @@ from specserve.worker.cudagraph_mode import CUDAGraphMode
 from specserve.worker.draft_proposal import DraftProposal
 from specserve.worker.graph_recorder import CudaGraphRecorder
 from specserve.worker.host_block_table import HostBlockTable
-from specserve.worker.inflight_inputs import InflightRequest, PreviousRow, take_inflight_inputs
+from specserve.worker.inflight_inputs import InflightRequest, PreviousRow
 from specserve.worker.input_buffers import InputBuffers
 from specserve.worker.kv_layout import KVCacheLayout, KVCaches
 from specserve.worker.kv_sizing import CudaMemory, KVCachePlan, plan_kv_cache, use_expandable_segments
@@ -315,9 +315,7 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
             return handle
         b.spread()
         if inflight:
-            take_inflight_inputs(b.staged, self.outputs.accepted, self.outputs.tokens, self.outputs.drafts,
-                                 b.input_ids, b.positions, b.seq_lens, b.slot_mapping, b.block_table, self.block_size,
-                                 max_rows=len(inflight))
+            self.fill_inflight_inputs(len(inflight))
         (padded_hidden, padded_aux), metadata = self._run_target(desc, metadata)
         hidden = padded_hidden[:offset]
         if not sampling:

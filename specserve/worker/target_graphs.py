@@ -106,6 +106,13 @@ class TargetGraphs:
         max_query_len = desc.query_len or desc.num_tokens
         return self.buffers.padded_metadata(desc.num_reqs, desc.num_tokens, max_query_len, self.config.max_model_len)
 
+    def fill_inflight_inputs(self, max_rows: int) -> None:
+        """The in-flight requests' inputs from the previous step's outputs (worker/inflight_inputs.py), in the
+        persistent buffers the step has spread; max_rows: at least their number."""
+        b, out = self.buffers, self.outputs
+        take_inflight_inputs(b.staged, out.accepted, out.tokens, out.drafts, b.input_ids, b.positions, b.seq_lens,
+                             b.slot_mapping, b.block_table, self.block_size, max_rows=max_rows)
+
     def _target_forward(self, desc: BatchDescriptor, metadata: AttentionMetadata):
         """The target's forward over the persistent inputs: (hidden states, auxiliary hidden states), padded to
         desc; eager, or recorded into the target's graphs."""
@@ -144,8 +151,7 @@ class TargetGraphs:
         serves every batch padded to desc.num_reqs; what it computes is what the parts compute on their own."""
         b, out, n = self.buffers, self.outputs, desc.num_reqs
         b.spread()
-        take_inflight_inputs(b.staged, out.accepted, out.tokens, out.drafts, b.input_ids, b.positions, b.seq_lens,
-                             b.slot_mapping, b.block_table, self.block_size, max_rows=n)
+        self.fill_inflight_inputs(n)
         padded_hidden, padded_aux = self._target_forward(desc, metadata)
         # A step with grammar masks never runs whole (step_path.py): they are built after its forward is queued.
         self._greedy_outputs_of(desc, padded_hidden, masked=False)
@@ -166,8 +172,7 @@ class TargetGraphs:
         (tree_drafting.py)."""
         b, out, n, q = self.buffers, self.outputs, desc.num_reqs, desc.query_len
         b.spread()
-        take_inflight_inputs(b.staged, out.accepted, out.tokens, out.drafts, b.input_ids, b.positions, b.seq_lens,
-                             b.slot_mapping, b.block_table, self.block_size, max_rows=n)
+        self.fill_inflight_inputs(n)
         padded_hidden, padded_aux = self._target_forward(desc, metadata)
         target = self.model.greedy_tokens(padded_hidden[:n * q], captured=True).view(n, q)
         v = self.uniform_verify
