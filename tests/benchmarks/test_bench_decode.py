@@ -11,8 +11,11 @@ from specserve.bench.cli import config_from_args
 from specserve.bench.decode import EngineJob, HFJob, SpecSetting, plan, preset_config, run_decode_bench
 from specserve.bench.models import build_hf_model, distinct_params, prepare_model
 from specserve.entrypoints.cli import build_parser
+from specserve.engine import core
+from specserve.engine.step_costs_measure import measured_batch_sizes
 from specserve.errors import ConfigError
 from specserve.models.loader import build_model, open_model_source
+from specserve.spec_decode.step_costs import StepCosts
 
 
 def test_dummy_load_makes_the_shape_without_weight_files(tmp_path):
@@ -134,9 +137,18 @@ def test_spec_setting_parse():
             SpecSetting.parse(bad)
 
 
-def test_the_dynamic_policy_beside_no_speculation(tmp_path):
+def test_the_dynamic_policy_beside_no_speculation(tmp_path, monkeypatch):
     """The sweep the H100 runs (docs/design.md, 'Dynamic speculation'), tiny: each row of the dynamic policy beside
     no speculation at the same batch, with the share of its steps that drafted."""
+    # Drafting steps 50% slower at every batch size. The start-up measurement (tested in
+    # tests/spec_decode/test_dynamic_speculation.py) is left out: on a busy CPU its few steps of a tiny model can
+    # find drafting no dearer than decoding, and then drafts that are never accepted cost nothing to the policy.
+    def slower_drafting(engine):
+        sizes = measured_batch_sizes(engine.config.max_num_seqs)
+        k = engine.scheduler.policy.max_drafts
+        return StepCosts(sizes, {0: tuple(1e-3 * b for b in sizes), k: tuple(1.5e-3 * b for b in sizes)})
+
+    monkeypatch.setattr(core, "measure_step_costs", slower_drafting)
     cfg = preset_config("tiny", spec=[SpecSetting(2, 0.0, dynamic=True)], hf_batch_sizes=[], new_tokens=24)
     results = run_decode_bench(cfg, tmp_path / "r.json")
     rows = {(r.spec, r.batch): r for r in results.rows}
