@@ -40,7 +40,7 @@ import triton
 from bench_kernels import graph_time_us
 from step_projections_shapes import Projection, parse_args
 
-from specserve.bench.decode import measure_bandwidth
+from specserve.bench.timing import measure_bandwidth
 from specserve.kernels.fused_linear import fused_linear, fused_linear_argmax
 from specserve.kernels.qkv_rotary_cache import qkv_rotary_cache
 from specserve.kernels.small_m_configs import (CANDIDATES, SmallMConfig, config_path, linear_class, load_configs,

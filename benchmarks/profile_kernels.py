@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from specserve.bench.decode import SpecSetting, make_prompts, measure_bandwidth, time_engine
+from specserve.bench.decode_plan import SpecSetting
+from specserve.bench.timing import make_prompts, measure_bandwidth, time_engine
 from specserve.bench.gpu_timing import gpu_ms
 from specserve.bench.models import SHAPES, prepare_model, write_random_eagle3_head
 from specserve.config import EngineConfig

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from specserve.bench.decode import SpecSetting, make_prompts, time_engine
+from specserve.bench.decode_plan import SpecSetting
+from specserve.bench.timing import make_prompts, time_engine
 from specserve.bench.models import prepare_model, write_random_eagle3_head
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.bench.decode import make_prompts
+from specserve.bench.timing import make_prompts
 from specserve.bench.models import prepare_model
 
 

@@ -62,7 +62,7 @@ def add_decode_parser(bench_sub: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(a: argparse.Namespace):
-    from specserve.bench.decode import PRESETS, SpecSetting, preset_config
+    from specserve.bench.decode_plan import PRESETS, SpecSetting, preset_config
     from specserve.bench.models import SHAPES
 
     models = a.models

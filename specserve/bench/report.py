@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from specserve.bench.decode import GRAPH_MODES, BenchResults, Row
+from specserve.bench.decode_plan import GRAPH_MODES
+from specserve.bench.results import BenchResults, Row
 
 COLUMNS = ["system", "graph mode", "speculation", "batch", "tok/s", "ms/token", "x transformers", "x no-spec",
            "tokens/step", "drafting steps", "limit tok/s", "collectives ms/step"]

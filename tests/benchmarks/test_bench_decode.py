@@ -8,7 +8,8 @@ import torch
 
 from specserve.attention.backend import get_attention_backend
 from specserve.bench.cli import config_from_args
-from specserve.bench.decode import EngineJob, HFJob, SpecSetting, plan, preset_config, run_decode_bench
+from specserve.bench.decode import run_decode_bench
+from specserve.bench.decode_plan import EngineJob, HFJob, SpecSetting, plan, preset_config
 from specserve.bench.models import build_hf_model, distinct_params, prepare_model
 from specserve.entrypoints.cli import build_parser
 from specserve.engine import core

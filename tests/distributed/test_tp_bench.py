@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from specserve.bench.decode import preset_config, run_decode_bench
+from specserve.bench.decode import run_decode_bench
+from specserve.bench.decode_plan import preset_config
 from specserve.bench.models import SHAPES, distinct_params, prepare_model
 from specserve.distributed.parallel_state import TPGroup
 from specserve.models.arch_config import ArchConfig
