@@ -16,19 +16,17 @@ come from none of these sources.
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib.metadata
-import inspect
 import json
 import random
 import re
 import sys
-import textwrap
 from pathlib import Path
 
 import pydoc_data.topics
 
 from specserve.models.loader import open_model_source, load_tokenizer
+from specserve.train.code_requests import function_openings
 from specserve.train.documents import SUITE_CODE_MODULES
 
 # Summaries: a section of 1,000 to 4,000 tokens, cut at paragraph ends.
@@ -167,17 +165,9 @@ def rag(tokens, rng: random.Random) -> list[dict]:
 def code(tokens) -> list[dict]:
     rows = []
     for module in SUITE_CODE_MODULES:
-        source = inspect.getsource(__import__(module, fromlist=["_"]))
-        lines = source.splitlines()
-        funcs = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and ast.get_docstring(n)
-                 and 12 <= n.end_lineno - n.lineno <= 60]
-        for f in sorted(funcs, key=lambda f: f.lineno)[:CODE_PER_MODULE]:
-            body = lines[f.lineno - 1 - len(f.decorator_list):f.end_lineno]
-            # The signature, the docstring and the first third of the code after it.
-            doc_end = f.body[0].end_lineno - f.lineno + 1 + len(f.decorator_list)
-            shown = textwrap.dedent("\n".join(body[:doc_end + max(2, (len(body) - doc_end) // 3)]))
+        for f in function_openings(module)[:CODE_PER_MODULE]:
             ask = CODE_ASKS[len(rows) % len(CODE_ASKS)].format(module=module)
-            prompt = f"{ask}\n\n```python\n{shown}\n```"
+            prompt = f"{ask}\n\n```python\n{f.shown}\n```"
             rows.append({"prompt": prompt, "source": f"CPython {sys.version.split()[0]} Lib {module}.{f.name} "
                          "(PSF-2.0)", "tokens": tokens(prompt)})
     return rows

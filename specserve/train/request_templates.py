@@ -6,15 +6,18 @@ specific: a form, an audience and constraints; a puzzle with its numbers; a
 function to write; a passage to pull facts from. A head trained only on the
 former drafts the latter poorly. These templates fill that gap with the same
 categories chat benchmarks weigh (writing, role-play, reasoning, maths,
-coding, extraction, science, humanities), every slot drawn from a seeded
-generator so that thousands of requests differ.
+coding, extraction, science, humanities), with translation
+(translation_requests.py) and code completion (code_requests.py), every slot
+drawn from a seeded generator so that thousands of requests differ.
 """
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
 
+from specserve.train.code_requests import completion_request
 from specserve.train.questions import TOPICS
+from specserve.train.translation_requests import translation_request
 
 NAMES = ("Alice", "Ben", "Carla", "David", "Elena", "Farid", "Grace", "Hiro", "Ines", "Jamal", "Kofi", "Lena",
          "Mateo", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sam", "Tara", "Umar", "Vera", "Wei", "Yusuf")
@@ -189,6 +192,7 @@ def _humanities(rng: random.Random, topics: Sequence[str]) -> str:
 CATEGORIES: dict[str, Callable[[random.Random, Sequence[str]], str]] = {
     "writing": _writing, "roleplay": _roleplay, "reasoning": _reasoning, "math": _math, "coding": _coding,
     "extraction": _extraction, "stem": _stem, "humanities": _humanities,
+    "translation": translation_request, "code_completion": completion_request,
 }
 
 

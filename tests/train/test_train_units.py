@@ -1,18 +1,24 @@
 """Small pieces of the trainer: learning-rate schedule, self-written prompt instructions, batching."""
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
+import random
 
 import pytest
 
 from specserve.train.batches import collate, epoch_batches, split
+from specserve.train.code_requests import completion_request, training_openings
 from specserve.train.config import TrainConfig
 from specserve.train.data import Sequence, data_engine_options
+from specserve.train.documents import SUITE_CODE_MODULES
 from specserve.train.questions import (FOLLOW_UPS, PASSAGE_TASKS, TASK_OPENERS, TOPICS, QuestionSeed,
                                        follow_up_conversations, is_repetitive, question_seeds, topic_mix,
                                        vocabulary_words)
 from specserve.train.request_templates import CATEGORIES, templated_requests
 from specserve.train.schedule import FLOOR, WarmupCosine
+from specserve.train.translation_requests import FOREIGN_SENTENCES, LANGUAGES, translation_request
 
 
 def test_schedule_warms_up_linearly_then_decays_by_cosine_to_the_floor():
@@ -47,9 +53,41 @@ def test_templated_requests_are_distinct_seeded_and_take_turns_by_category():
     assert all(len(r.split()) >= 6 for r in requests)
     # The first of each round comes from the categories in order: writing first, extraction's passages sixth.
     assert requests[0].startswith("Write a ") and "\n\n" in requests[5]
-    assert len(CATEGORIES) == 8
+    assert len(CATEGORIES) == 10
     about = templated_requests(40, seed=1, topics=["zeppelins"])
     assert sum("zeppelins" in r for r in about) >= 10
+
+
+def test_translation_requests_go_both_ways_with_every_slot_filled():
+    rng = random.Random(0)
+    requests = [translation_request(rng) for _ in range(400)]
+    assert not any("{" in r or "}" in r for r in requests)
+    # Only requests into English name English (no English sentence does).
+    from_ = [r for r in requests if "English" in r]
+    into = [r for r in requests if "English" not in r]
+    assert 0.2 < len(from_) / len(requests) < 0.4
+    # Every language is asked for both ways, and most other-language sentence templates are shown.
+    assert all(any(lang in r for r in into) for lang in LANGUAGES)
+    assert all(any(lang in r for r in from_) for lang in FOREIGN_SENTENCES)
+    shown = [t.split("{")[0][:12] for sentences in FOREIGN_SENTENCES.values() for t in sentences]
+    assert sum(any(start in r for r in from_) for start in shown) >= 0.8 * len(shown)
+
+
+def test_code_completion_shows_the_opening_of_a_function_outside_the_suites_modules():
+    openings = training_openings()
+    assert len(openings) > 300
+    assert not {o.module for o in openings} & set(SUITE_CODE_MODULES)
+    for o in openings[::20]:
+        shown = [line.strip() for line in o.shown.splitlines()]
+        assert shown[0].startswith(("def ", "async def ", "@")) and f"{o.name}(" in o.shown
+        # The lines shown are the function's first ones in its module, and the function goes on after them.
+        source = [line.strip() for line in inspect.getsource(importlib.import_module(o.module)).splitlines()]
+        starts = [i for i in range(len(source)) if source[i:i + len(shown)] == shown]
+        assert starts, o.name
+        after = source[starts[0] + len(shown):]
+        assert any(after[:3]) and not after[0].startswith(("def ", "class ")), o.name
+    request = completion_request(random.Random(0))
+    assert request.count("```") == 2 and any(o.shown in request for o in openings)
 
 
 class WordTokenizer:
