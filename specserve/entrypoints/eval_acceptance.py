@@ -28,6 +28,7 @@ import argparse
 import copy
 import gc
 import json
+import logging
 import statistics
 import sys
 import time
@@ -35,6 +36,8 @@ from dataclasses import dataclass
 
 from specserve.prompt_files import Dialogue
 from specserve.spec_decode.metrics import SpecDecodeStats
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -155,6 +158,14 @@ def run_prompts(llm, prompts: list[PreparedDialogue], temperature: float, max_to
                                     for _ in range(repeats)])
 
 
+def log_run(name: str, run: RunResult) -> None:
+    """A line per finished run, so that a long evaluation shows its progress."""
+    accept = f", mean acceptance length {run.stats.mean_acceptance_length:.2f}" if run.stats else ""
+    logger.info("%s, %s, temperature %g: %d tokens in %.1f s%s", name,
+                "no speculation" if run.k is None else f"k={run.k}", run.temperature, run.output_tokens,
+                run.seconds, accept)
+
+
 def prime_prefix_cache(llm, prompts: list[list[int]]) -> None:
     """Run the prompts once, so that every timed run finds their full blocks in the prefix cache, the first
     included, and prefills only what is past their last full block. Kernel shapes need no such run: the engine's
@@ -196,6 +207,7 @@ def run_prompt_sets(model: str, spec_config: dict, sets: dict[str, list[Dialogue
                 for name, prompts in prepared.items():
                     for t in temperatures:
                         timed[name, k, t].append(timed_run(llm, prompts, t, max_tokens, k is not None))
+                        log_run(name, collect(t, k, timed[name, k, t][-1:]))
         del engines
         gc.collect()
         return {n: [collect(t, k, timed[n, k, t]) for k in settings for t in temperatures] for n in sets}
@@ -203,7 +215,9 @@ def run_prompt_sets(model: str, spec_config: dict, sets: dict[str, list[Dialogue
     for k in settings:
         llm, prepared = ready(k)
         for name, prompts in prepared.items():
-            runs[name] += [run_prompts(llm, prompts, t, max_tokens, k, repeats) for t in temperatures]
+            for t in temperatures:
+                runs[name].append(run_prompts(llm, prompts, t, max_tokens, k, repeats))
+                log_run(name, runs[name][-1])
         # Free this engine's KV cache and graphs before the next one allocates its own.
         del llm
         gc.collect()
