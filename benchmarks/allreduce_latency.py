@@ -8,8 +8,9 @@ of one all-reduce: issued eagerly one by one (what the benchmark's 'collectives 
 replayed from a CUDA graph that holds all of them (what an engine's graphed step pays). On GPUs it times
 beside them torch's one-shot all-reduce (torch.distributed._symmetric_memory: every rank's buffer mapped
 into every other rank, one kernel that copies the input in, meets the others at a barrier and sums the
-buffers over NVLink; no multicast needed): the candidate for a custom all-reduce (BENCHMARKS.md, 'Tensor
-parallelism', says why the engine keeps NCCL). NCCL's variables (NCCL_PROTO, NCCL_ALGO, ...) reach every rank:
+buffers over NVLink; no multicast needed), and specserve's own one-shot all-reduce, the same algorithm in one
+Triton kernel (distributed/one_shot.py, `all_reduce="one_shot"`). NCCL's variables (NCCL_PROTO, NCCL_ALGO, ...)
+reach every rank:
 
     python benchmarks/allreduce_latency.py --ranks 2 --hidden 4096 --layers 32 --tokens 1 4 16 64 256 1024
     NCCL_PROTO=LL python benchmarks/allreduce_latency.py --ranks 2 --tokens 1
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from specserve.distributed import one_shot as own_one_shot
 from specserve.distributed.parallel_state import leave_process_group
 from specserve.distributed.rendezvous import Rendezvous
 
@@ -52,6 +54,8 @@ class SizeResult:
     nccl_graphed_us: float | None  # None: not on GPUs
     one_shot_eager_us: float | None = None  # None: not on GPUs, or symmetric memory unavailable
     one_shot_graphed_us: float | None = None
+    own_eager_us: float | None = None  # specserve's one-shot; None: not on GPUs, or the message past its buffer
+    own_graphed_us: float | None = None
 
 
 def _time(reduce, x: torch.Tensor, device: torch.device, calls: int, repeats: int) -> tuple[float, float | None]:
@@ -96,21 +100,26 @@ def _rank(rank: int, args: argparse.Namespace, init_method: str, results) -> Non
                             world_size=args.ranks, device_id=device if on_gpu else None)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     calls = 2 * args.layers + 1
-    one_shot = None
+    one_shot = own = None
     try:
         if on_gpu:
             largest = max(args.tokens) * args.hidden * dtype.itemsize
             one_shot = _one_shot_all_reduce(device, largest)
+            own_one_shot.join(rank, args.ranks, device)
+            own = own_one_shot.current()
         for tokens in args.tokens:
             x = torch.zeros(tokens, args.hidden, dtype=dtype, device=device)
             r = SizeResult(tokens, x.numel() * x.element_size(), *_time(dist.all_reduce, x, device, calls,
                                                                          args.repeats))
             if one_shot is not None:
                 r.one_shot_eager_us, r.one_shot_graphed_us = _time(one_shot, x, device, calls, args.repeats)
+            if own is not None and own.fits(x):
+                r.own_eager_us, r.own_graphed_us = _time(own, x, device, calls, args.repeats)
             if rank == 0:
                 results.append(r)
     finally:
-        one_shot = None
+        one_shot = own = None
+        own_one_shot.leave()
         leave_process_group()
 
 
@@ -137,15 +146,15 @@ def main() -> None:
         mp.spawn(_rank, args=(args, Rendezvous.resolve(args.ranks).init_method, shared), nprocs=args.ranks)
         results = list(shared)
     calls = 2 * args.layers + 1
-    print("| tokens | bytes | NCCL eager us | NCCL graphed us | one-shot eager us | one-shot graphed us | "
-          "graphed ms/step NCCL / one-shot |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| tokens | bytes | NCCL eager us | NCCL graphed us | torch one-shot eager us | torch one-shot graphed us | "
+          "specserve one-shot eager us | specserve one-shot graphed us | graphed ms/step NCCL / torch / specserve |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
-        per_step = "-" if r.nccl_graphed_us is None else f"{r.nccl_graphed_us * calls / 1e3:.2f}"
-        if r.one_shot_graphed_us is not None:
-            per_step += f" / {r.one_shot_graphed_us * calls / 1e3:.2f}"
+        per_step = " / ".join("-" if us is None else f"{us * calls / 1e3:.2f}"
+                              for us in (r.nccl_graphed_us, r.one_shot_graphed_us, r.own_graphed_us))
         print(f"| {r.tokens} | {r.nbytes:,} | {_us(r.nccl_eager_us)} | {_us(r.nccl_graphed_us)} | "
-              f"{_us(r.one_shot_eager_us)} | {_us(r.one_shot_graphed_us)} | {per_step} |")
+              f"{_us(r.one_shot_eager_us)} | {_us(r.one_shot_graphed_us)} | {_us(r.own_eager_us)} | "
+              f"{_us(r.own_graphed_us)} | {per_step} |")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from specserve.quantization.config import check_quantization
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
+ALL_REDUCES = ("nccl", "one_shot")
 
 
 def _check(cond: bool, field: str, message: str) -> None:
@@ -101,6 +102,9 @@ class EngineConfig:
     # Ranks the model is sharded over (docs/design.md, 'Tensor parallelism'), one process each: this one and
     # tensor_parallel_size - 1 it starts. On CUDA rank r runs on cuda:r.
     tensor_parallel_size: int = 1
+    # How the ranks all-reduce (distributed/one_shot.py): "nccl", or "one_shot" (one kernel over buffers every
+    # rank of one node maps, for messages up to its buffer; NCCL past it).
+    all_reduce: str = "nccl"
     # Several nodes (specserve/distributed/rendezvous.py): nodes sharing the ranks, and where they meet (node 0's
     # address and a port; None: MASTER_ADDR / MASTER_PORT, else on one node 127.0.0.1 and a free port).
     nnodes: int = 1
@@ -162,6 +166,7 @@ class EngineConfig:
         self.rendezvous()  # raises on nodes that cannot share the ranks, or no address to meet at
         if tp > 1:
             self._check_tensor_parallel()
+        self._check_all_reduce()
         self._check_draft_placement()
         self._check_cudagraph_fields()
         self._check_async_scheduling()
@@ -184,6 +189,21 @@ class EngineConfig:
             _check(torch.cuda.device_count() >= per_node, "tensor_parallel_size",
                    f"{per_node} ranks on this node need {per_node} GPUs, torch sees {torch.cuda.device_count()}; "
                    "lower tensor_parallel_size, make more GPUs visible (CUDA_VISIBLE_DEVICES) or add nodes (nnodes)")
+
+    def _check_all_reduce(self) -> None:
+        _check(self.all_reduce in ALL_REDUCES, "all_reduce",
+               f"must be one of {', '.join(ALL_REDUCES)}, got {self.all_reduce!r}")
+        if self.all_reduce == "nccl":
+            return
+        tp = self.tensor_parallel_size
+        _check(tp > 1, "all_reduce", f"'{self.all_reduce}' all-reduces between ranks, and tensor_parallel_size is "
+               f"{tp}; raise it, or leave all_reduce at 'nccl'")
+        _check(self.device.startswith("cuda"), "all_reduce",
+               f"'{self.all_reduce}' runs on NVIDIA GPUs, not on {self.device}; use 'nccl' (gloo on the CPU)")
+        _check(self.nnodes == 1, "all_reduce", f"'{self.all_reduce}' maps every rank's memory, so its ranks share "
+               f"one node; with nnodes={self.nnodes} use 'nccl'")
+        _check(tp & (tp - 1) == 0 and tp <= 8, "all_reduce", f"'{self.all_reduce}' takes 2, 4 or 8 ranks, got "
+               f"tensor_parallel_size {tp}; use 'nccl'")
 
     def _check_draft_placement(self) -> None:
         spec, tp = self.speculative_config, self.tensor_parallel_size

@@ -51,6 +51,8 @@ def add_decode_parser(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bandwidth-tbps", type=float, help="memory bandwidth for the limit (default: measured)")
     p.add_argument("--tensor-parallel-size", type=int, help="shard every engine's target over this many GPUs "
                    "(rank r on cuda:r; on the CPU, processes over gloo) and time each step's collectives")
+    p.add_argument("--all-reduce", choices=["nccl", "one_shot"], help="how the ranks all-reduce (default: nccl; "
+                   "one_shot: specserve's one-kernel all-reduce for small messages)")
     p.add_argument("--quantization", choices=["fp8"], help="FP8 weights for every engine's target (default: the "
                    "dtype's)")
     p.add_argument("--draft-quantization", choices=["fp8"], help="FP8 weights for the EAGLE-3 head (default: the "
@@ -76,7 +78,7 @@ def config_from_args(a: argparse.Namespace):
         spec_batch_sizes=a.spec_batch_sizes, hf_batch_sizes=a.hf_batch_sizes, prompt_len=a.prompt_len,
         new_tokens=a.new_tokens, hf_new_tokens=a.hf_new_tokens, capture_sizes=a.capture_sizes,
         bandwidth_tbps=a.bandwidth_tbps, time_budget_s=a.time_budget, tensor_parallel_size=a.tensor_parallel_size,
-        quantization=a.quantization, draft_quantization=a.draft_quantization)
+        all_reduce=a.all_reduce, quantization=a.quantization, draft_quantization=a.draft_quantization)
 
 
 def cmd_bench_decode(a: argparse.Namespace) -> None:

@@ -104,7 +104,7 @@ class DecodeBench:
             # The whole batch's prompts in one step: every request then decodes in lockstep.
             max_num_batched_tokens=max(2048, max_batch * cfg.prompt_len),
             enable_prefix_caching=False, speculative_config=spec, cudagraph_mode=job.mode,
-            tensor_parallel_size=cfg.tensor_parallel_size, quantization=cfg.quantization,
+            tensor_parallel_size=cfg.tensor_parallel_size, all_reduce=cfg.all_reduce, quantization=cfg.quantization,
             cudagraph_capture_sizes=sizes,
             # Each batch size runs once untimed before its timed runs, which is all the warm-up it needs; the
             # engine's start-up warm-up of every shape would only lengthen the build.

@@ -89,6 +89,8 @@ class DecodeBenchConfig:
     seed: int = 0
     # Ranks each engine shards its target over (one GPU each); > 1 also measures each step's collectives.
     tensor_parallel_size: int = 1
+    # How the ranks all-reduce (EngineConfig.all_reduce): "nccl" or "one_shot".
+    all_reduce: str = "nccl"
     # Weight quantization of every engine's target and of its EAGLE-3 head, each chosen apart (EngineConfig's
     # and SpeculativeConfig's `quantization`): None keeps the model's dtype.
     quantization: str | None = None
@@ -137,6 +139,10 @@ class DecodeBenchConfig:
             raise bench_config_error("bandwidth_tbps", f"must be > 0, got {self.bandwidth_tbps}")
         if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
             raise bench_config_error("tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        from specserve.config import ALL_REDUCES
+
+        if self.all_reduce not in ALL_REDUCES:
+            raise bench_config_error("all_reduce", f"must be one of {', '.join(ALL_REDUCES)}, got {self.all_reduce!r}")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise bench_config_error("time_budget_s", f"must be > 0, got {self.time_budget_s}")
 

@@ -12,6 +12,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from specserve.distributed import one_shot
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -36,9 +38,10 @@ def rank_device(device: str, local_rank: int) -> str:
     return f"cuda:{local_rank}"
 
 
-def init_tp_group(rank: int, size: int, init_method: str, device: str) -> None:
+def init_tp_group(rank: int, size: int, init_method: str, device: str, all_reduce: str = "nccl") -> None:
     """Join the group of `size` ranks that meets at init_method (tcp://address:port): NCCL between GPUs (device:
-    this rank's GPU, bound already), gloo on the CPU."""
+    this rank's GPU, bound already), gloo on the CPU; with all_reduce "one_shot" every rank also joins the
+    one-shot all-reduce (one_shot.py), a collective too."""
     global _group
     require_no_group()
     on_gpu = device.startswith("cuda")
@@ -46,6 +49,8 @@ def init_tp_group(rank: int, size: int, init_method: str, device: str) -> None:
                             world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
                             device_id=torch.device(device) if on_gpu else None)
     _group = TPGroup(rank, size)
+    if all_reduce == "one_shot":
+        one_shot.join(rank, size, torch.device(device))
 
 
 def require_no_group() -> None:
@@ -71,6 +76,7 @@ def leave_process_group() -> None:
 
 def destroy_tp_group() -> None:
     global _group
+    one_shot.leave()
     leave_process_group()
     _group = TPGroup(0, 1)
 

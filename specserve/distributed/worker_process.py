@@ -32,7 +32,7 @@ def run_worker(config: EngineConfig, source: ModelSource, rank: int, local_rank:
     # Ctrl-C reaches the whole process group; rank 0 decides when the workers stop (its connection's end).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config.device = rank_device(config.device, local_rank)
-    init_tp_group(rank, config.tensor_parallel_size, init_method, config.device)
+    init_tp_group(rank, config.tensor_parallel_size, init_method, config.device, config.all_reduce)
     try:
         runner, follower = _start(config, source, conn)
     except Exception:  # noqa: BLE001 -- any failure to start is reported to rank 0, which raises it

@@ -87,7 +87,7 @@ class TPWorkers:
         if rendezvous.nnodes > 1:
             self._accept_other_nodes(config, source, rendezvous)
         try:
-            init_tp_group(0, size, rendezvous.init_method, config.device)
+            init_tp_group(0, size, rendezvous.init_method, config.device, config.all_reduce)
         except RuntimeError as e:  # torch.distributed's rendezvous timed out: some rank never joined
             self.abort()
             raise EngineUnavailableError(f"the {size} tensor-parallel ranks did not all meet at "

@@ -33,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks (processes; GPUs on CUDA) the model is sharded over")
+    g.add_argument("--all-reduce", choices=["nccl", "one_shot"], default="nccl",
+                   help="how the ranks all-reduce: nccl, or one_shot (one kernel over buffers every GPU of the node "
+                   "maps, for messages up to 4 MiB; NCCL past it)")
     g.add_argument("--nnodes", type=int, default=1, help="nodes sharing the --tensor-parallel-size ranks equally "
                    "(README, 'Several nodes'); run the same command on each, with its --node-rank")
     g.add_argument("--node-rank", type=int, default=0, help="this node's index: 0 runs the engine (and the server), "
@@ -74,7 +77,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         enable_prefix_caching=not a.no_prefix_caching, enable_chunked_prefill=not a.no_chunked_prefill, seed=a.seed,
         speculative_config=a.speculative_config, gpu_memory_utilization=a.gpu_memory_utilization,
-        kv_cache_memory_bytes=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype, tensor_parallel_size=a.tensor_parallel_size, nnodes=a.nnodes,
+        kv_cache_memory_bytes=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype, tensor_parallel_size=a.tensor_parallel_size,
+        all_reduce=a.all_reduce, nnodes=a.nnodes,
         master_addr=a.master_addr, master_port=a.master_port, data_parallel_size=a.data_parallel_size,
         quantization=a.quantization,
     )

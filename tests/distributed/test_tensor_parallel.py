@@ -70,6 +70,9 @@ def test_a_dead_worker_fails_the_engine(tiny_llama):
     (dict(tensor_parallel_size=0), "tensor_parallel_size"),
     (dict(tensor_parallel_size=3), "tensor_parallel_size"),  # 4 heads
     (dict(tensor_parallel_size=2, debug_cudagraph=True), "debug_cudagraph"),
+    (dict(tensor_parallel_size=2, all_reduce="ring"), "all_reduce"),
+    (dict(all_reduce="one_shot"), "all_reduce"),  # one rank: nothing to all-reduce
+    (dict(tensor_parallel_size=2, all_reduce="one_shot"), "all_reduce"),  # a GPU kernel, on the CPU
 ])
 def test_config_errors_name_the_fix(tiny_llama, kwargs, field):
     with pytest.raises(ConfigError) as e:
