@@ -6,9 +6,9 @@ link, sets the time (BENCHMARKS.md, 'Tensor parallelism'): a one-shot all-reduce
 message once over NVLink, one kernel and two barriers. It reads world-size times the bytes of a ring, so
 messages past its buffer go to NCCL (communication.all_reduce decides per call).
 
-Joining is a collective of every rank at the group's start (parallel_state.init_tp_group): each rank allocates
-its buffer and signal pad (cuda_ipc.SharedBuffer), maps the others', and the group runs one all-reduce whose
-result it checks, so a node where the mapping does not work fails at start-up, naming the fix.
+Joining is a collective of every rank right after the group's start (parallel_state.join_all_reduce): each
+rank allocates its buffer and signal pad (cuda_ipc.SharedBuffer), maps the others', and the group runs one
+all-reduce whose result it checks, so a node where the mapping does not work fails at start-up, naming the fix.
 """
 from __future__ import annotations
 

@@ -38,10 +38,9 @@ def rank_device(device: str, local_rank: int) -> str:
     return f"cuda:{local_rank}"
 
 
-def init_tp_group(rank: int, size: int, init_method: str, device: str, all_reduce: str = "nccl") -> None:
+def init_tp_group(rank: int, size: int, init_method: str, device: str) -> None:
     """Join the group of `size` ranks that meets at init_method (tcp://address:port): NCCL between GPUs (device:
-    this rank's GPU, bound already), gloo on the CPU; with all_reduce "one_shot" every rank also joins the
-    one-shot all-reduce (one_shot.py), a collective too."""
+    this rank's GPU, bound already), gloo on the CPU."""
     global _group
     require_no_group()
     on_gpu = device.startswith("cuda")
@@ -49,8 +48,13 @@ def init_tp_group(rank: int, size: int, init_method: str, device: str, all_reduc
                             world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
                             device_id=torch.device(device) if on_gpu else None)
     _group = TPGroup(rank, size)
-    if all_reduce == "one_shot":
-        one_shot.join(rank, size, torch.device(device))
+
+
+def join_all_reduce(kind: str, device: str) -> None:
+    """With kind "one_shot" (EngineConfig.all_reduce), join the group's one-shot all-reduce (one_shot.py): a
+    collective of every rank, right after init_tp_group. Raises RuntimeError naming the fix if it cannot."""
+    if kind == "one_shot":
+        one_shot.join(_group.rank, _group.size, torch.device(device))
 
 
 def require_no_group() -> None:

@@ -16,7 +16,8 @@ from specserve.distributed.collective_probe import replay_collectives
 from specserve.distributed.communication import broadcast_from_rank0
 from specserve.distributed.graph_following import CaptureDone, CaptureGraphs, GraphFollower, require_graph
 from specserve.distributed.messages import WorkerFailed, WorkerLoaded, WorkerReady, WorkerStep
-from specserve.distributed.parallel_state import destroy_tp_group, init_tp_group, rank_device, tp_group
+from specserve.distributed.parallel_state import (destroy_tp_group, init_tp_group, join_all_reduce, rank_device,
+                                                  tp_group)
 from specserve.models.loader import ModelSource, build_model
 from specserve.spec_decode.tree_verify import move_kv
 from specserve.worker.cudagraph_mode import CUDAGraphMode
@@ -32,8 +33,9 @@ def run_worker(config: EngineConfig, source: ModelSource, rank: int, local_rank:
     # Ctrl-C reaches the whole process group; rank 0 decides when the workers stop (its connection's end).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config.device = rank_device(config.device, local_rank)
-    init_tp_group(rank, config.tensor_parallel_size, init_method, config.device, config.all_reduce)
+    init_tp_group(rank, config.tensor_parallel_size, init_method, config.device)
     try:
+        join_all_reduce(config.all_reduce, config.device)
         runner, follower = _start(config, source, conn)
     except Exception:  # noqa: BLE001 -- any failure to start is reported to rank 0, which raises it
         conn.send(WorkerFailed(traceback.format_exc()))

@@ -19,7 +19,7 @@ from specserve.distributed.collective_probe import CollectiveProbe
 from specserve.distributed.messages import (WorkerAssignment, WorkerFailed, WorkerHello, WorkerLoaded, WorkerReady,
                                             WorkerStep)
 from specserve.distributed.parallel_state import (COLLECTIVE_TIMEOUT_S, TPGroup, destroy_tp_group, init_tp_group,
-                                                  require_no_group)
+                                                  join_all_reduce, require_no_group)
 from specserve.distributed.rendezvous import Rendezvous, rendezvous_key
 from specserve.distributed.worker_process import run_worker
 from specserve.errors import EngineUnavailableError
@@ -87,11 +87,17 @@ class TPWorkers:
         if rendezvous.nnodes > 1:
             self._accept_other_nodes(config, source, rendezvous)
         try:
-            init_tp_group(0, size, rendezvous.init_method, config.device, config.all_reduce)
+            init_tp_group(0, size, rendezvous.init_method, config.device)
         except RuntimeError as e:  # torch.distributed's rendezvous timed out: some rank never joined
             self.abort()
             raise EngineUnavailableError(f"the {size} tensor-parallel ranks did not all meet at "
                                          f"{rendezvous.init_method} ({e}); the workers' logs say why") from e
+        try:
+            join_all_reduce(config.all_reduce, config.device)
+        except RuntimeError as e:
+            self.abort()
+            raise EngineUnavailableError(f"the ranks could not start the {config.all_reduce} all-reduce ({e}); "
+                                         "start the engine with all_reduce='nccl' (--all-reduce nccl)") from e
 
     def _accept_other_nodes(self, config: EngineConfig, source: ModelSource, rendezvous: Rendezvous) -> None:
         """Accept the ranks of nodes 1.. at the listener, and send each the engine's configuration."""

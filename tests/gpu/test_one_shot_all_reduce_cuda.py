@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from specserve import LLM, SamplingParams
 from specserve.distributed import one_shot
-from specserve.distributed.parallel_state import destroy_tp_group, init_tp_group, rank_device
+from specserve.distributed.parallel_state import destroy_tp_group, init_tp_group, join_all_reduce, rank_device
 from specserve.distributed.rendezvous import Rendezvous
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
@@ -32,7 +32,8 @@ def _same_on_every_rank(x: torch.Tensor) -> bool:
 
 def _rank(rank: int, init_method: str) -> None:
     device = torch.device(rank_device("cuda", rank))
-    init_tp_group(rank, WORLD, init_method, "cuda", "one_shot")
+    init_tp_group(rank, WORLD, init_method, "cuda")
+    join_all_reduce("one_shot", "cuda")
     try:
         fast = one_shot.current()
         sizes = [1, 7, 2048, 4096, 2048 * 33 + 5, 300_000]
