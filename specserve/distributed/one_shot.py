@@ -41,6 +41,8 @@ class OneShotAllReduce:
         """A collective of the group's ranks, all on one node: allocate, map and check."""
         from specserve.kernels.one_shot_all_reduce import MAX_PROGRAMS
 
+        if device.index is None:  # "cuda": the GPU this rank bound (parallel_state.rank_device)
+            device = torch.device("cuda", torch.cuda.current_device())
         # Rank r of the node runs on cuda:r (parallel_state.rank_device): the group's GPUs are 0..world-1.
         for peer in range(world):
             if peer != device.index and not torch.cuda.can_device_access_peer(device.index, peer):

@@ -32,8 +32,8 @@ def _same_on_every_rank(x: torch.Tensor) -> bool:
 
 def _rank(rank: int, init_method: str) -> None:
     device = torch.device(rank_device("cuda", rank))
-    init_tp_group(rank, WORLD, init_method, "cuda")
-    join_all_reduce("one_shot", "cuda")
+    init_tp_group(rank, WORLD, init_method, str(device))
+    join_all_reduce("one_shot", str(device))
     try:
         fast = one_shot.current()
         sizes = [1, 7, 2048, 4096, 2048 * 33 + 5, 300_000]
