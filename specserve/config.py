@@ -103,8 +103,10 @@ class EngineConfig:
     # tensor_parallel_size - 1 it starts. On CUDA rank r runs on cuda:r.
     tensor_parallel_size: int = 1
     # How the ranks all-reduce (distributed/one_shot.py): "nccl", or "one_shot" (one kernel over buffers every
-    # rank of one node maps, for messages up to its buffer; NCCL past it).
-    all_reduce: str = "nccl"
+    # rank of one node maps, for messages up to its buffer; NCCL past it). None: "one_shot" where it runs (2, 4
+    # or 8 ranks on one node's GPUs that reach each other's memory), which is faster than NCCL at every size it
+    # takes (BENCHMARKS.md, 'Tensor parallelism'); else "nccl".
+    all_reduce: str | None = None
     # Several nodes (specserve/distributed/rendezvous.py): nodes sharing the ranks, and where they meet (node 0's
     # address and a port; None: MASTER_ADDR / MASTER_PORT, else on one node 127.0.0.1 and a free port).
     nnodes: int = 1
@@ -191,6 +193,8 @@ class EngineConfig:
                    "lower tensor_parallel_size, make more GPUs visible (CUDA_VISIBLE_DEVICES) or add nodes (nnodes)")
 
     def _check_all_reduce(self) -> None:
+        if self.all_reduce is None:
+            self.all_reduce = "one_shot" if self._one_shot_runs() else "nccl"
         _check(self.all_reduce in ALL_REDUCES, "all_reduce",
                f"must be one of {', '.join(ALL_REDUCES)}, got {self.all_reduce!r}")
         if self.all_reduce == "nccl":
@@ -204,6 +208,14 @@ class EngineConfig:
                f"one node; with nnodes={self.nnodes} use 'nccl'")
         _check(tp & (tp - 1) == 0 and tp <= 8, "all_reduce", f"'{self.all_reduce}' takes 2, 4 or 8 ranks, got "
                f"tensor_parallel_size {tp}; use 'nccl'")
+
+    def _one_shot_runs(self) -> bool:
+        """Whether the one-shot all-reduce can serve this group: the conditions _check_all_reduce asks of it, and
+        GPUs 0..tp-1 (rank r's, parallel_state.rank_device) each reaching the others' memory."""
+        tp = self.tensor_parallel_size
+        if tp not in (2, 4, 8) or not self.device.startswith("cuda") or self.nnodes != 1:
+            return False
+        return all(torch.cuda.can_device_access_peer(a, b) for a in range(tp) for b in range(tp) if a != b)
 
     def _check_draft_placement(self) -> None:
         spec, tp = self.speculative_config, self.tensor_parallel_size

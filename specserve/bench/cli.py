@@ -51,8 +51,8 @@ def add_decode_parser(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bandwidth-tbps", type=float, help="memory bandwidth for the limit (default: measured)")
     p.add_argument("--tensor-parallel-size", type=int, help="shard every engine's target over this many GPUs "
                    "(rank r on cuda:r; on the CPU, processes over gloo) and time each step's collectives")
-    p.add_argument("--all-reduce", choices=["nccl", "one_shot"], help="how the ranks all-reduce (default: nccl; "
-                   "one_shot: specserve's one-kernel all-reduce for small messages)")
+    p.add_argument("--all-reduce", choices=["nccl", "one_shot"], help="how the ranks all-reduce (default: "
+                   "EngineConfig's, one_shot where it runs, else nccl)")
     p.add_argument("--quantization", choices=["fp8"], help="FP8 weights for every engine's target (default: the "
                    "dtype's)")
     p.add_argument("--draft-quantization", choices=["fp8"], help="FP8 weights for the EAGLE-3 head (default: the "

@@ -89,8 +89,8 @@ class DecodeBenchConfig:
     seed: int = 0
     # Ranks each engine shards its target over (one GPU each); > 1 also measures each step's collectives.
     tensor_parallel_size: int = 1
-    # How the ranks all-reduce (EngineConfig.all_reduce): "nccl" or "one_shot".
-    all_reduce: str = "nccl"
+    # How the ranks all-reduce (EngineConfig.all_reduce): "nccl", "one_shot", or None for the engine's choice.
+    all_reduce: str | None = None
     # Weight quantization of every engine's target and of its EAGLE-3 head, each chosen apart (EngineConfig's
     # and SpeculativeConfig's `quantization`): None keeps the model's dtype.
     quantization: str | None = None
@@ -141,7 +141,7 @@ class DecodeBenchConfig:
             raise bench_config_error("tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
         from specserve.config import ALL_REDUCES
 
-        if self.all_reduce not in ALL_REDUCES:
+        if self.all_reduce is not None and self.all_reduce not in ALL_REDUCES:
             raise bench_config_error("all_reduce", f"must be one of {', '.join(ALL_REDUCES)}, got {self.all_reduce!r}")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise bench_config_error("time_budget_s", f"must be > 0, got {self.time_budget_s}")

@@ -33,9 +33,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks (processes; GPUs on CUDA) the model is sharded over")
-    g.add_argument("--all-reduce", choices=["nccl", "one_shot"], default="nccl",
+    g.add_argument("--all-reduce", choices=["nccl", "one_shot"],
                    help="how the ranks all-reduce: nccl, or one_shot (one kernel over buffers every GPU of the node "
-                   "maps, for messages up to 4 MiB; NCCL past it)")
+                   "maps, for messages up to 4 MiB; NCCL past it). Default: one_shot where it runs (2, 4 or 8 GPUs "
+                   "of one node with peer access), else nccl")
     g.add_argument("--nnodes", type=int, default=1, help="nodes sharing the --tensor-parallel-size ranks equally "
                    "(README, 'Several nodes'); run the same command on each, with its --node-rank")
     g.add_argument("--node-rank", type=int, default=0, help="this node's index: 0 runs the engine (and the server), "

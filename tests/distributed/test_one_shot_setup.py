@@ -1,10 +1,13 @@
 """The one-shot all-reduce's host side without a GPU (the kernel itself: tests/gpu/test_one_shot_all_reduce_cuda.py):
 every rank maps the others' buffers in rank order and keeps its own, closing unmaps the others' and frees its own,
-and a call takes the one-shot path only for what its buffer holds."""
+a call takes the one-shot path only for what its buffer holds, and the engine's default takes it exactly where it
+can run."""
 from __future__ import annotations
 
+import pytest
 import torch
 
+from specserve.config import EngineConfig
 from specserve.distributed.cuda_ipc import SharedBuffer
 from specserve.distributed.one_shot import BUFFER_BYTES, OneShotAllReduce
 
@@ -59,3 +62,24 @@ def test_a_call_takes_the_one_shot_path_only_for_what_its_buffer_holds():
     assert not shot.fits(torch.zeros(BUFFER_BYTES // 2 + 1, dtype=torch.bfloat16))  # past the buffer: NCCL
     assert not shot.fits(torch.zeros(64, 4, dtype=torch.float32).t())  # not contiguous
     assert not shot.fits(torch.zeros(64, dtype=torch.int64))  # not a float
+
+
+@pytest.mark.parametrize("tp, nnodes, peers, chosen", [
+    (2, 1, True, "one_shot"),
+    (4, 1, True, "one_shot"),
+    (2, 1, False, "nccl"),  # GPUs that cannot reach each other's memory
+    (3, 1, True, "nccl"),  # the kernel takes 2, 4 or 8 ranks
+    (4, 2, True, "nccl"),  # two nodes: no memory to map across them
+    (1, 1, True, "nccl"),  # one rank: nothing to all-reduce
+])
+def test_the_default_all_reduce_is_one_shot_where_it_runs(monkeypatch, tp, nnodes, peers, chosen):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: asked.append((a, b)) or peers)
+    cfg = EngineConfig(model="unused", device="cuda", tensor_parallel_size=tp, nnodes=nnodes,
+                       master_addr="127.0.0.1", master_port=29500)
+    assert cfg.all_reduce == chosen
+    if chosen == "one_shot":  # every ordered pair of the group's GPUs was asked
+        assert sorted(asked) == [(a, b) for a in range(tp) for b in range(tp) if a != b]
+    assert EngineConfig(model="unused", device="cpu", tensor_parallel_size=2).all_reduce == "nccl"
