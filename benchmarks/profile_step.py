@@ -1,9 +1,12 @@
 """Where one decode step's time goes: the engine step's wall time beside the GPU's busy time in it, the
 eager launches the host makes (outside graph replays), and the host functions that take the time.
 
-    python benchmarks/profile_step.py [--model llama3-8b|smollm2-shape] [--batch 1] [--spec K:P]
+    python benchmarks/profile_step.py [--model llama3-8b|smollm2-shape] [--batch 1] [--spec K:P] \
+        [--tensor-parallel-size N [--all-reduce nccl|one_shot]]
 
---spec K:P adds a random EAGLE-3 head drafting K tokens, each accepted with probability P.
+--spec K:P adds a random EAGLE-3 head drafting K tokens, each accepted with probability P. Under tensor
+parallelism the profile is rank 0's (its host and its GPU): an all-reduce kernel that lasts far longer than
+its time alone (benchmarks/allreduce_latency.py) waits there for a later rank.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from specserve.engine.engine import LLMEngine
 from specserve.sampling_params import SamplingParams
 
 
-def build_engine(name: str, batch: int, spec: SpecSetting | None) -> LLMEngine:
+def build_engine(name: str, batch: int, spec: SpecSetting | None, tp: int, all_reduce: str | None) -> LLMEngine:
     root = Path(tempfile.mkdtemp())
     model = prepare_model(name, root, torch.bfloat16)
     speculative = None
@@ -37,7 +40,7 @@ def build_engine(name: str, batch: int, spec: SpecSetting | None) -> LLMEngine:
                        "forced_acceptance_prob": spec.p}
     return LLMEngine(EngineConfig(model=model.path, load_format=model.load_format, device="cuda", dtype="bfloat16",
                                   max_model_len=1024, max_num_seqs=max(batch, 8), enable_prefix_caching=False,
-                                  speculative_config=speculative))
+                                  speculative_config=speculative, tensor_parallel_size=tp, all_reduce=all_reduce))
 
 
 def profile_steps(engine: LLMEngine, prompts: list[list[int]], steps: int, top: int) -> None:
@@ -57,15 +60,19 @@ def profile_steps(engine: LLMEngine, prompts: list[list[int]], steps: int, top: 
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
         engine.step()
-    busy, kernels, runtime = 0.0, Counter(), Counter()
+    busy, kernels, kernel_us, runtime = 0.0, Counter(), Counter(), Counter()
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             busy += e.device_time_total
             kernels[e.name] += 1
+            kernel_us[e.name] += e.device_time_total
         elif e.name.startswith(("cuda", "cu")):
             runtime[e.name] += 1
     print(f"profiled steps: {1e3 * wall:.3f} ms wall per step; GPU busy {busy / steps / 1e3:.3f} ms per step; "
           f"{sum(kernels.values()) / steps:.0f} kernels per step")
+    print("GPU time per step by kernel (top): " + ", ".join(
+        f"{n[:60]} {us / steps:.1f} us ({kernels[n] / steps:.0f} x {us / kernels[n]:.1f})"
+        for n, us in kernel_us.most_common(top)))
     print("host runtime calls per step: " + ", ".join(f"{n} {c / steps:.1f}" for n, c in runtime.most_common(8)))
     ops = Counter()
     for e in prof.events():
@@ -81,8 +88,10 @@ def main() -> None:
     ap.add_argument("--spec", type=SpecSetting.parse, default=None, help="K:P, e.g. 3:0.8")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--all-reduce", choices=["nccl", "one_shot"], help="default: the engine's choice")
     a = ap.parse_args()
-    engine = build_engine(a.model, a.batch, a.spec)
+    engine = build_engine(a.model, a.batch, a.spec, a.tensor_parallel_size, a.all_reduce)
     prompts = make_prompts(a.batch, 32, engine.core.arch.vocab_size, 0)
     time_engine(engine, prompts, 16)
     t = time_engine(engine, prompts, a.new_tokens)
