@@ -6,6 +6,7 @@ one, and nothing communicates.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -44,6 +45,12 @@ def init_tp_group(rank: int, size: int, init_method: str, device: str) -> None:
     global _group
     require_no_group()
     on_gpu = device.startswith("cuda")
+    if on_gpu:
+        # NCCL registers the buffers of collectives captured in CUDA graphs (NCCL_GRAPH_REGISTER, on by default).
+        # With it on, the Qwen2.5-32B shape at TP=2 and batch 16 hangs at its first step on H100 and H200: both
+        # GPUs spin in collectives while rank 1 has enqueued all it was sent (BENCHMARKS.md, 'Tensor
+        # parallelism'); with it off the same run decodes. Every rank reads it when its communicator starts.
+        os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")
     dist.init_process_group("nccl" if on_gpu else "gloo", init_method=init_method, rank=rank,
                             world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
                             device_id=torch.device(device) if on_gpu else None)

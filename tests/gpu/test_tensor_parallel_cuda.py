@@ -86,3 +86,23 @@ def test_tp2_bfloat16_agrees_with_tp1_on_a_real_model(eagle3):
     got, _ = _run(model, REAL_PROMPTS, 2, **kwargs)
     want, _ = _run(model, REAL_PROMPTS, 1, **kwargs)
     assert _agreement(got, want) >= 0.8
+
+
+@pytest.mark.timeout(300)
+def test_qwen32b_shape_batch_16_decodes_under_graphs(tmp_path):
+    """The Qwen2.5-32B shape (random weights) at TP=2, 16 requests of 64 tokens (a 1,024-token eager prefill,
+    then decode steps replaying the whole-step graph): with NCCL's graph buffer registration on, its first step
+    hung on H100 and H200 (parallel_state.init_tp_group turns it off). Needs two GPUs of >= 40 GB."""
+    from specserve.bench.models import prepare_model
+
+    model = prepare_model("qwen2.5-32b", tmp_path, torch.bfloat16)
+    llm = LLM(model.path, load_format=model.load_format, device="cuda", dtype="bfloat16", max_model_len=208,
+              max_num_seqs=16, max_num_batched_tokens=2048, num_kv_blocks=241, cudagraph_capture_sizes=[16],
+              enable_prefix_caching=False, warmup=False, tensor_parallel_size=2)
+    try:
+        rng = random.Random(3)
+        prompts = [[rng.randrange(3, 150_000) for _ in range(64)] for _ in range(16)]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [16] * 16
+    finally:
+        llm.engine.core.close()
