@@ -87,14 +87,15 @@ def shape_class(p: Projection, m: int) -> str:
 
 
 def candidates(p: Projection, m: int, chosen):
-    """The chosen tile, then every candidate that applies to p. Split-K is for plain projections only (those
-    with a norm here are also those with an epilogue, and the qkv kernel has none); a compact prologue over as
-    many token rows as the tile has is the plain one; the qkv kernel's block_n counts rotary pairs."""
+    """The chosen tile, then every candidate that applies to p. Split-K is for plain projections and the qkv
+    kernel (the others here have a norm prologue with an epilogue, which fused_linear does not split); a compact
+    prologue over as many token rows as the tile has is the plain one; the qkv kernel's block_n counts rotary
+    pairs."""
     compacts = (False, True) if p.norm and triton.next_power_of_2(m) < block_m(m) else (False,)
     plain = not (p.norm or p.silu_mul or p.argmax) and p.attention is None
     return [chosen] + [replace(c, compact=compact) for c in CANDIDATES for compact in compacts
                        if (p.attention is None or c.block_n <= p.attention.head_dim // 2)
-                       and (c.split_k == 1 or plain)]
+                       and (c.split_k == 1 or plain or p.attention is not None)]
 
 
 def time_us(fn, copies: int) -> float:

@@ -15,6 +15,12 @@ the same program and need no slicing; several programs share a wide head
 heads skip the rotation. A PAD_SLOT_ID slot (or a token past the end of
 slot_mapping) writes nothing to the cache; an FP8 cache stores keys and values
 quantized with the layer's scales (kernels/fp8_kv.py). Launches depend on shapes only.
+
+A rank's qkv under tensor parallelism has few heads (Llama-3-8B at TP=2: 24 heads of 2 pair tiles, 48
+programs on 132 SMs), so the config may split K over SPLIT_K programs per (head, pair tile), as
+fused_linear.py splits plain projections: every part redoes the prologue's row statistics (a few KB of x
+from L2), stores its float32 partial sums to a workspace and counts itself in; the last adds the parts in
+part order (the same sum every run) and runs the epilogue. Part 0 alone stores its slice of x + residual.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import triton.language as tl
 
 from specserve.attention.metadata import PAD_SLOT_ID
 from specserve.kernels.fp8_kv import cache_scales, store_to_cache
+from specserve.kernels.fused_linear import split_counters
 from specserve.kernels.small_m_configs import SmallMConfig, qkv_config
 from specserve.kernels.small_m_prologue import (check_prologue, dot_in_float32, input_chunk, prologue_meta,
                                                  prologue_rows, row_rstd, store_residual_slice)
@@ -51,14 +58,17 @@ def _store_cache(cache_ptr, scale_ptr, lo, hi, slots, kv_head, offs_p, half, row
 @triton.jit
 def _qkv_rotary_cache_kernel(
     x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, bias_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-    k_scale_ptr, v_scale_ptr, cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr,
-    M, K, num_slots, stride_xm, stride_rm, stride_rom, stride_wn, stride_qm, stride_qh, stride_pos,
+    k_scale_ptr, v_scale_ptr, cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr, part_ptr, counter_ptr,
+    M, N, K, k_per, num_slots, stride_xm, stride_rm, stride_rom, stride_wn, stride_qm, stride_qh, stride_pos,
     stride_cb, stride_cs, stride_ch,  # the key and value caches share one layout
     block_size, num_heads, num_kv_heads, half, eps,
     ADD: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr, DOT_FP32: tl.constexpr, PAD_SLOT: tl.constexpr,
     COMPACT: tl.constexpr, ROWS: tl.constexpr, PRE_K: tl.constexpr, SLICE_K: tl.constexpr, LATE_RSTD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
+    """With SPLIT_K > 1, program (head, pair_tile, s) sums K from s * k_per (a multiple of BLOCK_K) into
+    part_ptr's float32 [SPLIT_K, M, N] (N: the weight's rows); counter_ptr holds a zero per (head, pair_tile),
+    back at zero when the launch ends."""
     head = tl.program_id(0)  # q heads, then k heads, then v heads, as the fused weight's rows
     pair_tile = tl.program_id(1)
     offs_p = pair_tile * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -87,9 +97,19 @@ def _qkv_rotary_cache_kernel(
     # Tokens past the end of slot_mapping count as padding.
     slots = tl.load(slot_mapping_ptr + offs_m, mask=offs_m < num_slots, other=PAD_SLOT)
 
+    if ADD:
+        if tl.program_id(2) == 0:
+            store_residual_slice(res_out_ptr, res_sum, program, M, K, stride_rom, ROWS, SLICE_K)
+
     acc_lo = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    k_end = K
+    if SPLIT_K > 1:
+        # A part past K (when K is short for the split) loops over nothing and still counts in below.
+        k_start = tl.program_id(2) * k_per
+        k_end = tl.minimum(k_start + k_per, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = input_chunk(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, M, K, stride_xm, stride_rm,
                         ADD, NORM, COMPACT, ROWS, BLOCK_M, LATE_RSTD).to(dot_ty)
@@ -104,6 +124,23 @@ def _qkv_rotary_cache_kernel(
         rstd = row_rstd(x_ptr, res_ptr, M, K, stride_xm, stride_rm, eps, ADD, ROWS, PRE_K, BLOCK_M)
         acc_lo = acc_lo * rstd[:, None]
         acc_hi = acc_hi * rstd[:, None]
+    if SPLIT_K > 1:
+        part_mask = row_mask[:, None] & p_mask[None, :]
+        lo_parts = part_ptr + offs_m[:, None] * N + lo_cols[None, :]
+        tl.store(lo_parts + tl.program_id(2) * M * N, acc_lo, mask=part_mask)
+        tl.store(lo_parts + tl.program_id(2) * M * N + half, acc_hi, mask=part_mask)
+        # Every thread's stores are done before the count (released at GPU scope) says so.
+        tl.debug_barrier()
+        if tl.atomic_add(counter_ptr + program, 1, sem="acq_rel") != SPLIT_K - 1:
+            return
+        tl.atomic_xchg(counter_ptr + program, 0)
+        # In part order, whichever part came last: the same sum every run.
+        acc_lo = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
+        acc_hi = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
+        for s in range(0, SPLIT_K):
+            # From L2: other SMs wrote these.
+            acc_lo += tl.load(lo_parts + s * M * N, mask=part_mask, other=0.0, cache_modifier=".cg")
+            acc_hi += tl.load(lo_parts + s * M * N + half, mask=part_mask, other=0.0, cache_modifier=".cg")
 
     out_ty = q_ptr.dtype.element_ty
     lo = _finish_half(acc_lo, bias_ptr, lo_cols, p_mask, q_ptr, BIAS)
@@ -123,8 +160,6 @@ def _qkv_rotary_cache_kernel(
     else:
         _store_cache(v_cache_ptr, v_scale_ptr, lo, hi, slots, head - num_heads - num_kv_heads, offs_p, half,
                      row_mask, block_size, stride_cb, stride_cs, stride_ch, PAD_SLOT, FP8)
-    if ADD:
-        store_residual_slice(res_out_ptr, res_sum, program, M, K, stride_rom, ROWS, SLICE_K)
 
 
 def qkv_rotary_cache(
@@ -167,8 +202,6 @@ def qkv_rotary_cache(
         raise ValueError(f"positions must be [>= {m}] and slot_mapping one-dimensional")
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous [{weight.shape[0]}] vector")
-    if config is not None and config.split_k > 1:
-        raise ValueError(f"the qkv kernel does not split K, got split_k={config.split_k}")
 
     q = torch.empty((m, num_heads, head_dim), dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(x) if residual is not None else None
@@ -177,18 +210,24 @@ def qkv_rotary_cache(
     norm = norm_weight is not None
     cfg = config or qkv_config(weight, norm=norm, m=m)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    grid = (num_heads + 2 * num_kv_heads, triton.cdiv(half, cfg.block_n))
+    grid = (num_heads + 2 * num_kv_heads, triton.cdiv(half, cfg.block_n), cfg.split_k)
+    k = x.shape[1]
+    parts, counters, k_per = q, q, k
+    if cfg.split_k > 1:
+        parts = torch.empty((cfg.split_k, m, weight.shape[0]), dtype=torch.float32, device=x.device)
+        counters = split_counters(x.device, grid[0] * grid[1])
+        k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     _qkv_rotary_cache_kernel[grid](
         x, residual if residual is not None else x, residual_out if residual_out is not None else q,
         norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
-        q, k_cache, v_cache, k_scale, v_scale, cos, sin, positions, slot_mapping,
-        m, x.shape[1], min(slot_mapping.shape[0], m), x.stride(0), residual.stride(0) if residual is not None else 0,
+        q, k_cache, v_cache, k_scale, v_scale, cos, sin, positions, slot_mapping, parts, counters,
+        m, weight.shape[0], k, k_per, min(slot_mapping.shape[0], m), x.stride(0), residual.stride(0) if residual is not None else 0,
         residual_out.stride(0) if residual_out is not None else 0, weight.stride(0), q.stride(0), q.stride(1),
         cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         kv_cache.shape[2], num_heads, num_kv_heads, half, eps,
         ADD=residual is not None, NORM=norm, BIAS=bias is not None,
         DOT_FP32=dot_in_float32(x), PAD_SLOT=PAD_SLOT_ID,
         **prologue_meta(x, norm, cfg.compact, grid[0] * grid[1]), BLOCK_P=cfg.block_n, BLOCK_K=cfg.block_k,
-        FP8=fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FP8=fp8, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return q, residual_out

@@ -32,8 +32,8 @@ class SmallMConfig:
     # With a norm prologue: compute it on the token rows only and repeat them over the tile's rows
     # (small_m_prologue.py). Ignored without one.
     compact: bool = False
-    # Programs each column tile's K is split over (fused_linear.py), for plain projections only: few output
-    # columns over a long K leave most SMs idle in one program a tile.
+    # Programs each column tile's K is split over (fused_linear.py), for plain projections and the qkv kernel
+    # (qkv_rotary_cache.py) only: few output columns over a long K leave most SMs idle in one program a tile.
     split_k: int = 1
 
 
@@ -51,6 +51,10 @@ LONG_K = 4096
 # Past MEDIUM_WEIGHT_BYTES a small weight with a norm (a draft head's wide MLP and lm_head) has outputs wide
 # enough for wider tiles, which reread the prologue in fewer programs.
 MEDIUM_WEIGHT_BYTES = 8 << 20
+# Up to NARROW_QKV_ROWS output rows a large qkv weight (a rank's under tensor parallelism: Llama-3-8B's at
+# TP=2 has 3,072, Qwen2.5-32B's 3,584) spans fewer programs than an H100 has SMs in the unsplit tiles, which
+# its own classes may split over K (qkv_rotary_cache.py); a whole 8B model's (6,144) fills them.
+NARROW_QKV_ROWS = 4096
 # Past TALL_ABOVE tokens the kernels run 32-row tiles (small_m_prologue.block_m), whose small-weight classes
 # are their own.
 TALL_ABOVE = 16
@@ -63,7 +67,7 @@ INTERPRETER = SmallMConfig(block_n=32, block_k=64, num_warps=1, num_stages=1)
 INTERPRETER_QKV = SmallMConfig(block_n=16, block_k=64, num_warps=1, num_stages=1)
 
 # What the sweeps time: (block_n, block_k, num_warps, num_stages); then split-K forms of a few, which
-# apply to plain projections only: ((block_n, block_k, num_warps, num_stages), split_k).
+# apply to plain projections and the qkv kernel only: ((block_n, block_k, num_warps, num_stages), split_k).
 CANDIDATES = [SmallMConfig(*c) for c in [
     (16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 4, 4), (16, 256, 4, 3), (16, 256, 4, 4), (16, 512, 4, 3),
     (16, 256, 8, 4), (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 4, 4), (32, 256, 8, 4), (64, 128, 4, 4),
@@ -133,7 +137,8 @@ def qkv_class(weight: torch.Tensor, norm: bool = False, m: int = 16) -> str:
     small = weight_bytes(weight) < SMALL_WEIGHT_BYTES
     if norm:
         if not small:
-            return "qkv_norm_large_one_token" if m == 1 else "qkv_norm_large"
+            size = "narrow" if weight.shape[0] <= NARROW_QKV_ROWS else "large"
+            return f"qkv_norm_{size}_one_token" if m == 1 else f"qkv_norm_{size}"
         if m > TALL_ABOVE:
             return "qkv_norm_tall_small"
         return "qkv_norm_small_one_token" if m == 1 else "qkv_norm_small"

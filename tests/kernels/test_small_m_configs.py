@@ -34,6 +34,8 @@ H100_TILES = {
     "qkv_norm_tall_small": (16, 64, 4, 4, False, 1),
     "qkv_norm_large_one_token": (32, 256, 4, 4, False, 1),
     "qkv_norm_large": (16, 256, 4, 4, False, 1),
+    "qkv_norm_narrow_one_token": (32, 256, 4, 4, False, 1),
+    "qkv_norm_narrow": (16, 256, 4, 4, False, 1),
 }
 
 
@@ -68,6 +70,14 @@ def test_qkv_of_a_large_weight_at_one_token_gets_its_own_tiles():
     assert qkv_class(llama_8b, norm=True, m=1) == "qkv_norm_large_one_token"
     assert qkv_config(llama_8b, norm=True, m=1) == tile("qkv_norm_large_one_token")
     assert qkv_config(llama_8b, norm=True, m=4) == tile("qkv_norm_large")
+
+
+def test_a_ranks_qkv_under_tensor_parallelism_is_narrow():
+    llama_8b_tp2, qwen_32b_tp2 = weight(3072, 4096), weight(3584, 5120)
+    for w in (llama_8b_tp2, qwen_32b_tp2):
+        assert qkv_class(w, norm=True, m=1) == "qkv_norm_narrow_one_token"
+        assert qkv_class(w, norm=True, m=4) == "qkv_norm_narrow"
+    assert qkv_class(weight(4097, 4096), norm=True, m=1) == "qkv_norm_large_one_token"
 
 
 @pytest.mark.parametrize("m", [1, 5, 16])
