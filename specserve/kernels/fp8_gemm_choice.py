@@ -4,8 +4,10 @@ The choice is data, measured on the device (docs/design.md, 'FP8 weights'): `ben
 times both kernels for each projection shape (N, K) at each token count M up to the Triton kernel's row limit,
 the Triton kernel in several tiles, and writes, per device, `kernels/configs/fp8_gemm/<device name>.json`: for
 each (N, K) a list of token-count buckets, the faster kernel in each and, for Triton, its fastest tile (none:
-the 16-bit tile data's, small_m_configs.py). A shape, token count or device the table does not name takes
-`torch._scaled_mm` (DEFAULT), as does every M past the Triton kernel's limit.
+the 16-bit tile data's, small_m_configs.py). A GPU without a table of its own takes FALLBACK_DEVICE's, as it
+takes that device's 16-bit tiles: `_scaled_mm` at one token made FP8 weights slower than bf16 on an H200
+(BENCHMARKS.md, 'FP8 weights'). A shape or token count the table does not name takes `torch._scaled_mm`
+(DEFAULT), as does every M past the Triton kernel's limit.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.kernels.small_m_configs import SmallMConfig
+from specserve.kernels.small_m_configs import FALLBACK_DEVICE, SmallMConfig
 
 # The Triton kernel's row limit (small_m_prologue.MAX_ROWS, which imports Triton; tests check they agree).
 TRITON_MAX_ROWS = 32
@@ -74,8 +76,11 @@ def write_choices(path: Path, device_name: str, choices: list[Fp8GemmChoice]) ->
 
 @lru_cache(maxsize=None)
 def load_choices(device_name: str) -> dict[tuple[int, int], tuple[Fp8GemmChoice, ...]]:
-    """The device's table by (n, k), each shape's buckets by ascending max_m; empty without a file."""
+    """The device's table by (n, k), each shape's buckets by ascending max_m: its file's, for a GPU without one
+    FALLBACK_DEVICE's; empty where neither exists (the CPU without a file)."""
     path = choice_path(device_name)
+    if not path.exists() and device_name != "cpu":
+        path = choice_path(FALLBACK_DEVICE)
     if not path.exists():
         return {}
     table: dict[tuple[int, int], list[Fp8GemmChoice]] = {}

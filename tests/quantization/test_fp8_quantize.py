@@ -10,6 +10,7 @@ from torch import nn
 from specserve.errors import ConfigError
 from specserve.kernels import fp8_gemm_choice
 from specserve.kernels.fp8_gemm_choice import Fp8GemmChoice, choose, write_choices
+from specserve.kernels.small_m_configs import FALLBACK_DEVICE
 from specserve.kernels.small_m_configs import SmallMConfig
 from specserve.quantization.fp8 import FP8_DTYPE, FP8_MAX, FP8_RELATIVE_ERROR, quantize_per_channel, quantize_per_token
 from specserve.quantization.fp8_linear import Fp8Activation, Fp8Linear
@@ -149,6 +150,12 @@ def test_the_choice_table(tmp_path, monkeypatch):
     assert choose(64, 32, 3, cpu).config() == SmallMConfig(64, 512, 8, 3)
     assert choose(64, 32, 20, cpu).config() is None
     assert choose(32, 64, 1, cpu).kernel == "scaled_mm"  # a shape it does not name
+    # A GPU without a table takes the fallback device's; the CPU does not.
+    write_choices(fp8_gemm_choice.choice_path(FALLBACK_DEVICE), FALLBACK_DEVICE, [Fp8GemmChoice(8, 8, 1, "triton")])
+    fp8_gemm_choice.load_choices.cache_clear()
+    assert fp8_gemm_choice.load_choices("NVIDIA H200") == {(8, 8): (Fp8GemmChoice(8, 8, 1, "triton"),)}
+    (tmp_path / "cpu.json").unlink()
+    assert fp8_gemm_choice.load_choices.__wrapped__("cpu") == {}
     fp8_gemm_choice.load_choices.cache_clear()
     with pytest.raises(ValueError, match="at most 32 rows"):
         Fp8GemmChoice(64, 32, 64, "triton")
