@@ -40,7 +40,8 @@ import triton.language as tl
 from specserve.kernels.argmax import pick_chunks
 from specserve.kernels.small_m_configs import SmallMConfig, linear_config
 from specserve.kernels.small_m_prologue import (MAX_ROWS, check_prologue, dot_in_float32, input_chunk,
-                                                 prologue_meta, prologue_rows, row_rstd, store_residual_slice)
+                                                 prologue_meta, prologue_rows, row_rstd, split_k_range,
+                                                 store_residual_slice)
 from specserve.spec_decode.pick_scatter import PickScatter
 
 
@@ -76,12 +77,7 @@ def _fused_linear_kernel(
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_start = 0
-    k_end = K
-    if SPLIT_K > 1:
-        # A part past K (when K is short for the split) loops over nothing and still counts in below.
-        k_start = tl.program_id(1) * k_per
-        k_end = tl.minimum(k_start + k_per, K)
+    k_start, k_end = split_k_range(K, k_per, tl.program_id(1), SPLIT_K)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if X_SCALED:

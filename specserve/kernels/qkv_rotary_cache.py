@@ -33,7 +33,7 @@ from specserve.kernels.fp8_kv import cache_scales, store_to_cache
 from specserve.kernels.fused_linear import split_counters
 from specserve.kernels.small_m_configs import SmallMConfig, qkv_config
 from specserve.kernels.small_m_prologue import (check_prologue, dot_in_float32, input_chunk, prologue_meta,
-                                                 prologue_rows, row_rstd, store_residual_slice)
+                                                 prologue_rows, row_rstd, split_k_range, store_residual_slice)
 
 
 @triton.jit
@@ -103,12 +103,7 @@ def _qkv_rotary_cache_kernel(
 
     acc_lo = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
-    k_start = 0
-    k_end = K
-    if SPLIT_K > 1:
-        # A part past K (when K is short for the split) loops over nothing and still counts in below.
-        k_start = tl.program_id(2) * k_per
-        k_end = tl.minimum(k_start + k_per, K)
+    k_start, k_end = split_k_range(K, k_per, tl.program_id(2), SPLIT_K)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = input_chunk(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, M, K, stride_xm, stride_rm,

@@ -136,6 +136,18 @@ def store_residual_slice(res_out_ptr, s, program, M, K, stride_rom, ROWS: tl.con
              mask=mask)
 
 
+@triton.jit
+def split_k_range(K, k_per, part, SPLIT_K: tl.constexpr):
+    """The K range [start, end) part `part` of SPLIT_K sums (all of K unsplit). A part past K (when K is short
+    for the split) gets an empty range and still counts in with the others."""
+    k_start = 0
+    k_end = K
+    if SPLIT_K > 1:
+        k_start = part * k_per
+        k_end = tl.minimum(k_start + k_per, K)
+    return k_start, k_end
+
+
 def block_m(m: int) -> int:
     """The tile's rows for m token rows: BLOCK_M up to 16 (decode's tile), MAX_ROWS above, where
     small_m_configs.py's tall classes apply."""
