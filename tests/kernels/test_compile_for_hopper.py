@@ -121,7 +121,8 @@ def kernels():
         M=i32, K=i32, num_slots=i32, stride_xm=i32, stride_rm=i32, stride_rom=i32, stride_wn=i32, stride_qm=i32,
         stride_qh=i32, stride_pos=i32, stride_cb=i32, stride_cs=i32, stride_ch=i32, block_size=i32,
         num_heads=i32, num_kv_heads=i32, half=i32, eps="fp32", ADD=True, NORM=True, BIAS=False, DOT_FP32=False,
-        PAD_SLOT=PAD_SLOT_ID, ROWS=1, BLOCK_M=16, k_scale_ptr=f32, v_scale_ptr=f32, FP8=False)
+        PAD_SLOT=PAD_SLOT_ID, ROWS=1, BLOCK_M=16, k_scale_ptr=f32, v_scale_ptr=f32, FP8=False,
+        part_ptr=f32, counter_ptr=p32, N=i32, k_per=i32, SPLIT_K=1)
     for rows, cfg in ((1, tiles["qkv_norm_small_one_token"]), (16, tiles["qkv_norm_small"])):
         yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
             qkv, ROWS=rows, COMPACT=cfg.compact, PRE_K=4096 // rows, SLICE_K=64, LATE_RSTD=True, BLOCK_P=cfg.block_n,
@@ -134,6 +135,9 @@ def kernels():
     yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
         qkv, COMPACT=False, PRE_K=4096, SLICE_K=64, LATE_RSTD=False, BLOCK_P=tiles["qkv_norm_large_one_token"].block_n,
         BLOCK_K=tiles["qkv_norm_large_one_token"].block_k)
+    # A rank's qkv at TP=2 (48 programs), K split over 2 programs each (atomics, L2 loads, a barrier).
+    yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
+        qkv, COMPACT=False, PRE_K=4096, SLICE_K=64, LATE_RSTD=False, BLOCK_P=32, BLOCK_K=256, SPLIT_K=2)
     # Into an FP8 (e4m3) KV cache, quantized with the layer's scales.
     fp8, scale = "*fp8e4nv", dict(k_scale_ptr=f32, v_scale_ptr=f32, FP8=True)
     yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
