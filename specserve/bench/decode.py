@@ -128,7 +128,9 @@ class DecodeBench:
                   + (f" (graph capture {record.capture_s:.1f} s)" if record.capture_s is not None else ""))
         if job.model not in self.results.models:
             self.results.models[job.model] = ModelInfo(job.model, self._model(job.model).random_weights,
-                                                       *distinct_params(engine.core.model), cfg.tensor_parallel_size)
+                                                       *distinct_params(engine.core.model), cfg.tensor_parallel_size,
+                                                       engine.core.config.all_reduce if cfg.tensor_parallel_size > 1
+                                                       else None)
         self._save()
         vocab = engine.core.arch.vocab_size
         for b in job.batch_sizes:

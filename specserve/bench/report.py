@@ -64,7 +64,7 @@ def to_markdown(results: BenchResults) -> str:
         if info is not None:
             kind = "random weights" if info.random_weights else "its own weights"
             tp = info.tensor_parallel_size
-            shard = f" per GPU, tensor parallel over {tp} GPUs" if tp > 1 else ""
+            shard = f" per GPU, tensor parallel over {tp} GPUs, {info.all_reduce} all-reduce" if tp > 1 else ""
             head += (f" ({kind}, {info.num_params / 1e6:,.1f} M parameters, {info.weight_bytes / 1e9:.3f} GB{shard}; "
                      f"batch-1 limit {results.bandwidth_bytes_s / info.weight_bytes:,.0f} tok/s)")
         out += [head, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]

@@ -47,6 +47,8 @@ class ModelInfo:
     num_params: int
     weight_bytes: int  # read by one GPU each step: under tensor parallelism, rank 0's shard
     tensor_parallel_size: int = 1
+    # How the ranks all-reduced (EngineConfig.all_reduce as the engine resolved it); None at one rank.
+    all_reduce: str | None = None
 
 
 @dataclass

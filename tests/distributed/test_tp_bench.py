@@ -25,7 +25,9 @@ def test_tiny_bench_at_tp2_times_each_steps_collectives(tmp_path):
                                         load_format="dummy")[0])[1]
     shard = results.models["tiny"].weight_bytes
     assert whole / 2 < shard < 0.6 * whole  # half of every matrix, the norms whole
+    assert results.models["tiny"].all_reduce == "nccl"  # the engine's choice on the CPU (gloo)
     assert "collectives ms/step" in (tmp_path / "r.md").read_text()
+    assert "tensor parallel over 2 GPUs, nccl all-reduce" in (tmp_path / "r.md").read_text()
 
 
 def test_the_two_gpu_shapes_split_over_two_ranks():
