@@ -3,13 +3,14 @@ shape class takes on this device (small_m_configs) against each candidate config
 compact-prologue form where there is a norm), in rounds that alternate the variants; medians of GPU us per
 call, graph-timed, weights rotated past the L2.
 
-    python benchmarks/bench_step_projections.py [--target smollm2-shape] [--tensor-parallel-size 1]
+    python benchmarks/bench_step_projections.py [--target smollm2-shape] [--tensor-parallel-size 1 [2 ...]]
         [--tokens 1 5] [--rounds 5] [--top 3] [--shapes head target] [--bandwidth-tbps T]
         [--write-config [PATH]]
 
 Target: a shape preset of specserve/bench/models.py (smollm2-shape, llama3-8b, qwen2.5-32b, ...); its
 decoder layer's qkv (add + norm + rotary + cache write), o_proj, gate_up (add + norm + SiLU-and-mul) and
-down_proj, as rank 0 of --tensor-parallel-size ranks holds them (step_projections_shapes.py). With
+down_proj, as rank 0 of --tensor-parallel-size ranks holds them (step_projections_shapes.py; several sizes time
+each size's shards, and --write-config then tunes a class shared by sizes over all of them). With
 smollm2-shape also the shipped EAGLE-3 head's (which runs whole on rank 0): its qkv (its input normed
 already, K = 2 x hidden), gate_up over its 6144-wide MLP, down_proj and lm_head with the argmax over its
 12,288-token draft vocabulary. --shapes keeps those whose name contains one of its words.
@@ -146,7 +147,8 @@ def main() -> None:
     def speed(us: float, p: Projection) -> str:
         return f"{us:7.2f} us {p.weight_bytes / us / 1e3:6.0f} GB/s {100 * p.weight_bytes / us / per_us:3.0f}%"
 
-    print(f"{device}, {a.target} at tensor-parallel size {a.tensor_parallel_size} (rank 0's shard); bandwidth "
+    sizes = ", ".join(map(str, a.tensor_parallel_sizes))
+    print(f"{device}, {a.target} at tensor-parallel size {sizes} (rank 0's shard); bandwidth "
           f"{peak / 1e12:.2f} TB/s ({'given' if a.bandwidth_tbps else 'device-to-device copy, measured'}); GPU us "
           f"per call, median of {a.rounds} rounds [min-max]; configs as block_n/block_k/warps/stages[/compact]"
           "[/s split_k] (block_n in rotary pairs for qkv)")
@@ -167,7 +169,7 @@ def main() -> None:
                 chosen = label(tiles[cls])
                 best = min(med, key=med.get)
                 rest = sorted((k for k in med if k not in (chosen, best)), key=med.get)[: a.top]
-                print(f"M={m:2d} {p.name:20s} {p.n:6d}x{p.k:<5d} {cls:24s} "
+                print(f"M={m:2d} {p.group + p.name[p.name.index(' '):]:26s} {p.n:6d}x{p.k:<5d} {cls:26s} "
                       f"chosen {chosen:19s} {speed(med[chosen], p)} [{min(times[chosen]):.2f}-"
                       f"{max(times[chosen]):.2f}] | best {best:19s} {speed(med[best], p)} | next "
                       + ", ".join(f"{k} {med[k]:.2f}" for k in rest), flush=True)

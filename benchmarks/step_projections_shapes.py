@@ -1,5 +1,6 @@
 """What benchmarks/bench_step_projections.py times, and its command line: the small-M projections of one step
-on one tensor-parallel rank.
+on one tensor-parallel rank, at one or several tensor-parallel sizes (their target projections side by side, so
+that a shape class shared by sizes is tuned over all of them).
 
 The target's projections are the weights of one decoder layer as the model's own code builds it
 (models/llama.DecoderLayer, on the meta device) from a shape preset of specserve.bench.models, sharded by
@@ -54,6 +55,7 @@ class Projection:
     bias: bool = False
     attention: Attention | None = None  # set for the qkv kernel (rotary and the KV-cache write)
     per_step: int = 1  # calls per step: the target's layer count, 1 for the head's
+    tensor_parallel_size: int = 1  # the target's rank shard it is a weight of (the head's: 1, whole)
 
     @property
     def weight_bytes(self) -> int:
@@ -61,8 +63,9 @@ class Projection:
 
     @property
     def group(self) -> str:
-        """'target' or 'head': the part of the step it belongs to."""
-        return self.name.split()[0]
+        """'target' (at TP=N > 1: 'target TP=N') or 'head': the part of the step it belongs to."""
+        tp = self.tensor_parallel_size
+        return self.name.split()[0] + (f" TP={tp}" if tp > 1 else "")
 
 
 def target_arch(target: str) -> ArchConfig:
@@ -90,7 +93,8 @@ def step_projections(target: str, tensor_parallel_size: int) -> list[Projection]
                          a.max_position_embeddings)
 
     def shape(linear: torch.nn.Linear) -> dict:
-        return dict(n=linear.out_features, k=linear.in_features, per_step=arch.num_layers)
+        return dict(n=linear.out_features, k=linear.in_features, per_step=arch.num_layers,
+                    tensor_parallel_size=tensor_parallel_size)
 
     out = [Projection("target qkv", norm=True, bias=attn.qkv_proj.bias is not None, attention=attention(arch),
                       **shape(attn.qkv_proj)),
@@ -113,7 +117,7 @@ def step_projections(target: str, tensor_parallel_size: int) -> list[Projection]
 @dataclass(frozen=True)
 class BenchArgs:
     target: str
-    tensor_parallel_size: int
+    tensor_parallel_sizes: list[int]
     tokens: list[int]
     rounds: int
     top: int
@@ -129,7 +133,8 @@ def parse_args(argv: list[str] | None, description: str) -> BenchArgs:
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", choices=sorted(SHAPES), default=HEAD_TARGET,
                     help="the shape preset whose decoder layer is timed (specserve/bench/models.py)")
-    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="time one rank's shard of the target")
+    ap.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[1],
+                    help="time one rank's shard of the target at each of these sizes")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 5])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--top", type=int, default=3, help="candidates listed after the chosen and the best")
@@ -139,7 +144,7 @@ def parse_args(argv: list[str] | None, description: str) -> BenchArgs:
     ap.add_argument("--write-config", nargs="?", const="", metavar="PATH",
                     help="write the device's tile data file (PATH, or the package's file for this device)")
     a = ap.parse_args(argv)
-    for option, value in [("--tensor-parallel-size", a.tensor_parallel_size), ("--rounds", a.rounds),
+    for option, value in [("--tensor-parallel-size", min(a.tensor_parallel_size)), ("--rounds", a.rounds),
                           ("--tokens", min(a.tokens))]:
         if value < 1:
             ap.error(f"{option} must be at least 1, got {value}")
@@ -149,13 +154,16 @@ def parse_args(argv: list[str] | None, description: str) -> BenchArgs:
         ap.error(f"--tokens: the small-M kernels run up to 32 token rows, got {max(a.tokens)}")
     if a.bandwidth_tbps is not None and not a.bandwidth_tbps > 0:
         ap.error(f"--bandwidth-tbps must be > 0, got {a.bandwidth_tbps}")
-    try:
-        every = step_projections(a.target, a.tensor_parallel_size)
-    except ConfigError as e:
-        ap.error(f"--tensor-parallel-size {a.tensor_parallel_size} for {a.target}: {e}")
+    every = []
+    for tp in dict.fromkeys(a.tensor_parallel_size):
+        try:
+            # The head is whole on rank 0 at every size: its projections once.
+            every += [p for p in step_projections(a.target, tp) if not (every and p.group == "head")]
+        except ConfigError as e:
+            ap.error(f"--tensor-parallel-size {tp} for {a.target}: {e}")
     kept = [p for p in every if any(word in p.name for word in a.shapes)]
     if not kept:
         ap.error(f"--shapes {' '.join(a.shapes)} keeps none of {a.target}'s projections: "
                  f"{', '.join(p.name for p in every)}")
-    return BenchArgs(a.target, a.tensor_parallel_size, a.tokens, a.rounds, a.top, a.shapes, a.bandwidth_tbps,
+    return BenchArgs(a.target, list(dict.fromkeys(a.tensor_parallel_size)), a.tokens, a.rounds, a.top, a.shapes, a.bandwidth_tbps,
                      a.write_config, kept)

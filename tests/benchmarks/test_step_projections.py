@@ -48,7 +48,7 @@ def loader_slices(target: str, size: int, rank: int) -> dict[str, tuple[int, ...
                                           ("qwen2.5-32b", 8), ("smollm2-shape", 1)])
 def test_rank_shapes_are_what_every_rank_loads(target, size):
     """16 ranks over Llama-3-8B's 8 KV heads: each rank keeps a copy of one."""
-    timed = {p.name: p for p in step_projections(target, size) if p.group == "target"}
+    timed = {p.name: p for p in step_projections(target, size) if p.name.startswith("target")}
     for rank in range(size):
         loaded = loader_slices(target, size, rank)
         assert {name: (p.n, p.k) for name, p in timed.items()} == {
@@ -82,11 +82,16 @@ def test_llama3_8b_at_tp2_by_hand():
 def test_command_line():
     a = parse_args(["--target", "llama3-8b", "--tensor-parallel-size", "2", "--tokens", "1", "4",
                     "--shapes", "gate", "down", "--write-config"], "")
-    assert (a.target, a.tensor_parallel_size, a.tokens, a.write_config) == ("llama3-8b", 2, [1, 4], "")
+    assert (a.target, a.tensor_parallel_sizes, a.tokens, a.write_config) == ("llama3-8b", [2], [1, 4], "")
     assert [p.name for p in a.projections] == ["target gate_up", "target down_proj"]
     default = parse_args([], "")
-    assert (default.target, default.tensor_parallel_size, default.write_config) == ("smollm2-shape", 1, None)
+    assert (default.target, default.tensor_parallel_sizes, default.write_config) == ("smollm2-shape", [1], None)
     assert [p.name.split()[0] for p in default.projections] == ["target"] * 4 + ["head"] * 4
+    both = parse_args(["--target", "llama3-8b", "--tensor-parallel-size", "1", "2"], "")
+    assert [(p.group, p.n) for p in both.projections if p.name.endswith("qkv")] == [("target", 6144),
+                                                                                     ("target TP=2", 3072)]
+    smollm2 = parse_args(["--tensor-parallel-size", "1", "3"], "")  # SmolLM2's 9 heads split over 3
+    assert [p.group for p in smollm2.projections] == ["target"] * 4 + ["head"] * 4 + ["target TP=3"] * 4
 
 
 @pytest.mark.parametrize("argv, message", [
