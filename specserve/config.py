@@ -220,13 +220,24 @@ class EngineConfig:
     def _check_draft_placement(self) -> None:
         spec, tp = self.speculative_config, self.tensor_parallel_size
         draft_tp = None if spec is None else spec.draft_tensor_parallel_size
-        if draft_tp is None:
+        if draft_tp is None or draft_tp == 1:
             return
         field = "speculative_config.draft_tensor_parallel_size"
-        _check(type(draft_tp) is int and draft_tp in (1, tp), field,
+        _check(type(draft_tp) is int and draft_tp == tp, field,
                f"must be 1 (the drafter whole on rank 0) or tensor_parallel_size ({tp}), got {draft_tp!r}")
-        _check(draft_tp == 1, field, f"{draft_tp} (the drafter sharded like the target) is not supported yet; "
-               "pass 1, which runs the drafter whole on rank 0")
+        _check(spec.method in ("eagle", "eagle3"), field,
+               f"{draft_tp} shards an EAGLE head like the target; method {spec.method!r} drafts whole on rank 0: "
+               "pass 1")
+        _check(spec.speculative_token_tree is None, field,
+               f"{draft_tp} (the head sharded like the target) drafts chains only; pass 1 to draft trees with the "
+               "head whole on rank 0, or drop speculative_token_tree")
+
+    @property
+    def drafter_sharded(self) -> bool:
+        """Whether every rank runs its shard of the drafter beside rank 0 (draft_tensor_parallel_size N > 1;
+        docs/design.md, 'Tensor parallelism')."""
+        spec, tp = self.speculative_config, self.tensor_parallel_size
+        return tp > 1 and spec is not None and spec.draft_tensor_parallel_size == tp
 
     def _check_async_scheduling(self) -> None:
         spec = self.speculative_config

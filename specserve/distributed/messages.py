@@ -31,14 +31,25 @@ class WorkerFailed:
 
 
 @dataclass
+class DraftFollow:
+    """A step's drafting as a rank > 0 of a sharded drafter runs it beside rank 0 (ModelRunner.follow_proposal):
+    how many requests draft, the largest position they draft from (the eager draft steps' metadata), and whether
+    rank 0 broadcasts each draft (DraftInput.shared_picks)."""
+
+    num_reqs: int
+    max_base_position: int
+    shared_picks: bool
+
+
+@dataclass
 class WorkerStep:
     """One step's target forward as rank 0 runs it (ModelRunner.launch), for the other ranks to run the same
     collectives in the same order: each request's query ids, lengths and block ids; a tree of drafts' position
     shift and tree bits per token (None for chains); the hidden rows of each lm_head call rank 0 makes outside
     graphs, in order (its sampling, then its verification); the number of KV-cache slot moves rank 0
     broadcasts after verifying trees outside graphs (0: none); the graphs rank 0 replays; the extras rank 0
-    stages (staged_inputs.py), so that both stage the same layout; and whether rank 0 shares its step's
-    outputs at the step's end (StepOutputs.share_from_rank0)."""
+    stages (staged_inputs.py), so that both stage the same layout; whether rank 0 shares its step's
+    outputs at the step's end (StepOutputs.share_from_rank0); and a sharded drafter's drafting."""
 
     input_ids: np.ndarray
     query_lens: np.ndarray
@@ -55,6 +66,10 @@ class WorkerStep:
     extras: dict[StagedExtra, np.ndarray] = field(default_factory=dict)
     masked: bool = False
     shares_outputs: bool = False
+    # A sharded drafter's drafting outside the whole step's graph: rank 0 shares its outputs (accepted counts
+    # and tokens, from which the drafter's inputs are gathered) after the lm_head rows and tree moves, then every
+    # rank drafts; None: the rank drafts nothing, and shares_outputs says whether the step ends with the share.
+    drafting: DraftFollow | None = None
 
 
 @dataclass

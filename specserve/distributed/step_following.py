@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specserve.distributed.messages import WorkerStep
+from specserve.distributed.messages import DraftFollow, WorkerStep
 from specserve.worker.cudagraph import BatchDescriptor
 from specserve.worker.staged_inputs import StagedExtra
 from specserve.worker.step_path import Sampling, StepPath, Verification, WholeStep
@@ -19,11 +19,12 @@ _TREES = (Verification.TREE_ARGMAX, Verification.TREE_LOGITS)
 
 def worker_step(input_ids: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
                 tree_layout: tuple[np.ndarray | None, np.ndarray | None], plan: StepPlan, desc: BatchDescriptor,
-                path: StepPath, tree_depth: int, shares_outputs: bool) -> WorkerStep:
+                path: StepPath, tree_depth: int, shares_outputs: bool, drafting: DraftFollow | None) -> WorkerStep:
     """The step the other ranks follow: the forward's inputs as rank 0 stages them, its descriptor and path
     (the graphs replayed: the whole step's, or the target's and the greedy one's), lm_head over the rows rank 0
     samples from (first) and verifies at (then) outside graphs, the KV moves of trees verified outside graphs,
-    tree_depth per verifying request, and whether the step ends with rank 0 sharing its outputs."""
+    tree_depth per verifying request, whether the step ends with rank 0 sharing its outputs, and a sharded
+    drafter's drafting outside the whole step."""
     rows = []
     if path.whole is WholeStep.NONE:
         if path.sampling in _SAMPLING_LOGITS:
@@ -32,4 +33,5 @@ def worker_step(input_ids: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndar
             rows.append(plan.extras[StagedExtra.VERIFY_INDEX].reshape(-1))
     moves = len(plan.verify_rows) * tree_depth if path.whole is WholeStep.NONE and path.verification in _TREES else 0
     return WorkerStep(input_ids, query_lens, seq_lens, block_table, desc, path, *tree_layout, lm_head_rows=rows,
-                      num_tree_moves=moves, extras=plan.extras, masked=path.masked, shares_outputs=shares_outputs)
+                      num_tree_moves=moves, extras=plan.extras, masked=path.masked, shares_outputs=shares_outputs,
+                      drafting=drafting)

@@ -19,6 +19,7 @@ from specserve.distributed.messages import WorkerFailed, WorkerLoaded, WorkerRea
 from specserve.distributed.parallel_state import (destroy_tp_group, init_tp_group, join_all_reduce, rank_device,
                                                   tp_group)
 from specserve.models.loader import ModelSource, build_model
+from specserve.spec_decode.factory import build_speculator
 from specserve.spec_decode.tree_verify import move_kv
 from specserve.worker.cudagraph_mode import CUDAGraphMode
 from specserve.worker.model_runner import ModelRunner
@@ -71,8 +72,12 @@ def _start(config: EngineConfig, source: ModelSource, conn) -> tuple[ModelRunner
                               seed=config.seed, tp=tp_group(),
                               quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
     config.finalize(arch.max_context)
-    # The drafter runs on rank 0 alone (draft_tensor_parallel_size 1): this rank holds the target's shard only.
     runner = ModelRunner(model, model.cfg, config)
+    # A drafter sharded like the target (draft_tensor_parallel_size N): this rank holds its shard of the head too,
+    # and drafts beside rank 0. Otherwise the drafter runs on rank 0 alone.
+    spec = config.speculative_config
+    if config.drafter_sharded:
+        runner.set_speculator(build_speculator(spec, runner, backend), spec.forced_acceptance_prob)
     follower = GraphFollower(runner, backend)
     conn.send(WorkerLoaded())
 
@@ -92,8 +97,9 @@ def _start(config: EngineConfig, source: ModelSource, conn) -> tuple[ModelRunner
 def follow_step(runner: ModelRunner, step: WorkerStep) -> None:
     """The rank's part of rank 0's step: the same forward over its shard, lm_head over the rows rank 0 takes
     logits of, and the KV moves of verified trees, each replayed from the graph rank 0 replays, so that every
-    rank runs the same collectives in the same order. Only rank 0 samples, verifies and drafts; with asynchronous
-    scheduling it shares its outputs, from which every rank takes the in-flight requests' inputs."""
+    rank runs the same collectives in the same order. Only rank 0 samples and verifies; with asynchronous
+    scheduling it shares its outputs, from which every rank takes the in-flight requests' inputs. A sharded
+    drafter drafts on every rank, from the outputs rank 0 shares before drafting."""
     b = runner.buffers
     metadata = b.prepare(step.input_ids, step.query_lens, step.seq_lens, step.block_table, runner.block_size,
                          step.extras, step.tree_shift, step.tree_bits, masked=step.masked)
@@ -107,7 +113,7 @@ def follow_step(runner: ModelRunner, step: WorkerStep) -> None:
         runner.fill_inflight_inputs(inflight)
     if desc.mode is not CUDAGraphMode.NONE:
         require_graph(runner.graphs, desc, "target")
-    (padded_hidden, _), _ = runner._run_target(desc, metadata)
+    (padded_hidden, padded_aux), metadata = runner._run_target(desc, metadata)
     if path.sampling is Sampling.GREEDY_GRAPH or path.verification is Verification.GREEDY_GRAPH:
         require_graph(runner.greedy_graphs, desc, "greedy").run(desc, None, None)
     hidden = padded_hidden[:len(step.input_ids)]
@@ -116,5 +122,9 @@ def follow_step(runner: ModelRunner, step: WorkerStep) -> None:
     if step.num_tree_moves:
         moves = torch.empty(2, step.num_tree_moves, dtype=torch.int64, device=hidden.device)
         move_kv(runner.kv.stack, *broadcast_from_rank0(moves))
-    if step.shares_outputs:
+    if step.drafting is not None:
+        runner.outputs.share_from_rank0(len(step.query_lens))
+        runner.follow_proposal(step.drafting, len(step.query_lens), desc, (padded_hidden, padded_aux), metadata,
+                               path.drafting)
+    elif step.shares_outputs:
         runner.outputs.share_from_rank0(len(step.query_lens))

@@ -11,9 +11,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from specserve.distributed.parallel_state import TPGroup
 from specserve.models.arch_config import ArchConfig
 from specserve.models.layers import RotaryEmbedding
-from specserve.models.llama import DecoderLayer
+from specserve.models.llama import SINGLE, DecoderLayer
+from specserve.models.parallel_layers import head_shard, shard_arch
 from specserve.models.weight_loading import load_hf_weights
 
 
@@ -21,12 +23,16 @@ class EagleHead(nn.Module):
     # Hidden states of the target that the head reads: its final (normed) output.
     aux_hidden_layers: tuple[int, ...] = ()
 
-    def __init__(self, cfg: ArchConfig, backend, fc_bias: bool = False):
+    def __init__(self, cfg: ArchConfig, backend, fc_bias: bool = False, tp: TPGroup = SINGLE):
+        """cfg: the head's whole architecture; with tp of several ranks its decoder layer is rank tp.rank's
+        shard, as the target's layers are, and the embedding, fc and lm_head are whole."""
         super().__init__()
-        self.cfg = cfg
+        self.whole_cfg, self.tp = cfg, tp
+        # The rank's architecture: what the layer, weight loading and the head's KV cache are sized by.
+        self.cfg = cfg = shard_arch(cfg, tp) if tp.size > 1 else cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=fc_bias)
-        self.layer = DecoderLayer(cfg, backend)
+        self.layer = DecoderLayer(cfg, backend, tp)
         self.layer.input_layernorm = nn.Identity()
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
@@ -48,4 +54,5 @@ class EagleHead(nn.Module):
                 return None
             return name.replace("layers.0.", "layer.", 1) if name.startswith("layers.0.") else name
 
-        return load_hf_weights(self, weights, self.cfg, rename, optional=("embed_tokens", "lm_head"))
+        return load_hf_weights(self, weights, self.cfg, rename, optional=("embed_tokens", "lm_head"),
+                               shard=head_shard(self.whole_cfg, self.tp))

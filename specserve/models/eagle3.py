@@ -13,10 +13,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from specserve.distributed.communication import all_reduce
+from specserve.distributed.parallel_state import TPGroup
 from specserve.sample.argmax import greedy_argmax
 from specserve.models.arch_config import ArchConfig
 from specserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, folds_norm, prologue_args, small_m
-from specserve.models.llama import Attention
+from specserve.models.llama import SINGLE, Attention
+from specserve.models.parallel_layers import head_shard, shard_arch
 from specserve.models.weight_loading import load_hf_weights
 
 
@@ -26,8 +29,11 @@ def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
 
 
 class Eagle3Layer(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend):
+    def __init__(self, cfg: ArchConfig, backend, tp: TPGroup = SINGLE):
+        """cfg: the rank's shard of the head's architecture when tp has several ranks."""
         super().__init__()
+        # Sharded, attention's and the MLP's outputs are each rank's partial sums, as DecoderLayer's.
+        self.sharded = tp.size > 1
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, backend, input_size=2 * cfg.hidden_size)
@@ -51,19 +57,26 @@ class Eagle3Layer(nn.Module):
         """(MLP output, residual stream before it), as DecoderLayer; hidden_rows: see attention_input."""
         x, hidden = self.attention_input(embed, input_ids, hidden, hidden_rows)
         x = self.self_attn(x, positions, rotary, kv_cache, metadata)
-        return self.mlp.forward_prenorm(self.post_attention_layernorm, x, hidden)
+        if self.sharded:
+            x = all_reduce(x)
+        x, residual = self.mlp.forward_prenorm(self.post_attention_layernorm, x, hidden)
+        return (all_reduce(x) if self.sharded else x), residual
 
 
 class Eagle3Head(nn.Module):
     def __init__(self, cfg: ArchConfig, backend, draft_vocab_size: int, target_hidden_size: int,
-                 aux_hidden_layers: tuple[int, ...]):
+                 aux_hidden_layers: tuple[int, ...], tp: TPGroup = SINGLE):
+        """cfg: the head's whole architecture; with tp of several ranks its decoder layer is rank tp.rank's
+        shard (heads and MLP columns, as the target's), and the embedding, fc, norms and lm_head are whole."""
         super().__init__()
-        self.cfg = cfg
+        self.whole_cfg, self.tp = cfg, tp
+        # The rank's architecture: what the layer, weight loading and the head's KV cache are sized by.
+        self.cfg = cfg = shard_arch(cfg, tp) if tp.size > 1 else cfg
         self.aux_hidden_layers = aux_hidden_layers
         self.draft_vocab_size = draft_vocab_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.fc = nn.Linear(len(aux_hidden_layers) * target_hidden_size, cfg.hidden_size, bias=False)
-        self.layer = Eagle3Layer(cfg, backend)
+        self.layer = Eagle3Layer(cfg, backend, tp)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
@@ -162,4 +175,5 @@ class Eagle3Head(nn.Module):
             self.d2t.copy_(d2t[0].to(torch.int64))
         self.target_ids.copy_(torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t)
         self.target_ids_ascend = bool((self.target_ids[1:] > self.target_ids[:-1]).all())
-        return load_hf_weights(self, weights, self.cfg, rename, optional=("embed_tokens",))
+        return load_hf_weights(self, weights, self.cfg, rename, optional=("embed_tokens",),
+                               shard=head_shard(self.whole_cfg, self.tp))

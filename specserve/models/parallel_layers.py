@@ -94,3 +94,12 @@ class ParallelLMHead(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_gather_last_dim(super().forward(x), self.tp_size)[..., :self.vocab_size]
+
+
+def head_shard(arch: ArchConfig, tp: TPGroup):
+    """load_hf_weights's `shard` for a draft head sharded like the target (arch: the head's whole architecture):
+    its decoder layer ("layer.") is cut as the target's layers are; its embedding, fc and lm_head stay whole on
+    every rank, so every rank computes the same logits and picks the same drafts. None on one rank."""
+    if tp.size == 1:
+        return None
+    return lambda name, part, tensor: shard_weight(name, part, tensor, arch, tp) if name.startswith("layer.") else tensor

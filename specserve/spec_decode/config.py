@@ -29,8 +29,9 @@ class SpeculativeConfig:
     # vLLM's field of this name: "[(0,), (1,), (0, 0)]". num_speculative_tokens is then the tree's depth.
     speculative_token_tree: str | list | None = None
     # Under tensor parallelism, where the drafter runs (docs/design.md, 'Tensor parallelism'): 1, whole on
-    # rank 0 (the other ranks hold the target's shards only). The target's size (sharded like it) is refused
-    # by EngineConfig. None: 1.
+    # rank 0 (the other ranks hold the target's shards only); the target's tensor_parallel_size, an EAGLE
+    # head's chain drafter sharded like the target, every rank running its shard in lockstep with rank 0
+    # (EngineConfig checks the value against the target's size). None: 1.
     draft_tensor_parallel_size: int | None = None
     # Dynamic speculation (spec_decode/policy.py): before each step, draft or not from the batch size, the
     # measured acceptance and a table of step times (docs/design.md, 'Dynamic speculation'). Off by default:

@@ -7,8 +7,11 @@ from pathlib import Path
 
 import torch
 
+from specserve.distributed.parallel_state import TPGroup, tp_group
 from specserve.errors import ConfigError, ModelLoadError
 from specserve.models.arch_config import ArchConfig
+from specserve.models.llama import SINGLE
+from specserve.models.parallel_layers import shard_arch
 from specserve.spec_decode.config import SpeculativeConfig
 from specserve.spec_decode.speculator import Speculator
 
@@ -48,8 +51,8 @@ def _check_fit(head: ArchConfig, target: ArchConfig, what: str) -> None:
 
 def _shared_weight(runner, name: str) -> torch.nn.Parameter | None:
     """The target's `name` (model.embed_tokens.weight or lm_head.weight), for a head without its own. Under
-    tensor parallelism the target holds a shard of it and the head runs whole on rank 0, so it is read whole
-    from the target's checkpoint; with random weights (load_format dummy) there is none, and the head keeps
+    tensor parallelism the target holds a shard of it and the head's embedding and lm_head are whole (on rank 0,
+    or on every rank beside its sharded layer), so it is read whole from the target's checkpoint; with random weights (load_format dummy) there is none, and the head keeps
     its own random one."""
     if runner.config.tensor_parallel_size == 1:
         module = runner.model.model.embed_tokens if name == "model.embed_tokens.weight" else runner.model.lm_head
@@ -64,6 +67,21 @@ def _shared_weight(runner, name: str) -> torch.nn.Parameter | None:
     return torch.nn.Parameter(found.get(name, found[embed]), requires_grad=False)
 
 
+def _head_group(runner, arch: ArchConfig) -> TPGroup:
+    """The group the head is sharded over: the target's where the drafter is sharded like it
+    (draft_tensor_parallel_size N), else one rank. Raises ConfigError naming the fix for a head that N does not
+    split."""
+    if not runner.config.drafter_sharded:
+        return SINGLE
+    tp = tp_group()
+    try:
+        shard_arch(arch, tp)
+    except ConfigError as e:
+        raise _bad("draft_tensor_parallel_size", f"{tp.size} cannot shard the head: {str(e).removeprefix(e.field + ': ').split(';')[0]}; "
+                   "pass 1 to run the head whole on rank 0") from e
+    return tp
+
+
 def load_head(cfg: SpeculativeConfig, runner, target: ArchConfig, backend):
     from specserve.models.eagle import EagleHead
     from specserve.models.eagle3 import Eagle3Head, default_aux_layers
@@ -73,14 +91,16 @@ def load_head(cfg: SpeculativeConfig, runner, target: ArchConfig, backend):
     raw = _head_config(path)
     arch = _head_arch(raw)
     _check_fit(arch, target, "head")
+    tp = _head_group(runner, arch)
     if cfg.method == "eagle":
-        head = EagleHead(arch, backend, fc_bias=bool(raw.get("bias", False)))
+        head = EagleHead(arch, backend, fc_bias=bool(raw.get("bias", False)), tp=tp)
     else:
         layers = tuple((raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
                        or default_aux_layers(target.num_layers))
         if any(not 0 <= i < target.num_layers for i in layers):
             raise _bad("model", f"auxiliary layers {layers} do not exist in a {target.num_layers}-layer target")
-        head = Eagle3Head(arch, backend, raw.get("draft_vocab_size") or arch.vocab_size, target.hidden_size, layers)
+        head = Eagle3Head(arch, backend, raw.get("draft_vocab_size") or arch.vocab_size, target.hidden_size, layers,
+                          tp=tp)
     loaded = head.load_weights(safetensors_weights(path))
     # Heads usually share the target's embedding (and EAGLE-1 its lm_head): take them when absent.
     missing = ["model.embed_tokens.weight"] if "embed_tokens.weight" not in loaded else []

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from specserve.attention.metadata import AttentionMetadata
+from specserve.distributed.communication import broadcast_from_rank0
 from specserve.sample.argmax import greedy_argmax
 from specserve.spec_decode.pick_scatter import PickScatter
 from specserve.sample.sampler import filtered_probs, sample_from_probs
@@ -155,7 +156,7 @@ class ModelDrafter(DrafterGraphs, Speculator):
     @torch.inference_mode()
     def propose(self, inp: DraftInput) -> torch.Tensor:
         """[n, k] drafts (a chain) or [n, N] (a tree): the prefill, then the drafts as inp.drafting says."""
-        n, k = len(inp.requests), self.num_speculative_tokens
+        n, k = inp.num_reqs, self.num_speculative_tokens
         desc = inp.descriptor
 
         def prefill(d: BatchDescriptor, metadata: AttentionMetadata):
@@ -187,7 +188,7 @@ class ModelDrafter(DrafterGraphs, Speculator):
             return self._replay_for(self.greedy_loop_graphs, n, self._greedy_loop)
         if for_logits is not None:
             h = for_logits.index_select(0, last)
-            current = (self.greedy_tokens(h) if inp.sampling.all_greedy and inp.masks is None
+            current = (self.greedy_tokens(h) if self._argmax_picks(inp)
                        else self._pick(self.compute_logits(h), inp, 0))
             drafts.append(current)
         step = 1
@@ -267,12 +268,22 @@ class ModelDrafter(DrafterGraphs, Speculator):
             metadata = self._decode_metadata(desc, inp.block_table, max_seq)
         return graphs.run(desc, self._decode, metadata) if graphs else self._decode(desc, metadata)
 
+    @staticmethod
+    def _argmax_picks(inp: DraftInput) -> bool:
+        """Whether every draft is the argmax of the unmasked logits, which every rank of a sharded drafter
+        computes alike."""
+        return inp.masks is None and (inp.sampling.all_greedy if inp.sampling is not None else not inp.shared_picks)
+
     def _pick(self, logits: torch.Tensor, inp: DraftInput, j: int) -> torch.Tensor:
         """Draft j of each request: argmax for greedy requests, else a sample from q kept for verification.
         In a grammar step the logits are masked with each request's grammar state after its drafts before j
         first, so q is the masked, renormalised distribution the draft is really drawn from: rejection
-        sampling is exact only with the q the draft came from."""
+        sampling is exact only with the q the draft came from. With shared_picks rank 0's drafts are
+        broadcast, and a rank > 0 (sampling None) takes them."""
         b = inp.sampling
+        if b is None:
+            tokens = logits.argmax(dim=-1)
+            return broadcast_from_rank0(tokens) if inp.shared_picks else tokens
         if inp.masks is not None:
             logits = mask_draft_logits(logits, inp.masks.masks(range(j, j + 1)))
         tokens = logits.argmax(dim=-1)
@@ -282,4 +293,4 @@ class ModelDrafter(DrafterGraphs, Speculator):
             self.draft_probs[:, j].index_copy_(0, inp.rows, q)
         if inp.masks is not None:
             inp.masks.follow(tokens[:, None])
-        return tokens
+        return broadcast_from_rank0(tokens) if inp.shared_picks else tokens

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 import torch
 
 from specserve.attention.metadata import AttentionMetadata
-from specserve.engine.request import Request
 from specserve.sample.sampler import SamplingBatch
 from specserve.structured_output.draft_masks import DraftMasks
 from specserve.worker.kv_layout import KVCacheLayout
@@ -32,7 +31,7 @@ class DraftInput:
     descriptor: object  # the target's BatchDescriptor; a drafter's prefill graph for it reuses its state
     metadata: AttentionMetadata  # the target's, reused by the draft prefill
 
-    requests: list[Request]
+    num_reqs: int  # n
     last_token_indices: torch.Tensor  # [n] index into T of each request's last accepted token
     # Persistent [max_num_reqs] buffer; rows < n hold the position of each last accepted token.
     base_positions: torch.Tensor
@@ -41,7 +40,9 @@ class DraftInput:
     # Persistent [max_num_reqs, max_blocks] buffer; rows < n are the drafting requests' block tables.
     block_table: torch.Tensor
     rows: torch.Tensor  # [n] each request's row in the draft-probability buffer
-    sampling: SamplingBatch
+    # The drafting requests' sampling parameters; None on a rank > 0 of a sharded drafter, which picks no draft
+    # of its own but the argmax (docs/design.md, 'Tensor parallelism').
+    sampling: SamplingBatch | None
     # How the drafts are made (worker/step_path.py): in one of the drafter's graphs, or pass by pass.
     drafting: Drafting
     # Trees of drafts: the cache moves of the accepted nodes (tree_verify.kv_moves), which the drafter applies
@@ -49,6 +50,10 @@ class DraftInput:
     kv_moves: tuple[torch.Tensor, torch.Tensor] | None = None
     # A step with a grammar request (Drafting.masked): the grammar masks of each depth's drafts.
     masks: DraftMasks | None = None
+    # A drafter sharded over the tensor-parallel ranks, in a step whose drafts are not all the argmax of unmasked
+    # logits (a request samples, or a grammar masks them): rank 0 picks each draft and broadcasts it, and the
+    # other ranks draft on from rank 0's. Argmax drafts need no broadcast: every rank computes the same logits.
+    shared_picks: bool = False
 
 
 class Speculator:

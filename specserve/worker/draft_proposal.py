@@ -11,6 +11,7 @@ with the grammar states along their paths, which the host builds from the tokens
 from __future__ import annotations
 
 from specserve.attention.metadata import AttentionMetadata
+from specserve.distributed.messages import DraftFollow
 from specserve.engine.scheduler import SchedulerOutput
 from specserve.sample.sampler import SamplingBatch
 from specserve.spec_decode.draft_inputs import follow_tree_paths, gather_draft_inputs
@@ -18,7 +19,7 @@ from specserve.spec_decode.speculator import DraftInput
 from specserve.structured_output.draft_masks import DraftMasks
 from specserve.worker.cudagraph import BatchDescriptor
 from specserve.worker.staged_inputs import StagedExtra
-from specserve.worker.step_path import Drafting
+from specserve.worker.step_path import Drafting, StepPath, WholeStep
 
 
 class DraftProposal:
@@ -32,10 +33,20 @@ class DraftProposal:
                             self.draft_last_indices, self.draft_last_tokens, self.draft_base_positions,
                             self.draft_block_table, max_rows)
 
+    def _draft_follow(self, sched: SchedulerOutput, sampling: list[int], path: StepPath) -> DraftFollow | None:
+        """What the other ranks of a sharded drafter need to draft beside this one in a step of parts (the whole
+        step's graph holds its drafting); None where they draft nothing."""
+        if not self.config.drafter_sharded or not path.drafts_on_device or path.whole is not WholeStep.NONE:
+            return None
+        scheduled = [sched.scheduled[i] for i in sampling]
+        argmax = not path.drafting.masked and all(s.request.params.greedy for s in scheduled)
+        return DraftFollow(len(sampling), max(s.start + s.num_new_tokens - 1 for s in scheduled), not argmax)
+
     def _propose(self, sched: SchedulerOutput, sampling: list[int], desc: BatchDescriptor, target_out: tuple,
-                 metadata: AttentionMetadata, drafting: Drafting) -> None:
+                 metadata: AttentionMetadata, drafting: Drafting, follow: DraftFollow | None) -> None:
         """Draft the next tokens of every request that produced tokens this step, on the device: each
-        request's last accepted token and its position follow from the accepted counts just written."""
+        request's last accepted token and its position follow from the accepted counts just written. follow:
+        what the other ranks of a sharded drafter were sent, to draft beside this rank (follow_proposal)."""
         spec, b = self.speculator, self.buffers
         n = len(sampling)
         scheduled = [sched.scheduled[i] for i in sampling]
@@ -55,24 +66,45 @@ class DraftProposal:
             step_tokens = self.outputs.packed.index_select(0, b.staged_extra(StagedExtra.SAMPLING_ROWS))
             masks = DraftMasks([r.grammar for r in requests], step_tokens,
                                self.tree.parents if self.tree is not None else None, self.arch.vocab_size, self.device)
-        inp = DraftInput(
-            target_out=target_out,
-            descriptor=desc,
-            metadata=metadata,
-            requests=requests,
-            last_token_indices=self.draft_last_indices[:n],
-            base_positions=self.draft_base_positions,
-            max_base_position=max(s.start + s.num_new_tokens - 1 for s in scheduled),
-            last_tokens=self.draft_last_tokens[:n],
-            block_table=self.draft_block_table,
-            rows=b.staged_extra(StagedExtra.DRAFT_ROWS),
-            sampling=SamplingBatch.build(requests, self.device),
-            drafting=drafting,
-            kv_moves=moves,
-            masks=masks,
-        )
+        max_base = max(s.start + s.num_new_tokens - 1 for s in scheduled)
+        inp = self._draft_input(n, desc, target_out, metadata, drafting, max_base,
+                                SamplingBatch.build(requests, self.device), masks, moves,
+                                follow is not None and follow.shared_picks)
         drafts = spec.propose(inp)
         if sampling[-1] == n - 1:  # rows 0..n-1: every scheduled request drafts
             self.outputs.drafts[:n].copy_(drafts)
         else:
             self.outputs.drafts.index_copy_(0, b.staged_extra(StagedExtra.SAMPLING_ROWS), drafts)
+
+    def follow_proposal(self, follow: DraftFollow, num_scheduled: int, desc: BatchDescriptor, target_out: tuple,
+                        metadata: AttentionMetadata, drafting: Drafting) -> None:
+        """A rank > 0's part of rank 0's _propose with a sharded drafter (docs/design.md, 'Tensor parallelism'):
+        the same inputs, gathered from the outputs rank 0 shared before drafting, and the same passes over the
+        rank's shard of the head, so the collectives match; the drafts are rank 0's (the same argmax, or rank 0's
+        broadcast picks)."""
+        self._gather_draft_inputs(desc, max_rows=num_scheduled)
+        inp = self._draft_input(follow.num_reqs, desc, target_out, metadata, drafting, follow.max_base_position,
+                                None, None, None, follow.shared_picks)
+        drafts = self.speculator.propose(inp)
+        self.outputs.drafts.index_copy_(0, self.buffers.staged_extra(StagedExtra.SAMPLING_ROWS), drafts)
+
+    def _draft_input(self, n: int, desc: BatchDescriptor, target_out: tuple, metadata: AttentionMetadata,
+                     drafting: Drafting, max_base_position: int, sampling: SamplingBatch | None,
+                     masks: DraftMasks | None, moves, shared_picks: bool) -> DraftInput:
+        return DraftInput(
+            target_out=target_out,
+            descriptor=desc,
+            metadata=metadata,
+            num_reqs=n,
+            last_token_indices=self.draft_last_indices[:n],
+            base_positions=self.draft_base_positions,
+            max_base_position=max_base_position,
+            last_tokens=self.draft_last_tokens[:n],
+            block_table=self.draft_block_table,
+            rows=self.buffers.staged_extra(StagedExtra.DRAFT_ROWS),
+            sampling=sampling,
+            drafting=drafting,
+            kv_moves=moves,
+            masks=masks,
+            shared_picks=shared_picks,
+        )

@@ -300,10 +300,11 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         metadata = self.buffers.prepare(ids, qlens_np, slens, table, self.block_size, plan.extras, *tree_layout,
                                         masked=path.masked)
         b = self.buffers
+        follow = self._draft_follow(sched, sampling, path) if sampling else None
         if self.tp_workers is not None:
             self.tp_workers.send_step(worker_step(ids, qlens_np, slens, table, tree_layout, plan, desc, path,
                                                   self.tree.depth if self.tree else 0,
-                                                  self.shares_outputs and bool(sampling)))
+                                                  self.shares_outputs and bool(sampling), follow))
         handle = StepHandle(sched, sampling, path)
         self._previous = {sched.scheduled[i].request.request_id:
                           PreviousRow(i, len(sched.scheduled[i].spec_token_ids)) for i in sampling}
@@ -332,9 +333,12 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
             self._verify_tree(hidden, sched, plan.verify_rows, handle, path.verification, masks)
         elif path.verification is not Verification.NONE:
             self._verify(hidden, sched, plan.verify_rows, handle, desc, path.verification, masks)
+        if follow is not None:
+            # The other ranks draft beside this one, from this step's accepted counts and tokens.
+            self.outputs.share_from_rank0(len(sched.scheduled))
         if path.drafts_on_device:
-            self._propose(sched, sampling, desc, (padded_hidden, padded_aux), metadata, path.drafting)
-        if self.shares_outputs:
+            self._propose(sched, sampling, desc, (padded_hidden, padded_aux), metadata, path.drafting, follow)
+        if self.shares_outputs and follow is None:
             self.outputs.share_from_rank0(len(sched.scheduled))
         handle.host, handle.event = self.outputs.copy_to_host(len(sched.scheduled))
         return handle

@@ -1,0 +1,72 @@
+"""The drafter sharded like the target (draft_tensor_parallel_size 2) on the CPU, two ranks over gloo: every rank
+runs its shard of the EAGLE head in lockstep with rank 0, and the float32 greedy tokens, drafts and acceptances
+equal TP=1's and TP=2's with the head whole on rank 0."""
+from __future__ import annotations
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.errors import ConfigError
+from tests.conftest import hf_greedy, repetitive_prompts
+from tests.heads import save_eagle_head
+
+GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+# Chunks of 16 tokens, and 10 blocks of 16 cannot hold 6 requests of up to 110 tokens at once.
+SMALL = dict(max_model_len=128, block_size=16, num_kv_blocks=10, max_num_batched_tokens=16)
+
+
+def _prompts(hf) -> list[list[int]]:
+    return repetitive_prompts(hf.config.vocab_size, n=6, seed=11)
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory, tiny_llama):
+    """A random EAGLE-1 head, and an EAGLE-3 head drafting only the tokens of the target's greedy answers, so that
+    some of its drafts are accepted."""
+    root = tmp_path_factory.mktemp("sharded-heads")
+    hf = tiny_llama[1]
+    answers = {t for p in _prompts(hf) for t in hf_greedy(hf, p, GREEDY.max_tokens)}
+    return {"eagle": save_eagle_head(root / "eagle", hf.config, "eagle", seed=1),
+            "eagle3": save_eagle_head(root / "eagle3", hf.config, "eagle3", seed=2, draft_token_ids=sorted(answers))}
+
+
+def _run(path, prompts, params, **kwargs):
+    """The prompts' tokens on one engine, and its drafted and accepted counts."""
+    llm = LLM(str(path), dtype="float32", device="cpu", **kwargs)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.engine.spec_stats
+        return [o.outputs[0].token_ids for o in outs], (stats.num_drafted, stats.num_accepted)
+    finally:
+        llm.engine.core.close()
+
+
+@pytest.mark.parametrize("method, async_scheduling", [("eagle3", False), ("eagle3", True), ("eagle", True)],
+                         ids=["eagle3-chain", "eagle3-chain-async", "eagle-chain-async"])
+def test_sharded_drafter_equals_tp1_and_drafter_on_rank0(tiny_llama, heads, method, async_scheduling):
+    path, hf = tiny_llama
+    prompts = _prompts(hf)
+    spec = {"method": method, "model": str(heads[method]), "num_speculative_tokens": 3}
+    common = dict(async_scheduling=async_scheduling, **SMALL)
+    want = _run(path, prompts, GREEDY, speculative_config=spec, **common)
+    on_rank0 = _run(path, prompts, GREEDY, speculative_config=spec, tensor_parallel_size=2, **common)
+    sharded = _run(path, prompts, GREEDY, speculative_config={**spec, "draft_tensor_parallel_size": 2},
+                   tensor_parallel_size=2, **common)
+    assert sharded[0] == want[0] == on_rank0[0]
+    assert sharded[1] == want[1] == on_rank0[1]  # the same drafts proposed and accepted
+    assert sharded[1][1] > 0 if method == "eagle3" else sharded[1][0] > 0
+
+
+def test_sharded_drafter_takes_rank0s_sampled_drafts(tiny_llama, heads):
+    """Sampled requests' drafts are rank 0's, broadcast to the other rank, which drafts on from them: the engine
+    runs to the end (a rank that drafted other tokens would attend to other keys, not hang, so the greedy
+    requests beside them check that the batch stayed exact)."""
+    path, hf = tiny_llama
+    prompts = _prompts(hf)[:4]
+    spec = {"method": "eagle3", "model": str(heads["eagle3"]), "num_speculative_tokens": 3}
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=3, max_tokens=14, ignore_eos=True)] * 2
+    want = _run(path, prompts, params, speculative_config=spec, **SMALL)
+    got = _run(path, prompts, params, speculative_config={**spec, "draft_tensor_parallel_size": 2},
+               tensor_parallel_size=2, **SMALL)
+    assert [got[0][i] for i in (0, 2)] == [want[0][i] for i in (0, 2)]
+    assert all(len(t) == 14 for t in got[0]) and got[1][0] > 0
