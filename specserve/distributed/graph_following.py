@@ -7,13 +7,14 @@ target's, the greedy sampling and verification's, a whole step's) it sends the p
 (CaptureGraphs), and each other rank records its own body of that part for the same descriptors, with the
 same kind of recorder. A rank's body runs the collectives rank 0's body runs, and nothing else: the
 target's forward; lm_head over the rows whose logits rank 0 takes; a whole tree step's KV-cache moves,
-which rank 0 broadcasts. Rank 0's sampling, verification and drafting (its drafter runs on rank 0 alone)
-need no other rank. Each step then names its descriptor and path (WorkerStep), and the rank replays that
+which rank 0 broadcasts; a sharded drafter's graphs (the same DrafterGraphs capture as rank 0's, and its
+greedy drafts inside the whole step). Rank 0's sampling and verification, and a drafter whole on rank 0, need
+no other rank. Each step then names its descriptor and path (WorkerStep), and the rank replays that
 part's graph, or fails if it has none (a rank that ran other collectives would hang the group).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -30,6 +31,7 @@ class GraphPart(Enum):
     GREEDY = "greedy sampling"
     WHOLE_STEP = "whole step"
     WHOLE_TREE_STEP = "whole tree step"
+    DRAFTER = "drafter"  # a sharded drafter's graphs (spec_decode/drafter_graphs.py)
 
 
 @dataclass
@@ -42,6 +44,9 @@ class CaptureGraphs:
     descriptors: list[BatchDescriptor]
     stand_in: bool
     tree_depth: int = 0  # WHOLE_TREE_STEP: the KV moves per request that rank 0 broadcasts
+    # TARGET and DRAFTER: rank 0's capture sizes, from which the rank builds the same target manager and the
+    # drafter the same graphs (their descriptors and dispatch).
+    sizes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -49,8 +54,10 @@ class CaptureDone:
     """Rank 0 has recorded all its graphs."""
 
 
-def capture_message(part: GraphPart, mode: CUDAGraphMode, descriptors, recorder, tree_depth: int = 0) -> CaptureGraphs:
-    return CaptureGraphs(part, mode, list(descriptors), isinstance(recorder, EagerRecorder), tree_depth)
+def capture_message(part: GraphPart, mode: CUDAGraphMode, descriptors, recorder, tree_depth: int = 0,
+                    sizes=()) -> CaptureGraphs:
+    return CaptureGraphs(part, mode, list(descriptors), isinstance(recorder, EagerRecorder), tree_depth,
+                         list(sizes))
 
 
 class GraphFollower:
@@ -61,19 +68,24 @@ class GraphFollower:
         self.runner = runner
         self.backend = backend
         self.recorder = None
+        self.splitter: AttentionSplitter | None = None
         self.tree_depth = 0
 
     def capture(self, msg: CaptureGraphs) -> None:
         r = self.runner
         if msg.part is GraphPart.TARGET:
             self.recorder = EagerRecorder() if msg.stand_in else CudaGraphRecorder(r.device)
-            splitter = AttentionSplitter(self.backend)
-            splitter.install(r.model)
-            r.graphs = self._manager(msg, splitter)
+            self.splitter = AttentionSplitter(self.backend)
+            self.splitter.install(r.model)
+            r.graphs = r.target_graph_manager(msg.mode, msg.sizes, self.recorder, self.splitter)
             r.graphs.capture(r._target_forward, r._prepare_capture, msg.descriptors)
         elif msg.part is GraphPart.GREEDY:
             r.greedy_graphs = self._manager(msg)
             r.greedy_graphs.capture(self._greedy_logits, r._prepare_capture, msg.descriptors)
+        elif msg.part is GraphPart.DRAFTER:
+            # The same call as rank 0's (TargetGraphs.capture_graphs): the same graphs in the same order.
+            r.speculator.capture_graphs(r.graphs, self.splitter, self.recorder, msg.sizes, r.config.debug_cudagraph,
+                                        r._prepare_capture, r.draft_base_positions, r.draft_block_table)
         else:
             self.tree_depth = msg.tree_depth
             r.whole_step_graphs = self._manager(msg)
@@ -99,12 +111,15 @@ class GraphFollower:
         r, n = self.runner, desc.num_reqs
         r.buffers.spread()
         r.fill_inflight_inputs(n)
-        padded_hidden, _ = r._target_forward(desc, metadata)
+        padded_hidden, padded_aux = r._target_forward(desc, metadata)
         logits = r.model.lm_head(padded_hidden[: n * desc.query_len])
         if self.tree_depth:
             moves = torch.empty(2, n * self.tree_depth, dtype=torch.int64, device=logits.device)
             move_kv(r.kv.stack, *broadcast_from_rank0(moves))
-        if r.shares_outputs:
+        if r.speculator is not None:  # a sharded drafter drafts here, from the outputs rank 0 shares first
+            r.outputs.share_from_rank0(n)
+            r.draft_in_whole_step(desc, (padded_hidden, padded_aux), metadata)
+        elif r.shares_outputs:
             r.outputs.share_from_rank0(n)
         return logits
 

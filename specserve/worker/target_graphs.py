@@ -42,12 +42,9 @@ class TargetGraphs:
         splitter.install(self.model)
         k = self.outputs.num_drafts
         sizes = cfg.cudagraph_capture_sizes or default_capture_sizes(min(256, cfg.max_num_batched_tokens))
-        self.graphs = CUDAGraphManager(
-            "target", mode, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-            uniform_query_lens=(1, 1 + k) if k else (1,), recorder=recorder, debug=cfg.debug_cudagraph,
-            splitter=splitter, single_request_query_lens=range(2, self.block_size + 1))
+        self.graphs = self.target_graph_manager(mode, sizes, recorder, splitter)
         start, used_before = time.perf_counter(), recorder.memory_in_use()
-        self._tell_workers(GraphPart.TARGET, self.graphs, self.graphs.capture_descriptors(), recorder)
+        self._tell_workers(GraphPart.TARGET, self.graphs, self.graphs.capture_descriptors(), recorder, sizes=sizes)
         self.graphs.capture(self._target_forward, self._prepare_capture)
         query_lens = (1, 1 + k) if k else (1,)
         uniform = [d for d in self.graphs.capture_descriptors()
@@ -65,6 +62,8 @@ class TargetGraphs:
         self.greedy_graphs.capture(self._greedy_outputs, self._prepare_capture, greedy)
         drafter = self.speculator if self.speculator is not None and self.speculator.on_device else None
         if drafter is not None and hasattr(drafter, "capture_graphs"):
+            if self.config.drafter_sharded:
+                self._tell_workers(GraphPart.DRAFTER, self.graphs, [], recorder, sizes=sizes)
             drafter.capture_graphs(self.graphs, splitter, recorder, sizes, cfg.debug_cudagraph, self._prepare_capture,
                                    self.draft_base_positions, self.draft_block_table)
         # The debug check re-runs a graph's forward after its replay, but a whole step reads the outputs of the
@@ -93,12 +92,22 @@ class TargetGraphs:
         logger.info("CUDA graphs (%s): captured in %.1f s, %.0f MiB of GPU memory", mode.name, self.capture_seconds,
                     self.graph_memory_bytes / 2**20)
 
+    def target_graph_manager(self, mode: CUDAGraphMode, sizes, recorder, splitter: AttentionSplitter
+                             ) -> CUDAGraphManager:
+        """The target's graph manager for mode and the capture sizes: on every rank the same, since a sharded
+        drafter's graphs follow its descriptors and dispatch (drafter_graphs.py)."""
+        cfg, k = self.config, self.outputs.num_drafts
+        return CUDAGraphManager(
+            "target", mode, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+            uniform_query_lens=(1, 1 + k) if k else (1,), recorder=recorder, debug=cfg.debug_cudagraph,
+            splitter=splitter, single_request_query_lens=range(2, self.block_size + 1))
+
     def _tell_workers(self, part: GraphPart, manager: CUDAGraphManager, descriptors, recorder,
-                      tree_depth: int = 0) -> None:
+                      tree_depth: int = 0, sizes=()) -> None:
         """Under tensor parallelism, have the other ranks record their body of `part` for the same descriptors
         (distributed/graph_following.py) as this rank records its own."""
         if self.tp_workers is not None:
-            self.tp_workers.send_step(capture_message(part, manager.mode, descriptors, recorder, tree_depth))
+            self.tp_workers.send_step(capture_message(part, manager.mode, descriptors, recorder, tree_depth, sizes))
 
     def _prepare_capture(self, desc: BatchDescriptor) -> AttentionMetadata:
         # Recording executes nothing but the warm-up run, which must write no cache slot: every row is empty.
@@ -157,13 +166,22 @@ class TargetGraphs:
         self._greedy_outputs_of(desc, padded_hidden, masked=False)
         spec = self.speculator
         if spec is not None and spec.on_device:
-            self._gather_draft_inputs(desc, max_rows=n)
-            drafts = spec.propose_greedy_in_graph(desc, (padded_hidden, padded_aux), metadata,
-                                                  b.staged[NUM_REQS:NUM_REQS + 1], self.draft_last_indices,
-                                                  self.draft_last_tokens)
-            out.drafts[:n].copy_(drafts)
-        if self.shares_outputs:
+            if self.config.drafter_sharded:
+                # The other ranks draft beside this one, from this step's accepted counts and tokens.
+                out.share_from_rank0(n)
+            self.draft_in_whole_step(desc, (padded_hidden, padded_aux), metadata)
+        if self.shares_outputs and not self.config.drafter_sharded:
             out.share_from_rank0(n)
+
+    def draft_in_whole_step(self, desc: BatchDescriptor, target_out: tuple, metadata: AttentionMetadata) -> None:
+        """The greedy drafts of a whole step's batch (padded to desc.num_reqs) into the step outputs; every rank of
+        a sharded drafter runs it, after rank 0 shared the step's outputs."""
+        n = desc.num_reqs
+        self._gather_draft_inputs(desc, max_rows=n)
+        drafts = self.speculator.propose_greedy_in_graph(desc, target_out, metadata,
+                                                         self.buffers.staged[NUM_REQS:NUM_REQS + 1],
+                                                         self.draft_last_indices, self.draft_last_tokens)
+        self.outputs.drafts[:n].copy_(drafts)
 
     def _whole_tree_step(self, desc: BatchDescriptor, metadata):
         """_whole_step for trees of drafts: every request verifies the whole tree greedily, so its tokens are

@@ -30,9 +30,12 @@ def head(tmp_path_factory, tiny_llama):
 
 
 def _spec(head, drafts: str | None):
+    """No drafter, an EAGLE-3 chain or tree whole on rank 0, or a chain of the head sharded like the target."""
     if drafts is None:
         return None
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    if drafts == "sharded-chain":
+        return {**spec, "draft_tensor_parallel_size": 2}
     return {**spec, "speculative_token_tree": TREE} if drafts == "tree" else spec
 
 
@@ -50,6 +53,7 @@ def tp1_reference(tiny_llama, head):
     runs: dict[tuple[str | None, bool], Reference] = {}
 
     def reference(drafts: str | None, async_scheduling: bool) -> Reference:
+        drafts = "chain" if drafts == "sharded-chain" else drafts  # TP=1 has no placement of the drafter
         key = (drafts, async_scheduling)
         if key not in runs:
             ref = LLM(str(path), speculative_config=_spec(head, drafts), async_scheduling=async_scheduling, **ENGINE)
@@ -69,7 +73,10 @@ def prompts(hf) -> list[list[int]]:
 
 @pytest.mark.parametrize("drafts, mode, async_scheduling", [
     (None, M.FULL_AND_PIECEWISE, False), ("chain", M.FULL_AND_PIECEWISE, True), ("tree", M.FULL_AND_PIECEWISE, True),
-    ("chain", M.PIECEWISE, True)], ids=["none-full", "chain-full-async", "tree-full-async", "chain-piecewise-async"])
+    ("chain", M.PIECEWISE, True), ("sharded-chain", M.FULL_AND_PIECEWISE, True),
+    ("sharded-chain", M.FULL_AND_PIECEWISE, False), ("sharded-chain", M.PIECEWISE, True)],
+    ids=["none-full", "chain-full-async", "tree-full-async", "chain-piecewise-async", "sharded-chain-full-async",
+         "sharded-chain-full", "sharded-chain-piecewise-async"])
 def test_tp2_graphs_follow_rank0_and_equal_tp1(tiny_llama, head, tp1_reference, drafts, mode, async_scheduling):
     """With asynchronous scheduling the whole step's graph takes its in-flight inputs from the outputs rank 0
     shares at the end of the previous step's graph."""
