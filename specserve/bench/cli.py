@@ -57,6 +57,8 @@ def add_decode_parser(bench_sub: argparse._SubParsersAction) -> None:
                    "dtype's)")
     p.add_argument("--draft-quantization", choices=["fp8"], help="FP8 weights for the EAGLE-3 head (default: the "
                    "dtype's)")
+    p.add_argument("--draft-tensor-parallel-size", type=int, help="with --tensor-parallel-size N: 1 (default) runs "
+                   "the EAGLE-3 head whole on rank 0, N shards it like the target")
     p.add_argument("--time-budget", type=float, help="seconds after which remaining figures are skipped")
     p.add_argument("--json", type=Path, help="write the results here as JSON (kept current during the run)")
     p.add_argument("--markdown", type=Path, help="write the tables here (kept current during the run)")
@@ -78,7 +80,8 @@ def config_from_args(a: argparse.Namespace):
         spec_batch_sizes=a.spec_batch_sizes, hf_batch_sizes=a.hf_batch_sizes, prompt_len=a.prompt_len,
         new_tokens=a.new_tokens, hf_new_tokens=a.hf_new_tokens, capture_sizes=a.capture_sizes,
         bandwidth_tbps=a.bandwidth_tbps, time_budget_s=a.time_budget, tensor_parallel_size=a.tensor_parallel_size,
-        all_reduce=a.all_reduce, quantization=a.quantization, draft_quantization=a.draft_quantization)
+        all_reduce=a.all_reduce, quantization=a.quantization, draft_quantization=a.draft_quantization,
+        draft_tensor_parallel_size=a.draft_tensor_parallel_size)
 
 
 def cmd_bench_decode(a: argparse.Namespace) -> None:

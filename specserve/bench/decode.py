@@ -91,7 +91,8 @@ class DecodeBench:
         cfg = self.cfg
         spec = None
         if job.spec is not None:
-            spec = job.spec.speculative_config(self._head(model), cfg.draft_quantization)
+            spec = job.spec.speculative_config(self._head(model), cfg.draft_quantization,
+                                               cfg.draft_tensor_parallel_size)
         max_batch = max(job.batch_sizes)
         max_model_len = cfg.prompt_len + cfg.new_tokens + 16
         # Room for every request's context and draft lookahead at once: nothing is ever preempted.

@@ -38,11 +38,13 @@ class SpecSetting:
     def label(self) -> str:
         return f"eagle3 k={self.k} p={self.p:g}" + (" dynamic" if self.dynamic else "")
 
-    def speculative_config(self, head, quantization: str | None = None) -> dict:
+    def speculative_config(self, head, quantization: str | None = None, draft_tensor_parallel_size: int = 1) -> dict:
         """The engine's speculative config: EAGLE-3 with this head (a directory or shipped name) at this setting,
-        its weights quantized as `quantization` says (None: the model's dtype)."""
+        its weights quantized as `quantization` says (None: the model's dtype), placed as
+        draft_tensor_parallel_size says (1: whole on rank 0; the target's size: sharded like it)."""
         return {"method": "eagle3", "model": str(head), "num_speculative_tokens": self.k,
-                "forced_acceptance_prob": self.p, "dynamic": self.dynamic, "quantization": quantization}
+                "forced_acceptance_prob": self.p, "dynamic": self.dynamic, "quantization": quantization,
+                "draft_tensor_parallel_size": draft_tensor_parallel_size}
 
     @classmethod
     def parse(cls, text: str) -> SpecSetting:
@@ -95,6 +97,9 @@ class DecodeBenchConfig:
     # and SpeculativeConfig's `quantization`): None keeps the model's dtype.
     quantization: str | None = None
     draft_quantization: str | None = None
+    # Where every EAGLE-3 head runs under tensor parallelism (SpeculativeConfig's field): 1, whole on rank 0;
+    # tensor_parallel_size, sharded like the target. Run the benchmark once with each to compare them.
+    draft_tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization)
@@ -143,6 +148,11 @@ class DecodeBenchConfig:
 
         if self.all_reduce is not None and self.all_reduce not in ALL_REDUCES:
             raise bench_config_error("all_reduce", f"must be one of {', '.join(ALL_REDUCES)}, got {self.all_reduce!r}")
+        draft_tp = self.draft_tensor_parallel_size
+        if draft_tp not in (1, self.tensor_parallel_size):
+            raise bench_config_error("draft_tensor_parallel_size", f"must be 1 (the EAGLE-3 head whole on rank 0) or "
+                                     f"tensor_parallel_size ({self.tensor_parallel_size}, sharded like the target), "
+                                     f"got {draft_tp!r}")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise bench_config_error("time_budget_s", f"must be > 0, got {self.time_budget_s}")
 

@@ -49,6 +49,8 @@ def to_markdown(results: BenchResults) -> str:
     for field, what in (("quantization", "weights"), ("draft_quantization", "EAGLE-3 head's weights")):
         if cfg.get(field):
             kv += f", {what} {cfg[field]}"
+    if cfg.get("draft_tensor_parallel_size", 1) > 1:
+        kv += f", EAGLE-3 head sharded over {cfg['draft_tensor_parallel_size']} GPUs like the target"
     out = [f"Device: {results.device_name}; " + ", ".join(f"{k} {v}" for k, v in results.versions.items())
            + f"; {cfg['dtype']}{kv}; prompt {cfg['prompt_len']} tokens, {cfg['new_tokens']} new tokens per request "
            f"({cfg['hf_new_tokens']} for transformers), greedy, EOS ignored; decode tokens/s after the prefill. "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
+from specserve.config import EngineConfig
 from specserve.errors import ConfigError
 from tests.conftest import hf_greedy, repetitive_prompts
 from tests.heads import save_eagle_head
@@ -70,3 +71,27 @@ def test_sharded_drafter_takes_rank0s_sampled_drafts(tiny_llama, heads):
                tensor_parallel_size=2, **SMALL)
     assert [got[0][i] for i in (0, 2)] == [want[0][i] for i in (0, 2)]
     assert all(len(t) == 14 for t in got[0]) and got[1][0] > 0
+
+
+TREE = "[(0,), (1,), (0, 0)]"
+
+
+@pytest.mark.parametrize("tp, size, sharded", [(2, None, False), (2, 1, False), (2, 2, True), (1, 1, False)])
+def test_draft_tensor_parallel_size_is_honoured(tiny_llama, heads, tp, size, sharded):
+    spec = {"method": "eagle3", "model": str(heads["eagle3"]), "num_speculative_tokens": 2,
+            "draft_tensor_parallel_size": size}
+    cfg = EngineConfig(model=str(tiny_llama[0]), device="cpu", tensor_parallel_size=tp, speculative_config=spec)
+    assert cfg.drafter_sharded is sharded
+
+
+@pytest.mark.parametrize("tp, extra, match", [
+    (2, {"draft_tensor_parallel_size": 3}, r"must be 1 \(the drafter whole on rank 0\) or tensor_parallel_size \(2\)"),
+    (1, {"draft_tensor_parallel_size": 2}, r"or tensor_parallel_size \(1\), got 2"),
+    (2, {"draft_tensor_parallel_size": 2, "speculative_token_tree": TREE}, "drafts chains only; pass 1 to draft trees"),
+    (2, {"draft_tensor_parallel_size": 2, "method": "ngram"}, "drafts whole on rank 0: pass 1"),
+], ids=["not-the-target-size", "without-tensor-parallelism", "tree", "ngram"])
+def test_draft_tensor_parallel_size_is_refused_naming_the_fix(tiny_llama, heads, tp, extra, match):
+    spec = {"method": "eagle3", "model": str(heads["eagle3"]), "num_speculative_tokens": 2, **extra}
+    with pytest.raises(ConfigError, match=match) as e:
+        EngineConfig(model=str(tiny_llama[0]), device="cpu", tensor_parallel_size=tp, speculative_config=spec)
+    assert e.value.field == "speculative_config.draft_tensor_parallel_size"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.errors import ConfigError
 from tests.conftest import repetitive_prompts
 from tests.heads import save_eagle_head
 
@@ -58,12 +57,3 @@ def test_tp2_speculation_equals_tp1(tiny_llama, heads, method, tree, async_sched
     assert got[0] == want[0]
     assert got[1] == want[1] and got[1][0] > 0  # the same drafts proposed and accepted
     assert got[2] > 0 and got[3] > 0  # preempted and hit the prefix cache
-
-
-@pytest.mark.parametrize("size, match", [(2, "not supported yet; pass 1"), (3, "must be 1")])
-def test_draft_tensor_parallel_size_is_honoured_or_refused(tiny_llama, heads, size, match):
-    spec = {"method": "eagle3", "model": str(heads["eagle3"]), "num_speculative_tokens": 2,
-            "draft_tensor_parallel_size": size}
-    with pytest.raises(ConfigError, match=match) as e:
-        LLM(str(tiny_llama[0]), device="cpu", tensor_parallel_size=2, speculative_config=spec)
-    assert e.value.field == "speculative_config.draft_tensor_parallel_size"
