@@ -22,6 +22,11 @@ from specserve.worker.staged_inputs import StagedExtra
 from specserve.worker.step_path import Drafting, StepPath, WholeStep
 
 
+def _max_base_position(sched: SchedulerOutput, sampling: list[int]) -> int:
+    """The largest position a drafting request drafts from: an upper bound of the device's, known on the host."""
+    return max(sched.scheduled[i].start + sched.scheduled[i].num_new_tokens - 1 for i in sampling)
+
+
 class DraftProposal:
     """ModelRunner's drafting glue (mixed into ModelRunner, whose state it uses)."""
 
@@ -38,9 +43,8 @@ class DraftProposal:
         step's graph holds its drafting); None where they draft nothing."""
         if not self.config.drafter_sharded or not path.drafts_on_device or path.whole is not WholeStep.NONE:
             return None
-        scheduled = [sched.scheduled[i] for i in sampling]
-        argmax = not path.drafting.masked and all(s.request.params.greedy for s in scheduled)
-        return DraftFollow(len(sampling), max(s.start + s.num_new_tokens - 1 for s in scheduled), not argmax)
+        argmax = not path.drafting.masked and all(sched.scheduled[i].request.params.greedy for i in sampling)
+        return DraftFollow(len(sampling), _max_base_position(sched, sampling), not argmax)
 
     def _propose(self, sched: SchedulerOutput, sampling: list[int], desc: BatchDescriptor, target_out: tuple,
                  metadata: AttentionMetadata, drafting: Drafting, follow: DraftFollow | None) -> None:
@@ -66,8 +70,7 @@ class DraftProposal:
             step_tokens = self.outputs.packed.index_select(0, b.staged_extra(StagedExtra.SAMPLING_ROWS))
             masks = DraftMasks([r.grammar for r in requests], step_tokens,
                                self.tree.parents if self.tree is not None else None, self.arch.vocab_size, self.device)
-        max_base = max(s.start + s.num_new_tokens - 1 for s in scheduled)
-        inp = self._draft_input(n, desc, target_out, metadata, drafting, max_base,
+        inp = self._draft_input(n, desc, target_out, metadata, drafting, _max_base_position(sched, sampling),
                                 SamplingBatch.build(requests, self.device), masks, moves,
                                 follow is not None and follow.shared_picks)
         drafts = spec.propose(inp)
