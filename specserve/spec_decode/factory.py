@@ -52,7 +52,8 @@ def _check_fit(head: ArchConfig, target: ArchConfig, what: str) -> None:
 def _shared_weight(runner, name: str) -> torch.nn.Parameter | None:
     """The target's `name` (model.embed_tokens.weight or lm_head.weight), for a head without its own. Under
     tensor parallelism the target holds a shard of it and the head's embedding and lm_head are whole (on rank 0,
-    or on every rank beside its sharded layer), so it is read whole from the target's checkpoint; with random weights (load_format dummy) there is none, and the head keeps
+    or on every rank beside its sharded layer), so it is read whole from the target's checkpoint; with random
+    weights (load_format dummy) there is none, and the head keeps
     its own random one."""
     if runner.config.tensor_parallel_size == 1:
         module = runner.model.model.embed_tokens if name == "model.embed_tokens.weight" else runner.model.lm_head
@@ -77,8 +78,9 @@ def _head_group(runner, arch: ArchConfig) -> TPGroup:
     try:
         shard_arch(arch, tp)
     except ConfigError as e:
-        raise _bad("draft_tensor_parallel_size", f"{tp.size} cannot shard the head: {str(e).removeprefix(e.field + ': ').split(';')[0]}; "
-                   "pass 1 to run the head whole on rank 0") from e
+        why = str(e).removeprefix(f"{e.field}: ").split(";")[0]
+        raise _bad("draft_tensor_parallel_size", f"{tp.size} cannot shard the head: {why}; pass 1 to run the head "
+                   "whole on rank 0") from e
     return tp
 
 
