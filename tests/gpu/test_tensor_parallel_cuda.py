@@ -1,6 +1,6 @@
 """Tensor parallelism on two GPUs (NCCL; run with `pytest -m gpu` on a machine with >= 2 GPUs): TP=2 equals
-TP=1 in float32 (TF32 off) in every graph mode, with and without EAGLE-3 chains and trees, the all-reduces
-replayed inside CUDA graphs; the KV cache sized by gpu_memory_utilization on every rank; and in bfloat16 on a
+TP=1 in float32 (TF32 off) in every graph mode, with and without EAGLE-3 chains and trees, and chains of the head
+sharded like the target, the all-reduces replayed inside CUDA graphs; the KV cache sized by gpu_memory_utilization on every rank; and in bfloat16 on a
 real model (SPECSERVE_TP_MODEL, a Hugging Face directory whose heads divide by 2, with an optional EAGLE-3 head
 in SPECSERVE_TP_EAGLE3_HEAD) TP=2's greedy tokens agree with TP=1's."""
 from __future__ import annotations
@@ -33,10 +33,13 @@ def case(tiny_llama, tmp_path_factory):
     return path, prompts, head
 
 
-def _spec(head, drafts):
+def _spec(head, drafts, tp: int = 1):
+    """No drafter, an EAGLE-3 chain or tree whole on rank 0, or a chain of the head sharded over the tp ranks."""
     if drafts is None:
         return None
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    if drafts == "sharded-chain":
+        return {**spec, "draft_tensor_parallel_size": tp}
     return {**spec, "speculative_token_tree": TREE} if drafts == "tree" else spec
 
 
@@ -51,12 +54,13 @@ def _run(path, prompts, tp: int, **kwargs):
         llm.engine.core.close()
 
 
-@pytest.mark.parametrize("drafts", [None, "chain", "tree"])
+@pytest.mark.parametrize("drafts", [None, "chain", "tree", "sharded-chain"])
 @pytest.mark.parametrize("mode", [M.FULL_AND_PIECEWISE, M.FULL_DECODE_ONLY, M.PIECEWISE, M.NONE], ids=lambda m: m.name)
 def test_tp2_float32_equals_tp1(case, drafts, mode):
     path, prompts, head = case
-    kwargs = dict(dtype="float32", cudagraph_mode=mode.name, speculative_config=_spec(head, drafts), **SMALL_KV)
-    assert _run(path, prompts, 2, **kwargs) == _run(path, prompts, 1, **kwargs)
+    kwargs = dict(dtype="float32", cudagraph_mode=mode.name, **SMALL_KV)
+    want = _run(path, prompts, 1, speculative_config=_spec(head, drafts), **kwargs)
+    assert _run(path, prompts, 2, speculative_config=_spec(head, drafts, tp=2), **kwargs) == want
 
 
 def test_every_rank_sizes_its_cache_by_utilization(case):
