@@ -11,7 +11,7 @@ Target: a shape preset of specserve/bench/models.py (smollm2-shape, llama3-8b, q
 decoder layer's qkv (add + norm + rotary + cache write), o_proj, gate_up (add + norm + SiLU-and-mul) and
 down_proj, as rank 0 of --tensor-parallel-size ranks holds them (step_projections_shapes.py; several sizes time
 each size's shards, and --write-config then tunes a class shared by sizes over all of them). With
-smollm2-shape also the shipped EAGLE-3 head's (which runs whole on rank 0): its qkv (its input normed
+smollm2-shape also the shipped EAGLE-3 head's (whole, as rank 0 runs it by default): its qkv (its input normed
 already, K = 2 x hidden), gate_up over its 6144-wide MLP, down_proj and lm_head with the argmax over its
 12,288-token draft vocabulary. --shapes keeps those whose name contains one of its words.
 

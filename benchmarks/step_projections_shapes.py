@@ -5,8 +5,9 @@ that a shape class shared by sizes is tuned over all of them).
 The target's projections are the weights of one decoder layer as the model's own code builds it
 (models/llama.DecoderLayer, on the meta device) from a shape preset of specserve.bench.models, sharded by
 models/parallel_layers.shard_arch: qkv and gate_up column-parallel (by heads, KV heads replicated when fewer
-than ranks; by columns), o_proj and down_proj row-parallel (split along K). The drafter runs whole on rank 0
-(docs/design.md, 'Tensor parallelism'): the head's projections are the shipped SmolLM2 EAGLE-3 head's, whole.
+than ranks; by columns), o_proj and down_proj row-parallel (split along K). The head's projections are
+the shipped SmolLM2 EAGLE-3 head's, whole, as rank 0 holds it by default (draft_tensor_parallel_size 1;
+docs/design.md, 'Tensor parallelism').
 """
 from __future__ import annotations
 
@@ -157,7 +158,7 @@ def parse_args(argv: list[str] | None, description: str) -> BenchArgs:
     every = []
     for tp in dict.fromkeys(a.tensor_parallel_size):
         try:
-            # The head is whole on rank 0 at every size: its projections once.
+            # The head is whole (draft_tensor_parallel_size 1) at every size: its projections once.
             every += [p for p in step_projections(a.target, tp) if not (every and p.group == "head")]
         except ConfigError as e:
             ap.error(f"--tensor-parallel-size {tp} for {a.target}: {e}")
