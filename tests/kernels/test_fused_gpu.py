@@ -17,6 +17,7 @@ from specserve.models.loader import build_model, open_model_source
 
 from .test_activation import check_silu_and_mul
 from .test_fp8_folded import check_norm_fp8_rows, check_silu_and_mul_fp8_rows
+from .test_qkv_rotary_cache import check_qkv
 from .test_fused_model import (STEPS, assert_near, check_eagle3_greedy_step, check_eagle3_greedy_tokens, check_head,
                                check_target, make_step, new_caches, randomize, tiny_arch)
 from .test_rmsnorm import check_fused_add, check_rms_norm
@@ -48,6 +49,18 @@ def test_fp8_rows_kernels_at_model_shapes(shape, dtype):
     check_norm_fp8_rows(hidden, dtype, add=False)
     check_norm_fp8_rows(hidden, dtype, add=True)
     check_silu_and_mul_fp8_rows(inter, dtype)
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 4])
+def test_qkv_split_k_at_a_ranks_shape(m, split_k):
+    """Rank 0's qkv of Llama-3-8B at TP=2 (16 q heads, 4 KV heads of 128, K = 4096), compiled, whole and split
+    over K (the parts' workspace, counts and the last part's epilogue), against float64."""
+    from specserve.kernels.small_m_configs import SmallMConfig
+
+    config = SmallMConfig(32, 256, 4, 4, split_k=split_k)
+    for _ in range(2):  # the second launch finds the counts back at zero
+        check_qkv(m, 16, 4, 128, torch.bfloat16, "add_norm", k=4096, config=config)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
