@@ -194,27 +194,32 @@ class EngineConfig:
 
     def _check_all_reduce(self) -> None:
         if self.all_reduce is None:
-            self.all_reduce = "one_shot" if self._one_shot_runs() else "nccl"
+            self.all_reduce = "one_shot" if self._one_shot_refusal() is None and self._gpus_reach_each_other() \
+                else "nccl"
         _check(self.all_reduce in ALL_REDUCES, "all_reduce",
                f"must be one of {', '.join(ALL_REDUCES)}, got {self.all_reduce!r}")
-        if self.all_reduce == "nccl":
-            return
-        tp = self.tensor_parallel_size
-        _check(tp > 1, "all_reduce", f"'{self.all_reduce}' all-reduces between ranks, and tensor_parallel_size is "
-               f"{tp}; raise it, or leave all_reduce at 'nccl'")
-        _check(self.device.startswith("cuda"), "all_reduce",
-               f"'{self.all_reduce}' runs on NVIDIA GPUs, not on {self.device}; use 'nccl' (gloo on the CPU)")
-        _check(self.nnodes == 1, "all_reduce", f"'{self.all_reduce}' maps every rank's memory, so its ranks share "
-               f"one node; with nnodes={self.nnodes} use 'nccl'")
-        _check(tp & (tp - 1) == 0 and tp <= 8, "all_reduce", f"'{self.all_reduce}' takes 2, 4 or 8 ranks, got "
-               f"tensor_parallel_size {tp}; use 'nccl'")
+        if self.all_reduce == "one_shot":
+            refusal = self._one_shot_refusal()
+            _check(refusal is None, "all_reduce", refusal or "")
 
-    def _one_shot_runs(self) -> bool:
-        """Whether the one-shot all-reduce can serve this group: the conditions _check_all_reduce asks of it, and
-        GPUs 0..tp-1 (rank r's, parallel_state.rank_device) each reaching the others' memory."""
+    def _one_shot_refusal(self) -> str | None:
+        """Why the one-shot all-reduce cannot serve this group, naming the fix; None where it can (peer access
+        aside: joining checks it, and the default asks _gpus_reach_each_other)."""
+        tp, name = self.tensor_parallel_size, "'one_shot'"
+        if tp == 1:
+            return (f"{name} all-reduces between ranks, and tensor_parallel_size is {tp}; raise it, or leave "
+                    "all_reduce at 'nccl'")
+        if not self.device.startswith("cuda"):
+            return f"{name} runs on NVIDIA GPUs, not on {self.device}; use 'nccl' (gloo on the CPU)"
+        if self.nnodes != 1:
+            return f"{name} maps every rank's memory, so its ranks share one node; with nnodes={self.nnodes} use 'nccl'"
+        if tp & (tp - 1) or tp > 8:
+            return f"{name} takes 2, 4 or 8 ranks, got tensor_parallel_size {tp}; use 'nccl'"
+        return None
+
+    def _gpus_reach_each_other(self) -> bool:
+        """Whether GPUs 0..tp-1 (rank r's, parallel_state.rank_device) each reach the others' memory."""
         tp = self.tensor_parallel_size
-        if tp not in (2, 4, 8) or not self.device.startswith("cuda") or self.nnodes != 1:
-            return False
         return all(torch.cuda.can_device_access_peer(a, b) for a in range(tp) for b in range(tp) if a != b)
 
     def _check_draft_placement(self) -> None:
