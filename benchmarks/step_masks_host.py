@@ -13,7 +13,8 @@ The default run prints, per row count, the median over the repeats of: StepMasks
 rows, as the engine runs it (threads from this host's table); the same fill as one bare xgrammar call on one
 thread (what is left is Python around it); one accept_token a row and a rollback (Scheduler.update's accepts,
 outside StepMasks); and with --drafts k, StepMasks.build for that many rows verifying chains of k drafts (the
-model's own continuation, every draft accepted).
+model's own continuation, every draft accepted), and the drafter's masks of the k drafts that follow
+(DraftMasks.masks at each depth, after the step's new token, the same continuation drafted).
 
 --sweep times one bare batch fill of each row count on each thread count (at most this process's CPUs) and
 prints the table with the thread count chosen for each row count: the fewest within SAME_WITHIN of the fastest.
@@ -35,6 +36,7 @@ from specserve.engine.request import Request
 from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.models.loader import load_tokenizer, open_model_source
 from specserve.sampling_params import SamplingParams
+from specserve.structured_output.draft_masks import DraftMasks
 from specserve.structured_output.fill_threads import SAME_WITHIN, FillThreads, fill_threads, usable_cpus, write_table
 from specserve.structured_output.manager import StructuredOutputManager
 from specserve.structured_output.request_grammar import RequestGrammar
@@ -116,7 +118,8 @@ def buffer_for(rows: int, vocab: int) -> TokenBitmaskBuffer:
 
 def step_times(gs: list[RequestGrammar], vocab: int, rows: list[int], drafts: int, repeats: int) -> None:
     print(f"{'rows':>5} {'threads':>7} {'StepMasks.build':>16} {'bare fill, 1 thread':>20} {'accepts + rollback':>19}"
-          + (f" {f'build, {drafts} drafts':>16}" if drafts else "") + "   (median us a step)")
+          + (f" {f'build, {drafts} drafts':>16} {f'drafter, {drafts} drafts':>18}" if drafts else "")
+          + "   (median us a step)")
     scratch = xgr.allocate_token_bitmask(1, vocab)
     one = xgr.BatchGrammarMatcher(max_threads=1)
     for n in rows:
@@ -139,7 +142,25 @@ def step_times(gs: list[RequestGrammar], vocab: int, rows: list[int], drafts: in
             verifying = SchedulerOutput([scheduled(g, i, continuations(g, drafts, vocab, scratch))
                                          for i, g in enumerate(group)])
             line += f" {median_us(lambda: StepMasks.build(verifying, [], list(range(n)), buffer, lambda s: s.spec_token_ids), repeats):16.1f}"
+            line += f" {median_us(drafter_masks(group, drafts, vocab, scratch), repeats):18.1f}"
         print(line)
+
+
+def drafter_masks(group: list[RequestGrammar], drafts: int, vocab: int, scratch: torch.Tensor):
+    """A function that builds a chain step's drafter masks for group as a grammar step does: each request's
+    step emitted its continuation's first token and drafts the next `drafts`, masks(j) before draft j."""
+    paths = [continuations(g, drafts + 1, vocab, scratch) for g in group]
+    width = max(map(len, paths))
+    padded = torch.tensor([p + [0] * (width - len(p)) for p in paths])
+    step_tokens = torch.cat([torch.zeros(len(group), 1, dtype=torch.int64), padded[:, :1]], dim=1)
+    buffer = buffer_for(len(group), vocab)
+
+    def build() -> None:
+        masks = DraftMasks(group, step_tokens, None, buffer)
+        for j in range(drafts):
+            masks.masks(range(j, j + 1))
+            masks.follow(padded[:, j + 1:j + 2])
+    return build
 
 
 def sweep(gs: list[RequestGrammar], vocab: int, rows: list[int], threads: list[int], repeats: int) -> list[FillThreads]:

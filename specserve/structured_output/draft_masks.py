@@ -7,7 +7,12 @@ tokens (its accepted drafts and the token after them) and the drafts of the dept
 step drafts depth by depth, reading each depth's drafts back as soon as they are picked: follow() queues
 the copy, and masks() waits for it, after the drafter has queued its next forward, so the host builds the
 masks while the device runs that forward. Only steps with a grammar request draft this way (worker/
-step_path.py, Drafting.masked); the matcher is rolled back after every mask (RequestGrammar.fill_masks).
+step_path.py, Drafting.masked); every matcher is back where it was after each depth's masks.
+
+A chain's depth fills one node a request: every request's matcher walks its path (the step's new tokens, its
+drafts so far), one batched xgrammar call fills them all (structured_output/fill_threads.py), and each rolls
+back. A tree's depth walks each request's paths (RequestGrammar.fill_masks). The rows go straight into the
+runner's pinned buffer for the drafter's masks (InputBuffers.draft_bitmask) and to the device in one copy.
 """
 from __future__ import annotations
 
@@ -15,8 +20,10 @@ from collections.abc import Sequence
 
 import torch
 
+from specserve.structured_output.fill_threads import batch_fill
 from specserve.structured_output.request_grammar import RequestGrammar
-from specserve.transfer import HostCopy, to_device
+from specserve.transfer import HostCopy
+from specserve.worker.input_buffers import TokenBitmaskBuffer
 
 # What the drafter's -inf logits (tokens outside an EAGLE-3 head's draft vocabulary) are raised to before
 # masking: far below any logit, so such a token is drafted only where the grammar allows no token the
@@ -28,14 +35,13 @@ class DraftMasks:
     """The masks of one step's drafts, for its n drafting requests (rows in the drafter's order)."""
 
     def __init__(self, grammars: Sequence[RequestGrammar | None], step_tokens: torch.Tensor,
-                 tree_parents: tuple[int, ...] | None, vocab_size: int, device: torch.device):
+                 tree_parents: tuple[int, ...] | None, buffer: TokenBitmaskBuffer):
         """step_tokens [n, 2 + a + ...]: each drafting request's row of the step outputs (accepted count, then
         the tokens emitted), on the device, copied back now; tree_parents: DraftTree.parents for trees,
-        None for chains."""
+        None for chains; buffer: where a depth's masks are built, with at least n rows a node of the depth."""
         self.grammars = list(grammars)
         self.tree_parents = tree_parents
-        self.vocab_size = vocab_size
-        self.device = device
+        self.buffer = buffer
         self._step_tokens: HostCopy | None = HostCopy(step_tokens)
         self._pending: list[HostCopy] = []
         # Each request's tokens before its drafts this step, and its drafts so far in tree order.
@@ -51,15 +57,47 @@ class DraftMasks:
         """[n * len(nodes), words] on the device: row i * len(nodes) + r allows the tokens after node nodes[r]
         of request i (node 0: its last token this step; node j: its draft j, as RequestGrammar.fill_masks
         numbers them); every token in rows of requests without a grammar and where the path is refused."""
-        import xgrammar as xgr
-
         self._read_back()
         width = len(nodes)
-        bitmask = xgr.allocate_token_bitmask(len(self.grammars) * width, self.vocab_size)
+        rows = len(self.grammars) * width
+        if rows > self.buffer.host.shape[0]:
+            raise RuntimeError(f"a draft depth masks {rows} rows but the drafter's bitmask buffer holds "
+                               f"{self.buffer.host.shape[0]}")
+        host = self.buffer.fillable()
+        host[:rows].fill_(-1)
+        if self.tree_parents is None:
+            self._fill_chain_node(host, nodes[0])
+        else:
+            for i, grammar in enumerate(self.grammars):
+                if grammar is not None:
+                    grammar.fill_masks(host, i * width, self._drafts[i], self.tree_parents, nodes, self._prefix[i])
+        return self.buffer.copy(rows)
+
+    def _fill_chain_node(self, host: torch.Tensor, node: int) -> None:
+        """Row i: the tokens request i's grammar allows after its step's tokens and its drafts before `node`,
+        as RequestGrammar.fill_masks walks a chain: a path the grammar refuses, or ends (a stop token), keeps
+        its row allowing every token."""
+        matchers, rows, walked = [], [], []
         for i, grammar in enumerate(self.grammars):
-            if grammar is not None:
-                grammar.fill_masks(bitmask, i * width, self._drafts[i], self.tree_parents, nodes, self._prefix[i])
-        return to_device(bitmask, self.device, torch.int32)
+            if grammar is None or len(self._drafts[i]) < node:
+                continue
+            m = grammar.matcher
+            path = self._prefix[i] + self._drafts[i][:node]
+            taken = 0
+            for token in path:
+                if m.is_terminated() or not m.accept_token(token):
+                    break
+                taken += 1
+            if taken == len(path) and not m.is_terminated():
+                matchers.append(m)
+                rows.append(i)
+            walked.append((m, taken))
+        try:
+            batch_fill(matchers, host, rows)
+        finally:
+            for m, taken in walked:
+                if taken:
+                    m.rollback(taken)
 
     def _read_back(self) -> None:
         if self._step_tokens is not None:

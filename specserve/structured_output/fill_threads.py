@@ -1,5 +1,5 @@
-"""How many threads xgrammar's batch filler (BatchGrammarMatcher) fills a step's grammar masks on, by the number of
-rows one call fills (docs/design.md, 'Structured output').
+"""xgrammar's batch filler (BatchGrammarMatcher), through which every grammar mask is filled (batch_fill), and how
+many threads it fills on, by the number of rows one call fills (docs/design.md, 'Structured output').
 
 The choice is data, measured on the host: `benchmarks/step_masks_host.py --sweep --write` times the batch fill
 at each row count on each thread count and writes, for the CPUs the process may run on, `structured_output/
@@ -9,6 +9,7 @@ has CPUs; without one every call runs on the engine's thread alone (1).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -80,3 +81,18 @@ def fill_threads(rows: int, cpus: int | None = None) -> int:
         return 1
     bucket = next((b for b in table if rows <= b.max_rows), table[-1])
     return max(1, min(bucket.threads, cpus))
+
+
+def batch_fill(matchers: list, host, rows: list[int]) -> None:
+    """matchers[r]'s next-token mask into host[rows[r]] (a bitmask tensor), in one call on as many threads as
+    the host's table gives that many rows: a call per row from Python costs as much again as xgrammar's fill
+    of it."""
+    if matchers:
+        _filler(fill_threads(len(matchers))).batch_fill_next_token_bitmask(matchers, host, rows)
+
+
+@functools.cache
+def _filler(threads: int):
+    import xgrammar as xgr
+
+    return xgr.BatchGrammarMatcher(max_threads=threads)

@@ -15,7 +15,6 @@ reads them (i, or i * (k + 1) + j).
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,7 +22,7 @@ import torch
 
 from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.sample.token_bitmask import TokenMask
-from specserve.structured_output.fill_threads import fill_threads
+from specserve.structured_output.fill_threads import batch_fill
 from specserve.worker.input_buffers import TokenBitmaskBuffer
 
 
@@ -43,7 +42,7 @@ class StepMasks:
         (DraftTree.parents), None for chains. A group of rows without a grammar request gets None."""
         sample = [sched.scheduled[i] for i in sample_rows]
         verify = [sched.scheduled[i] for i in verify_rows]
-        host = buffer.host
+        host = buffer.fillable()
         num_sample = _fill_sample(host, sample)
         num_verify = _fill_verify(host, num_sample, verify, drafts_of, tree_parents)
         rows = num_sample + num_verify
@@ -73,7 +72,7 @@ def _fill_sample(host: torch.Tensor, requests: list[ScheduledRequest]) -> int:
     live = [i for i, s in enumerate(requests) if _live(s)]
     if len(live) < len(requests) and _any_grammar(requests):
         host[:len(requests)].fill_(-1)
-    _batch_fill([requests[i].request.grammar.matcher for i in live], host, live)
+    batch_fill([requests[i].request.grammar.matcher for i in live], host, live)
     return len(requests)
 
 
@@ -107,7 +106,7 @@ def _fill_chains(host: torch.Tensor, first: int, width: int, requests: list[Sche
     walking = [(i, m) for i, m in walking if not m.is_terminated()]
     taken = [0] * len(requests)
     for depth in range(width):
-        _batch_fill([m for _, m in walking], host, [first + i * width + depth for i, _ in walking])
+        batch_fill([m for _, m in walking], host, [first + i * width + depth for i, _ in walking])
         going = []
         for i, m in walking:
             if depth < len(drafts[i]) and m.accept_token(drafts[i][depth]):
@@ -118,18 +117,3 @@ def _fill_chains(host: torch.Tensor, first: int, width: int, requests: list[Sche
     for s, n in zip(requests, taken):
         if n:
             s.request.grammar.matcher.rollback(n)
-
-
-def _batch_fill(matchers: list, host: torch.Tensor, rows: list[int]) -> None:
-    """matchers[r]'s next-token mask into host[rows[r]], in one call on as many threads as the host's table
-    gives that many rows (structured_output/fill_threads.py): a call per row from Python costs as much again
-    as xgrammar's fill of it."""
-    if matchers:
-        _filler(fill_threads(len(matchers))).batch_fill_next_token_bitmask(matchers, host, rows)
-
-
-@functools.cache
-def _filler(threads: int):
-    import xgrammar as xgr
-
-    return xgr.BatchGrammarMatcher(max_threads=threads)

@@ -69,7 +69,7 @@ class DraftProposal:
             # 'Structured output').
             step_tokens = self.outputs.packed.index_select(0, b.staged_extra(StagedExtra.SAMPLING_ROWS))
             masks = DraftMasks([r.grammar for r in requests], step_tokens,
-                               self.tree.parents if self.tree is not None else None, self.arch.vocab_size, self.device)
+                               self.tree.parents if self.tree is not None else None, self.buffers.draft_bitmask)
         inp = self._draft_input(n, desc, target_out, metadata, drafting, _max_base_position(sched, sampling),
                                 SamplingBatch.build(requests, self.device), masks, moves,
                                 follow is not None and follow.shared_picks)

@@ -8,7 +8,7 @@ Rows past the live batch are reset to values that are always safe to read
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -18,32 +18,43 @@ from specserve.worker.staged_inputs import (HEADER_SLOTS, MASKED, StagedExtra, S
                                             scatter_staged_inputs)
 
 
-@dataclass(frozen=True)
 class TokenBitmaskBuffer:
-    """A step's grammar masks, one row of xgrammar's layout (int32, ceil(vocab / 32) words) per logits row: the
-    host fills `host` (pinned on CUDA) and copy() queues the rows to `device`, which the greedy graphs read
-    (worker/target_graphs.py) under `switch`, the staged header's MASKED.
+    """Grammar masks, one row of xgrammar's layout (int32, ceil(vocab / 32) words) per logits row: the host
+    fills fillable() (pinned on CUDA) and copy() queues the rows to `device`. The target's buffer is read by
+    the greedy graphs (worker/target_graphs.py) under `switch`, the staged header's MASKED; the drafter's by
+    each masked draft depth (structured_output/draft_masks.py).
 
-    What must hold: the host fills `host` only once the step before is complete (its copy is then done), which
-    a step with masks ensures before it builds them (ModelRunner.launch); rows of `device` past a step's own
-    hold an earlier step's masks and are read only for padded rows, whose tokens no request takes."""
+    What must hold: the host writes the pinned rows only after the last copy from them has run, which
+    fillable() waits for (usually long done: a grammar step completes the step before it, a draft depth reads
+    back the drafts picked under the masks before); rows of `device` past a step's own hold earlier masks
+    and are read only for padded rows, whose tokens no request takes."""
 
-    device: torch.Tensor
-    host: torch.Tensor
-    switch: torch.Tensor  # [1] int64, a view of the staged header
+    def __init__(self, device: torch.Tensor, host: torch.Tensor, switch: torch.Tensor | None = None):
+        self.device = device
+        self.host = host
+        self.switch = switch  # [1] int64, a view of the staged header (the target's buffer)
+        self._copied = torch.cuda.Event() if host is not device else None
+
+    def fillable(self) -> torch.Tensor:
+        """The host rows, once the last copy from them has run."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self.host
 
     def copy(self, rows: int) -> torch.Tensor:
         """The first rows of host, on their way to the device (queued behind the work already there)."""
-        if self.host is not self.device:
+        if self._copied is not None:
             self.device[:rows].copy_(self.host[:rows], non_blocking=True)
+            self._copied.record()
         return self.device[:rows]
 
 
 class InputBuffers:
     def __init__(self, max_num_reqs: int, max_num_tokens: int, max_blocks_per_req: int, device: torch.device,
-                 extra_capacity: int = 0, trees: bool = False, bitmask_rows: int = 0, vocab_size: int = 0):
+                 extra_capacity: int = 0, trees: bool = False, bitmask_rows: int = 0, draft_bitmask_rows: int = 0,
+                 vocab_size: int = 0):
         """bitmask_rows: the most logits rows a step masks (its requests' verified tokens), of vocab_size
-        tokens each."""
+        tokens each; draft_bitmask_rows: the most a draft depth masks (its requests' nodes at that depth)."""
         self.device = device
         # Whether steps may verify trees of drafts: the metadata then carries each token's tree bits.
         self.trees = trees
@@ -71,11 +82,8 @@ class InputBuffers:
         self._stream = torch.cuda.current_stream(device) if pin else None
         self._staging = 0
         self._layout: StagedLayout | None = None
-        words = -(-vocab_size // 32)
-        bitmask = torch.full((bitmask_rows, words), -1, dtype=i32, device=device)
-        # On the CPU the device's memory is the host's: the host fills the buffer the steps read.
-        self.token_bitmask = TokenBitmaskBuffer(bitmask, torch.full_like(bitmask, -1, device="cpu").pin_memory()
-                                                if pin else bitmask, self.staged[MASKED:MASKED + 1])
+        self.token_bitmask = _bitmask_buffer(bitmask_rows, vocab_size, device, self.staged[MASKED:MASKED + 1])
+        self.draft_bitmask = _bitmask_buffer(draft_bitmask_rows, vocab_size, device)
 
     def prepare(
         self,
@@ -158,3 +166,11 @@ class InputBuffers:
             query_start_loc_cpu=self.query_start_loc[: num_reqs + 1], seq_lens_cpu=self.seq_lens[:num_reqs],
             tree_bits=self.tree_bits[:num_tokens] if self.trees else None,
         )
+
+
+def _bitmask_buffer(rows: int, vocab_size: int, device: torch.device,
+                    switch: torch.Tensor | None = None) -> TokenBitmaskBuffer:
+    """rows x ceil(vocab_size / 32) words, every token allowed; on the CPU the device's memory is the host's."""
+    bitmask = torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)
+    host = torch.full_like(bitmask, -1, device="cpu").pin_memory() if bitmask.is_cuda else bitmask
+    return TokenBitmaskBuffer(bitmask, host, switch)

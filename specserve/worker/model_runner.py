@@ -99,9 +99,12 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         extras = config.max_num_seqs * (16 + MAX_DRAFT_TOKENS) + 16
         # A grammar mask row per verified token: 1 + the drafts of each request.
         bitmask_rows = config.max_num_seqs * (1 + (spec.num_draft_tokens if spec else 0))
+        # A drafter's mask row per node of one draft depth: a chain's one, a tree's widest level.
+        depth_width = 0 if spec is None else 1 if self.tree is None else max(
+            len(self.tree.level(d)) for d in range(self.tree.depth))
         self.buffers = InputBuffers(config.max_num_seqs, config.max_num_batched_tokens, max_blocks_per_req, self.device,
                                     extra_capacity=extras, trees=self.tree is not None, bitmask_rows=bitmask_rows,
-                                    vocab_size=arch.vocab_size)
+                                    draft_bitmask_rows=config.max_num_seqs * depth_width, vocab_size=arch.vocab_size)
         self.outputs = StepOutputs(config.max_num_seqs, spec.num_draft_tokens if spec else 0, self.device,
                                    max_accepted=spec.num_speculative_tokens if spec else 0)
         # Every rank reads a step's in-flight inputs from the previous step's outputs (asynchronous scheduling),

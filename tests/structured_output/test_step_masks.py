@@ -110,9 +110,9 @@ def test_step_masks_equal_a_fill_row_by_row(compiled, monkeypatch, threads):
     """StepMasks.build (batched fills, chains walked depth by depth over all requests, on `threads` threads) writes
     the masks a matcher of each request fills one row at a time; rows of requests that have no grammar or have
     ended allow everything; every matcher is back where it started."""
-    import specserve.structured_output.step_masks as step_masks
+    import specserve.structured_output.fill_threads as fill_threads
 
-    monkeypatch.setattr(step_masks, "fill_threads", lambda rows: threads)
+    monkeypatch.setattr(fill_threads, "fill_threads", lambda rows: threads)
     vocab, grammars = compiled
     rng = random.Random(threads)
     k = 4
@@ -164,3 +164,61 @@ def test_step_masks_equal_a_fill_row_by_row(compiled, monkeypatch, threads):
         m.fill_next_token_bitmask(a, 0)
         home.fill_next_token_bitmask(b, 0)
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_draft_chain_masks_equal_a_fill_row_by_row(compiled, monkeypatch, threads):
+    """DraftMasks over a chain (every request's node in one batched fill a depth, on `threads` threads) writes,
+    before draft j, each request's mask after its step's tokens and drafts 0..j-1, as a matcher fills it one
+    token at a time; a request without a grammar, or whose path is refused or ended, allows everything; every
+    matcher is back where it started after each depth."""
+    import specserve.structured_output.fill_threads as fill_threads
+    from specserve.structured_output.draft_masks import DraftMasks
+
+    monkeypatch.setattr(fill_threads, "fill_threads", lambda rows: threads)
+    vocab, grammars = compiled
+    rng = random.Random(10 + threads)
+    k, n, max_accepted = 3, 20, 2
+    words = -(-vocab // 32)
+    grammar_of, references, homes, steps, paths = [], [], [], [], []
+    for i in range(n):
+        m, ref, home = (xgr.GrammarMatcher(grammars[i % len(grammars)]) for _ in range(3))
+        for t in walk(m, vocab, rng, rng.randrange(0, 14)):
+            assert ref.accept_token(t) and home.accept_token(t)
+        # The step's tokens (its accepted drafts and the token after them), then the drafts of this step.
+        path = walk(m, vocab, rng, 1 + max_accepted + k)
+        m.rollback(len(path))
+        path += [rng.randrange(vocab) for _ in range(1 + max_accepted + k - len(path))]
+        if i % 4 == 1:
+            path[rng.randrange(len(path))] = rng.randrange(vocab)  # a token the grammar likely refuses
+        accepted = rng.randrange(max_accepted + 1)
+        steps.append([accepted] + path[:1 + max_accepted])
+        paths.append(path[:1 + accepted] + path[1 + max_accepted:])
+        grammar_of.append(None if i % 7 == 3 else RequestGrammar(m))
+        references.append(ref)
+        homes.append((m, home))
+    drafts = torch.tensor([p[-k:] for p in paths])
+    host = torch.zeros(n, words, dtype=torch.int32)
+    masks = DraftMasks(grammar_of, torch.tensor(steps), None, TokenBitmaskBuffer(host, host))
+    scratch = xgr.allocate_token_bitmask(1, vocab)
+    for j in range(k):
+        got = masks.masks(range(j, j + 1)).clone()
+        want = torch.full_like(got, -1)
+        for i, (grammar, ref, path) in enumerate(zip(grammar_of, references, paths)):
+            tokens = path[:len(path) - k + j]  # the step's tokens, then drafts 0..j-1
+            walked = 0
+            for t in tokens:
+                if ref.is_terminated() or not ref.accept_token(t):
+                    break
+                walked += 1
+            if grammar is not None and walked == len(tokens) and not ref.is_terminated():
+                ref.fill_next_token_bitmask(want, i)
+            ref.rollback(walked)
+        assert torch.equal(got, want), f"depth {j}"
+        for m, home in homes:
+            m.fill_next_token_bitmask(scratch, 0)
+            other = xgr.allocate_token_bitmask(1, vocab)
+            home.fill_next_token_bitmask(other, 0)
+            assert torch.equal(scratch, other)
+        masks.follow(drafts[:, j:j + 1])
+    assert any(torch.equal(got[i], torch.full((words,), -1, dtype=torch.int32)) for i in range(n))
