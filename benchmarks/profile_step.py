@@ -92,6 +92,13 @@ def main() -> None:
     ap.add_argument("--all-reduce", choices=["nccl", "one_shot"], help="default: the engine's choice")
     a = ap.parse_args()
     engine = build_engine(a.model, a.batch, a.spec, a.tensor_parallel_size, a.all_reduce)
+    try:
+        profile(engine, a)
+    finally:
+        engine.core.close()  # stops the other tensor-parallel ranks, which would keep the process alive
+
+
+def profile(engine, a: argparse.Namespace) -> None:
     prompts = make_prompts(a.batch, 32, engine.core.arch.vocab_size, 0)
     time_engine(engine, prompts, 16)
     t = time_engine(engine, prompts, a.new_tokens)

@@ -1,6 +1,7 @@
 """The cost of grammar-constrained decoding: output tokens/s with every request under a JSON schema beside the same
 requests unconstrained, at each batch size, with and without speculation, and the host time spent building the
-steps' grammar masks (StepMasks.build).
+steps' grammar masks: the target's (StepMasks.build) and, with speculation, the drafter's (each draft depth's
+DraftMasks._build, once its drafts are back).
 
     python benchmarks/structured_output_cost.py --model smollm2-135m --dataset mt_bench.jsonl \
         [--spec '{"method": "eagle3", "model": "smollm2-135m-eagle3", "num_speculative_tokens": 3}'] \
@@ -33,6 +34,7 @@ from specserve.llm import LLM
 from specserve.models.loader import load_tokenizer, open_model_source
 from specserve.sampling_params import SamplingParams
 from specserve.structured_output.spec import StructuredOutput, StructuredOutputKind
+from specserve.structured_output.draft_masks import DraftMasks
 from specserve.structured_output.step_masks import StepMasks
 
 SCHEMA_MIN_ITEMS = 200
@@ -55,6 +57,7 @@ class ArmResult:
     duration_s: float
     steps: int
     mask_build_s: float
+    draft_mask_build_s: float
     mean_acceptance_length: float | None
 
     @property
@@ -63,11 +66,13 @@ class ArmResult:
 
 
 class MaskTimer:
-    """Accumulates the host time of StepMasks.build, the part of a step that grammars add on the host."""
+    """Accumulates the host time of one function that builds masks (the part of a step that grammars add on
+    the host): StepMasks.build (the target's) or DraftMasks._build (a draft depth's, after its drafts are
+    back)."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: type, name: str) -> None:
         self.seconds = 0.0
-        build = StepMasks.build
+        build = getattr(owner, name)
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -76,7 +81,7 @@ class MaskTimer:
             finally:
                 self.seconds += time.perf_counter() - start
 
-        StepMasks.build = staticmethod(timed)
+        setattr(owner, name, staticmethod(timed) if isinstance(owner.__dict__[name], staticmethod) else timed)
 
 
 class StepCounter:
@@ -92,9 +97,9 @@ class StepCounter:
 
 
 def run_arm(llm: LLM, inputs: list[list[int]], params: SamplingParams, repeats: int, masks: MaskTimer,
-            counter: StepCounter) -> ArmResult:
+            draft_masks: MaskTimer, counter: StepCounter) -> ArmResult:
     stats = llm.engine.spec_stats
-    before = (stats.num_steps, stats.num_emitted, masks.seconds, counter.steps)
+    before = (stats.num_steps, stats.num_emitted, masks.seconds, counter.steps, draft_masks.seconds)
     tokens, start = 0, time.perf_counter()
     for _ in range(repeats):
         outs = llm.generate(inputs, params, use_tqdm=False)
@@ -107,7 +112,7 @@ def run_arm(llm: LLM, inputs: list[list[int]], params: SamplingParams, repeats: 
     duration = time.perf_counter() - start
     spec_steps, emitted = stats.num_steps - before[0], stats.num_emitted - before[1]
     return ArmResult(tokens, duration, counter.steps - before[3], masks.seconds - before[2],
-                     emitted / spec_steps if spec_steps else None)
+                     draft_masks.seconds - before[4], emitted / spec_steps if spec_steps else None)
 
 
 def engine_source(model: str, tokenizer: str | None) -> tuple[str, dict]:
@@ -137,7 +142,7 @@ def main() -> None:
     a = ap.parse_args()
     sizes = [int(x) for x in a.batch_sizes.split(",")]
     prompts = load_prompts(a.dataset, max(sizes))
-    masks = MaskTimer()
+    masks, draft_masks = MaskTimer(StepMasks, "build"), MaskTimer(DraftMasks, "_build")
     constrained = SamplingParams(temperature=0.0, max_tokens=a.max_tokens,
                                  structured_output=StructuredOutput(StructuredOutputKind.JSON_SCHEMA, SCHEMA))
     free = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
@@ -151,7 +156,7 @@ def main() -> None:
         llm.generate(inputs, warm, use_tqdm=False)  # compiles the grammar, captures, warms every batch size
         for b in sizes:
             repeats = max(1, -(-a.min_tokens_per_size // (b * a.max_tokens)))
-            arms = {name: run_arm(llm, inputs[:b], params, repeats, masks, counter)
+            arms = {name: run_arm(llm, inputs[:b], params, repeats, masks, draft_masks, counter)
                     for name, params in (("free", free), ("json_schema", constrained))}
             row = dict(spec="none" if spec is None else f"{spec['method']} k={spec.get('num_speculative_tokens')}",
                        batch=b, **{name: asdict(r) | {"tok_s": r.tok_s} for name, r in arms.items()})
@@ -161,14 +166,15 @@ def main() -> None:
                 a.json.write_text(json.dumps(rows, indent=1))
         del llm
     print("\n| speculation | batch | free tok/s | json_schema tok/s | constrained / free | mask build ms/step "
-          "| steps free / json | mean acceptance free / json |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| drafter's mask build ms/step | steps free / json | mean acceptance free / json |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         f, c = r["free"], r["json_schema"]
         acc = ("-" if f["mean_acceptance_length"] is None
                else f"{f['mean_acceptance_length']:.2f} / {c['mean_acceptance_length']:.2f}")
         print(f"| {r['spec']} | {r['batch']} | {f['tok_s']:,.0f} | {c['tok_s']:,.0f} | {c['tok_s'] / f['tok_s']:.0%} "
-              f"| {1e3 * c['mask_build_s'] / max(c['steps'], 1):.3f} | {f['steps']} / {c['steps']} | {acc} |")
+              f"| {1e3 * c['mask_build_s'] / max(c['steps'], 1):.3f} "
+              f"| {1e3 * c['draft_mask_build_s'] / max(c['steps'], 1):.3f} | {f['steps']} / {c['steps']} | {acc} |")
 
 
 if __name__ == "__main__":

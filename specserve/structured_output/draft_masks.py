@@ -58,6 +58,10 @@ class DraftMasks:
         of request i (node 0: its last token this step; node j: its draft j, as RequestGrammar.fill_masks
         numbers them); every token in rows of requests without a grammar and where the path is refused."""
         self._read_back()
+        return self._build(nodes)
+
+    def _build(self, nodes: range) -> torch.Tensor:
+        """masks() once the drafts are back: the host's part."""
         width = len(nodes)
         rows = len(self.grammars) * width
         if rows > self.buffer.host.shape[0]:
