@@ -13,7 +13,8 @@ The default run prints, per row count, the median over the repeats of: StepMasks
 rows, as the engine runs it (threads from this host's table); the same fill as one bare xgrammar call on one
 thread (what is left is Python around it); one accept_token a row and a rollback (Scheduler.update's accepts,
 outside StepMasks); and with --drafts k, StepMasks.build for that many rows verifying chains of k drafts (the
-model's own continuation, every draft accepted), and the drafter's masks of the k drafts that follow
+model's own continuation, every draft accepted), the same with the drafter's masks of the step before
+carried (only the position after the last draft filled), and the drafter's masks of the k drafts that follow
 (DraftMasks.masks at each depth, after the step's new token, the same continuation drafted).
 
 --sweep times one bare batch fill of each row count on each thread count (at most this process's CPUs) and
@@ -118,7 +119,7 @@ def buffer_for(rows: int, vocab: int) -> TokenBitmaskBuffer:
 
 def step_times(gs: list[RequestGrammar], vocab: int, rows: list[int], drafts: int, repeats: int) -> None:
     print(f"{'rows':>5} {'threads':>7} {'StepMasks.build':>16} {'bare fill, 1 thread':>20} {'accepts + rollback':>19}"
-          + (f" {f'build, {drafts} drafts':>16} {f'drafter, {drafts} drafts':>18}" if drafts else "")
+          + (f" {f'build, {drafts} drafts':>16} {'carried':>8} {f'drafter, {drafts} drafts':>18}" if drafts else "")
           + "   (median us a step)")
     scratch = xgr.allocate_token_bitmask(1, vocab)
     one = xgr.BatchGrammarMatcher(max_threads=1)
@@ -142,8 +143,23 @@ def step_times(gs: list[RequestGrammar], vocab: int, rows: list[int], drafts: in
             verifying = SchedulerOutput([scheduled(g, i, continuations(g, drafts, vocab, scratch))
                                          for i, g in enumerate(group)])
             line += f" {median_us(lambda: StepMasks.build(verifying, [], list(range(n)), buffer, lambda s: s.spec_token_ids), repeats):16.1f}"
+            carried = carried_masks(verifying, drafts, vocab)
+            line += f" {median_us(lambda: StepMasks.build(verifying, [], list(range(n)), buffer, lambda s: s.spec_token_ids, None, carried), repeats):8.1f}"
             line += f" {median_us(drafter_masks(group, drafts, vocab, scratch), repeats):18.1f}"
         print(line)
+
+
+def carried_masks(verifying: SchedulerOutput, drafts: int, vocab: int):
+    """The drafter's masks of the step before, as the engine carries them to this one: built from each
+    request's state now (no step tokens), along the drafts it verifies."""
+    requests = [s.request for s in verifying.scheduled]
+    n = len(requests)
+    chains = torch.tensor([s.spec_token_ids + [0] * (drafts - len(s.spec_token_ids)) for s in verifying.scheduled])
+    masks = DraftMasks([r.grammar for r in requests], torch.tensor([[-1, 0]] * n), None, buffer_for(n * drafts, vocab))
+    for j in range(drafts):
+        masks.masks(range(j, j + 1))
+        masks.follow(chains[:, j:j + 1])
+    return masks.carried([r.request_id for r in requests])
 
 
 def drafter_masks(group: list[RequestGrammar], drafts: int, vocab: int, scratch: torch.Tensor):
@@ -153,7 +169,7 @@ def drafter_masks(group: list[RequestGrammar], drafts: int, vocab: int, scratch:
     width = max(map(len, paths))
     padded = torch.tensor([p + [0] * (width - len(p)) for p in paths])
     step_tokens = torch.cat([torch.zeros(len(group), 1, dtype=torch.int64), padded[:, :1]], dim=1)
-    buffer = buffer_for(len(group), vocab)
+    buffer = buffer_for(len(group) * drafts, vocab)
 
     def build() -> None:
         masks = DraftMasks(group, step_tokens, None, buffer)

@@ -12,11 +12,18 @@ step_path.py, Drafting.masked); every matcher is back where it was after each de
 A chain's depth fills one node a request: every request's matcher walks its path (the step's new tokens, its
 drafts so far), one batched xgrammar call fills them all (structured_output/fill_threads.py), and each rolls
 back. A tree's depth walks each request's paths (RequestGrammar.fill_masks). The rows go straight into the
-runner's pinned buffer for the drafter's masks (InputBuffers.draft_bitmask) and to the device in one copy.
+runner's pinned buffer for the drafter's masks (InputBuffers.draft_bitmask), a block of rows a depth, and to
+the device in one copy.
+
+A chain's masks are also the next step's: its verification of these drafts masks position j with the state
+after the step's tokens and drafts 0..j-1, which is the drafter's node j. carried() keeps them for that step's
+StepMasks.build (CarriedDraftMasks), which then fills only what the drafter did not (the position after the
+last draft).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +36,34 @@ from specserve.worker.input_buffers import TokenBitmaskBuffer
 # masking: far below any logit, so such a token is drafted only where the grammar allows no token the
 # drafter ranks, and then the grammar's tokens are drafted uniformly rather than an illegal one.
 UNRANKED_LOGIT = -1e4
+
+
+@dataclass(frozen=True)
+class CarriedDraftMasks:
+    """A chain step's drafter masks, for the next step's verification masks (StepMasks.build).
+
+    What must hold: the host rows are the drafter's buffer, untouched until the next step drafts (which comes
+    after its StepMasks.build); a row is used only for a request whose grammar has accepted exactly the tokens
+    the drafter's path started from, and whose verified drafts begin with the drafts the row's path took."""
+
+    host: torch.Tensor  # the drafter's pinned rows, depth-major: depth d of request i at row d * n + i
+    n: int
+    index: dict[str, int]  # request id -> i
+    grammars: list[RequestGrammar | None]
+    accepted: list[int]  # tokens each grammar had accepted at the end of the drafter's path's step tokens
+    drafts: list[list[int]]  # the drafts each request's rows walked (all but its last)
+
+    def rows(self, request_id: str, grammar: RequestGrammar, drafts: Sequence[int]) -> tuple[int, int]:
+        """(i, depths): the mask after a verifying request's drafts 0..d-1 is host row d * n + i for every
+        d < depths; depths 0 where the drafter built none of its masks."""
+        i = self.index.get(request_id)
+        if i is None or self.grammars[i] is not grammar or grammar.accepted != self.accepted[i]:
+            return 0, 0
+        walked = self.drafts[i]
+        same = 0
+        while same < min(len(drafts), len(walked)) and drafts[same] == walked[same]:
+            same += 1
+        return i, same + 1
 
 
 class DraftMasks:
@@ -47,6 +82,9 @@ class DraftMasks:
         # Each request's tokens before its drafts this step, and its drafts so far in tree order.
         self._prefix: list[list[int]] = []
         self._drafts: list[list[int]] = [[] for _ in self.grammars]
+        # What each grammar will have accepted once the step's tokens are appended; the depths masked so far.
+        self._accepted: list[int] = []
+        self._depths = 0
 
     def follow(self, drafts: torch.Tensor) -> None:
         """The next drafts were picked, [n, m] on the device (a chain's next draft, or a tree's next depth in
@@ -56,26 +94,38 @@ class DraftMasks:
     def masks(self, nodes: range) -> torch.Tensor:
         """[n * len(nodes), words] on the device: row i * len(nodes) + r allows the tokens after node nodes[r]
         of request i (node 0: its last token this step; node j: its draft j, as RequestGrammar.fill_masks
-        numbers them); every token in rows of requests without a grammar and where the path is refused."""
+        numbers them); every token in rows of requests without a grammar and where the path is refused. Each
+        call's nodes follow the last's (a chain: one node a call)."""
         self._read_back()
         return self._build(nodes)
 
     def _build(self, nodes: range) -> torch.Tensor:
         """masks() once the drafts are back: the host's part."""
-        width = len(nodes)
-        rows = len(self.grammars) * width
-        if rows > self.buffer.host.shape[0]:
-            raise RuntimeError(f"a draft depth masks {rows} rows but the drafter's bitmask buffer holds "
-                               f"{self.buffer.host.shape[0]}")
+        n, width = len(self.grammars), len(nodes)
+        # A chain keeps every depth's rows (for carried()), a tree one depth's at a time.
+        first = n * nodes[0] if self.tree_parents is None else 0
+        rows = n * width
+        if first + rows > self.buffer.host.shape[0]:
+            raise RuntimeError(f"a draft depth masks rows {first}..{first + rows} but the drafter's bitmask buffer "
+                               f"holds {self.buffer.host.shape[0]}")
         host = self.buffer.fillable()
-        host[:rows].fill_(-1)
+        host[first:first + rows].fill_(-1)
         if self.tree_parents is None:
-            self._fill_chain_node(host, nodes[0])
+            self._fill_chain_node(host[first:first + rows], nodes[0])
         else:
             for i, grammar in enumerate(self.grammars):
                 if grammar is not None:
                     grammar.fill_masks(host, i * width, self._drafts[i], self.tree_parents, nodes, self._prefix[i])
-        return self.buffer.copy(rows)
+        self._depths = nodes[-1] + 1
+        return self.buffer.copy(rows, first)
+
+    def carried(self, request_ids: Sequence[str]) -> CarriedDraftMasks | None:
+        """A chain's masks for the next step's verification (request_ids: the drafting requests, in order);
+        None for trees. Reads back nothing more: the last draft's row is the next step's own to fill."""
+        if self.tree_parents is not None or not self._prefix:
+            return None
+        return CarriedDraftMasks(self.buffer.host, len(self.grammars), {r: i for i, r in enumerate(request_ids)},
+                                 self.grammars, self._accepted, [d[:self._depths - 1] for d in self._drafts])
 
     def _fill_chain_node(self, host: torch.Tensor, node: int) -> None:
         """Row i: the tokens request i's grammar allows after its step's tokens and its drafts before `node`,
@@ -107,6 +157,7 @@ class DraftMasks:
         if self._step_tokens is not None:
             rows = self._step_tokens.wait().tolist()
             self._prefix = [row[1:row[0] + 2] for row in rows]
+            self._accepted = [0 if g is None else g.accepted + len(p) for g, p in zip(self.grammars, self._prefix)]
             self._step_tokens = None
         for copy in self._pending:
             for drafts, new in zip(self._drafts, copy.wait().tolist()):

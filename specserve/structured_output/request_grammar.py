@@ -16,11 +16,15 @@ import torch
 class RequestGrammar:
     def __init__(self, matcher):
         self.matcher = matcher
+        self.accepted = 0  # the tokens accept() took: which state the matcher is in, for masks built ahead
 
     def accept(self, token_id: int) -> bool:
         """Advance past a token the request keeps; False when the grammar does not allow it (a masked
         step never yields one)."""
-        return self.matcher.accept_token(token_id)
+        if not self.matcher.accept_token(token_id):
+            return False
+        self.accepted += 1
+        return True
 
     @property
     def terminated(self) -> bool:

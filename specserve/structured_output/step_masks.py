@@ -22,6 +22,7 @@ import torch
 
 from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.sample.token_bitmask import TokenMask
+from specserve.structured_output.draft_masks import CarriedDraftMasks
 from specserve.structured_output.fill_threads import batch_fill
 from specserve.worker.input_buffers import TokenBitmaskBuffer
 
@@ -36,15 +37,17 @@ class StepMasks:
     @classmethod
     def build(cls, sched: SchedulerOutput, sample_rows: list[int], verify_rows: list[int],
               buffer: TokenBitmaskBuffer, drafts_of: Callable[[ScheduledRequest], list[int]],
-              tree_parents: tuple[int, ...] | None = None) -> StepMasks:
+              tree_parents: tuple[int, ...] | None = None, carried: CarriedDraftMasks | None = None) -> StepMasks:
         """The masks of a step in which at least one sampling request has a grammar. drafts_of: the drafts a
         scheduled request verifies; tree_parents: each tree index's parent when the drafts are trees
-        (DraftTree.parents), None for chains. A group of rows without a grammar request gets None."""
+        (DraftTree.parents), None for chains; carried: the step before's drafter masks, whose rows a verifying
+        chain's positions take where they apply instead of a fill. A group of rows without a grammar request
+        gets None."""
         sample = [sched.scheduled[i] for i in sample_rows]
         verify = [sched.scheduled[i] for i in verify_rows]
         host = buffer.fillable()
         num_sample = _fill_sample(host, sample)
-        num_verify = _fill_verify(host, num_sample, verify, drafts_of, tree_parents)
+        num_verify = _fill_verify(host, num_sample, verify, drafts_of, tree_parents, carried)
         rows = num_sample + num_verify
         if rows > host.shape[0]:
             raise RuntimeError(f"a step masks {rows} logits rows but the bitmask buffer holds {host.shape[0]}")
@@ -77,7 +80,8 @@ def _fill_sample(host: torch.Tensor, requests: list[ScheduledRequest]) -> int:
 
 
 def _fill_verify(host: torch.Tensor, first: int, requests: list[ScheduledRequest],
-                 drafts_of: Callable[[ScheduledRequest], list[int]], tree_parents: tuple[int, ...] | None) -> int:
+                 drafts_of: Callable[[ScheduledRequest], list[int]], tree_parents: tuple[int, ...] | None,
+                 carried: CarriedDraftMasks | None) -> int:
     """Rows first.. of host: 1 + the most drafts rows per request, each from a walk of its drafts. Returns the
     rows written."""
     if not requests:
@@ -88,7 +92,7 @@ def _fill_verify(host: torch.Tensor, first: int, requests: list[ScheduledRequest
         return len(requests) * width
     host[first:first + len(requests) * width].fill_(-1)
     if tree_parents is None:
-        _fill_chains(host, first, width, requests, drafts)
+        _fill_chains(host, first, width, requests, drafts, carried)
         return len(requests) * width
     for i, s in enumerate(requests):
         if _live(s):
@@ -97,16 +101,27 @@ def _fill_verify(host: torch.Tensor, first: int, requests: list[ScheduledRequest
 
 
 def _fill_chains(host: torch.Tensor, first: int, width: int, requests: list[ScheduledRequest],
-                 drafts: list[list[int]]) -> None:
+                 drafts: list[list[int]], carried: CarriedDraftMasks | None) -> None:
     """Each live request's row first + i * width + j: its mask after its drafts 0..j-1, depth by depth, all the
     requests of a depth in one batched call, as RequestGrammar.fill_masks walks one chain: a request stops at
     the first draft its grammar refuses or that ends it (a stop token), and its matcher is rolled back by the
-    drafts it took."""
+    drafts it took. A row the drafter already built for the same state (carried) is copied, not filled."""
     walking = [(i, s.request.grammar.matcher) for i, s in enumerate(requests) if _live(s)]
     walking = [(i, m) for i, m in walking if not m.is_terminated()]
     taken = [0] * len(requests)
+    spans = {} if carried is None else {
+        i: carried.rows(requests[i].request.request_id, requests[i].request.grammar, drafts[i]) for i, _ in walking}
+    copy_to, copy_from = [], []
     for depth in range(width):
-        batch_fill([m for _, m in walking], host, [first + i * width + depth for i, _ in walking])
+        fill = []
+        for i, m in walking:
+            row, depths = spans.get(i, (0, 0))
+            if depth < depths:
+                copy_to.append(first + i * width + depth)
+                copy_from.append(depth * carried.n + row)
+            else:
+                fill.append((i, m))
+        batch_fill([m for _, m in fill], host, [first + i * width + depth for i, _ in fill])
         going = []
         for i, m in walking:
             if depth < len(drafts[i]) and m.accept_token(drafts[i][depth]):
@@ -114,6 +129,8 @@ def _fill_chains(host: torch.Tensor, first: int, width: int, requests: list[Sche
                 if not m.is_terminated():
                     going.append((i, m))
         walking = going
+    if copy_to:
+        host.index_copy_(0, torch.tensor(copy_to), carried.host.index_select(0, torch.tensor(copy_from)))
     for s, n in zip(requests, taken):
         if n:
             s.request.grammar.matcher.rollback(n)

@@ -74,6 +74,8 @@ class DraftProposal:
                                 SamplingBatch.build(requests, self.device), masks, moves,
                                 follow is not None and follow.shared_picks)
         drafts = spec.propose(inp)
+        if masks is not None:
+            self._carried_masks = masks.carried([r.request_id for r in requests])
         if sampling[-1] == n - 1:  # rows 0..n-1: every scheduled request drafts
             self.outputs.drafts[:n].copy_(drafts)
         else:

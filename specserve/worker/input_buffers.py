@@ -41,12 +41,13 @@ class TokenBitmaskBuffer:
             self._copied.synchronize()
         return self.host
 
-    def copy(self, rows: int) -> torch.Tensor:
-        """The first rows of host, on their way to the device (queued behind the work already there)."""
+    def copy(self, rows: int, first: int = 0) -> torch.Tensor:
+        """rows rows of host from first, on their way to the device (queued behind the work already there)."""
+        part = slice(first, first + rows)
         if self._copied is not None:
-            self.device[:rows].copy_(self.host[:rows], non_blocking=True)
+            self.device[part].copy_(self.host[part], non_blocking=True)
             self._copied.record()
-        return self.device[:rows]
+        return self.device[part]
 
 
 class InputBuffers:

@@ -29,6 +29,7 @@ from specserve.spec_decode.draft_inputs import DraftRequest
 from specserve.spec_decode.greedy_verify import UniformVerifyInputs
 from specserve.spec_decode.speculator import Speculator
 from specserve.spec_decode.tree_verify import TreeOutcome, TreeTables
+from specserve.structured_output.draft_masks import CarriedDraftMasks
 from specserve.structured_output.step_masks import StepMasks
 from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager
 from specserve.worker.cudagraph_mode import CUDAGraphMode
@@ -99,12 +100,13 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         extras = config.max_num_seqs * (16 + MAX_DRAFT_TOKENS) + 16
         # A grammar mask row per verified token: 1 + the drafts of each request.
         bitmask_rows = config.max_num_seqs * (1 + (spec.num_draft_tokens if spec else 0))
-        # A drafter's mask row per node of one draft depth: a chain's one, a tree's widest level.
-        depth_width = 0 if spec is None else 1 if self.tree is None else max(
+        # The drafter's mask rows a request: a chain keeps one a draft (the next step verifies them), a tree
+        # one a node of its widest level.
+        draft_rows = 0 if spec is None else spec.num_draft_tokens if self.tree is None else max(
             len(self.tree.level(d)) for d in range(self.tree.depth))
         self.buffers = InputBuffers(config.max_num_seqs, config.max_num_batched_tokens, max_blocks_per_req, self.device,
                                     extra_capacity=extras, trees=self.tree is not None, bitmask_rows=bitmask_rows,
-                                    draft_bitmask_rows=config.max_num_seqs * depth_width, vocab_size=arch.vocab_size)
+                                    draft_bitmask_rows=config.max_num_seqs * draft_rows, vocab_size=arch.vocab_size)
         self.outputs = StepOutputs(config.max_num_seqs, spec.num_draft_tokens if spec else 0, self.device,
                                    max_accepted=spec.num_speculative_tokens if spec else 0)
         # Every rank reads a step's in-flight inputs from the previous step's outputs (asynchronous scheduling),
@@ -115,6 +117,8 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         self._previous: dict[str, PreviousRow] = {}
         # The drafts the last resolved step proposed, by request: those its successor verifies on the device.
         self._resolved_drafts: dict[str, list[int]] = {}
+        # The last step's chain drafter masks, for this step's verification masks only (draft_masks.py).
+        self._carried_masks: CarriedDraftMasks | None = None
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
@@ -195,7 +199,7 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
             yield
         finally:
             self.forget_requests(list(self.rows))
-            self._previous, self._tree_step, self._resolved_drafts = {}, None, {}
+            self._previous, self._tree_step, self._resolved_drafts, self._carried_masks = {}, None, {}, None
             self.buffers.reset()
             self.outputs.packed.zero_()
             if self.speculator is not None:
@@ -266,6 +270,7 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         in flight, completes it (resolves it and hands its tokens to the requests); a step with grammar masks
         calls it once its forward is enqueued, as the masks start from every token before the step."""
         self.forget_requests(sched.finished + sched.preempted)
+        carried, self._carried_masks = self._carried_masks, None  # the step before's drafts, or none
         ids, qlens, slens, rows, sampling = [], [], [], [], []
         inflight: list[InflightRequest] = []
         draft_requests: list[DraftRequest] = []  # per scheduled request, for the drafter
@@ -329,7 +334,8 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
             if complete_previous is not None:
                 complete_previous()
             masks = StepMasks.build(sched, plan.sample_rows, plan.verify_rows, b.token_bitmask,
-                                    self._verified_drafts, self.tree.parents if self.tree is not None else None)
+                                    self._verified_drafts, self.tree.parents if self.tree is not None else None,
+                                    carried)
         if path.sampling is not Sampling.NONE:
             self._sample(hidden, sched, plan.sample_rows, handle, desc, path.sampling, masks)
         if path.verification in (Verification.TREE_ARGMAX, Verification.TREE_LOGITS):

@@ -21,7 +21,7 @@ def test_step_times_for_each_row_count():
     lines = run("--rows", "1,4", "--drafts", "2", "--repeats", "3")
     rows = [line.split() for line in lines if line.split() and line.split()[0].isdigit()]
     assert [r[0] for r in rows] == ["1", "4"]
-    assert all(len(r) == 7 and all(float(x) > 0 for x in r[2:]) for r in rows), lines
+    assert all(len(r) == 8 and all(float(x) > 0 for x in r[2:]) for r in rows), lines
 
 
 def test_the_sweep_chooses_a_thread_count_for_each_row_count():

@@ -198,7 +198,7 @@ def test_draft_chain_masks_equal_a_fill_row_by_row(compiled, monkeypatch, thread
         references.append(ref)
         homes.append((m, home))
     drafts = torch.tensor([p[-k:] for p in paths])
-    host = torch.zeros(n, words, dtype=torch.int32)
+    host = torch.zeros(n * k, words, dtype=torch.int32)
     masks = DraftMasks(grammar_of, torch.tensor(steps), None, TokenBitmaskBuffer(host, host))
     scratch = xgr.allocate_token_bitmask(1, vocab)
     for j in range(k):
@@ -222,3 +222,74 @@ def test_draft_chain_masks_equal_a_fill_row_by_row(compiled, monkeypatch, thread
             assert torch.equal(scratch, other)
         masks.follow(drafts[:, j:j + 1])
     assert any(torch.equal(got[i], torch.full((words,), -1, dtype=torch.int32)) for i in range(n))
+
+
+def test_verification_takes_the_drafters_masks_of_the_step_before(compiled, monkeypatch):
+    """A chain step's drafter masks, carried to the next step, give StepMasks.build the same verification masks
+    as filling every position, with only what the drafter did not build filled (the position after the last
+    draft); a request whose grammar did not take exactly the step's tokens, or whose verified drafts differ, is
+    filled in full."""
+    import specserve.structured_output.step_masks as step_masks
+    from specserve.structured_output.draft_masks import DraftMasks
+
+    filled = []
+    fill = step_masks.batch_fill
+    monkeypatch.setattr(step_masks, "batch_fill", lambda m, host, rows: (filled.append(len(rows)), fill(m, host, rows)))
+    vocab, grammars = compiled
+    rng = random.Random(7)
+    k, n = 3, 24
+    words = -(-vocab // 32)
+    requests, steps, drafts = [], [], []
+    for i in range(n):
+        m = xgr.GrammarMatcher(grammars[i % len(grammars)])
+        walk(m, vocab, rng, rng.randrange(0, 14))
+        accepted = rng.randrange(2)
+        path = walk(m, vocab, rng, 1 + accepted + k)
+        m.rollback(len(path))
+        accepted = min(accepted, max(len(path) - 1, 0))
+        prefix, d = path[:1 + accepted], path[1 + accepted:]
+        d += [rng.randrange(vocab) for _ in range(k - len(d))]
+        if i % 5 == 2:
+            d[rng.randrange(k)] = rng.randrange(vocab)  # a draft the grammar likely refuses
+        s = scheduled(f"r{i}", m if prefix and i % 9 != 4 else None, d)
+        requests.append(s)
+        steps.append([accepted] + prefix + [0] * (2 - len(prefix)))
+        drafts.append(d)
+    draft_host = torch.zeros(n * k, words, dtype=torch.int32)
+    masks = DraftMasks([s.request.grammar for s in requests], torch.tensor(steps), None,
+                       TokenBitmaskBuffer(draft_host, draft_host))
+    for j in range(k):
+        masks.masks(range(j, j + 1))
+        masks.follow(torch.tensor(drafts)[:, j:j + 1])
+    carried = masks.carried([s.request.request_id for s in requests])
+    # The step's tokens reach the requests (Request.append_token), but one takes a token too few: one whose mask
+    # after its last token differs from the mask before it. r7 verifies other drafts than those drafted.
+    scratch, before = (xgr.allocate_token_bitmask(1, vocab) for _ in range(2))
+    short = None
+    for i, (s, row) in enumerate(zip(requests, steps)):
+        if s.request.grammar is not None:
+            for t in row[1:row[0] + 2]:
+                s.request.grammar.matcher.fill_next_token_bitmask(before, 0)
+                assert s.request.grammar.accept(t)
+            s.request.grammar.matcher.fill_next_token_bitmask(scratch, 0)
+            if short is None and i != 7 and not torch.equal(scratch, before):
+                short = i
+                s.request.grammar.matcher.rollback(1)
+                s.request.grammar.accepted -= 1
+    assert short is not None, "no request's last step token changes its mask; change the seed"
+    requests[7].request.grammar.matcher.fill_next_token_bitmask(scratch, 0)
+    other = [t for t in allowed(scratch, 0, vocab) if t != requests[7].spec_token_ids[0]]
+    assert other, "r7 needs a state with two allowed tokens; change the seed"
+    requests[7].spec_token_ids[0] = other[0]  # another grammatical draft than the drafter's
+    sched = SchedulerOutput(requests)
+    got, want = (torch.zeros(n * (k + 1), words, dtype=torch.int32) for _ in range(2))
+    StepMasks.build(sched, [], list(range(n)), TokenBitmaskBuffer(want, want), lambda s: s.spec_token_ids)
+    full, filled[:] = filled[:], []
+    StepMasks.build(sched, [], list(range(n)), TokenBitmaskBuffer(got, got), lambda s: s.spec_token_ids, None,
+                    carried)
+    assert torch.equal(got, want)
+    # Rows filled a depth (after the sampling rows' call): before the last only the short request's and r7's
+    # (past its changed draft), at the last as many as without the drafter's rows.
+    assert len(filled) == len(full) == 2 + k
+    assert all(rows <= 2 for rows in filled[1:-1]) and filled[-1] == full[-1], (full, filled)
+    assert sum(full) - sum(filled) >= sum(s.request.grammar is not None for s in requests), (full, filled)
