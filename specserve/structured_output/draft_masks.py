@@ -73,7 +73,8 @@ class DraftMasks:
                  tree_parents: tuple[int, ...] | None, buffer: TokenBitmaskBuffer):
         """step_tokens [n, 2 + a + ...]: each drafting request's row of the step outputs (accepted count, then
         the tokens emitted), on the device, copied back now; tree_parents: DraftTree.parents for trees,
-        None for chains; buffer: where a depth's masks are built, with at least n rows a node of the depth."""
+        None for chains; buffer: where the masks are built, n rows a draft for a chain (every depth's kept),
+        n a node of the widest depth for a tree."""
         self.grammars = list(grammars)
         self.tree_parents = tree_parents
         self.buffer = buffer
