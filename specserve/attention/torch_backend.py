@@ -129,17 +129,15 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: fl
             tree_bits: torch.Tensor | None = None, tree_offset: int = 0) -> torch.Tensor:
     """Causal attention of one request's q_len queries, the last tokens of its seq_len keys (in q's dtype)."""
     q_len, seq_len = q.shape[0], keys.shape[0]
-    group = q.shape[1] // keys.shape[1]
-    keys = keys.repeat_interleave(group, dim=1)
-    values = values.repeat_interleave(group, dim=1)
     # Query j sits at position seq_len - q_len + j and sees keys 0..that position.
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
     key_pos = torch.arange(seq_len, device=q.device)
     mask = key_pos[None, :] <= q_pos[:, None]
     if tree_bits is not None:
         mask &= tree_visible(tree_bits, key_pos - (seq_len - q_len - tree_offset))
+    # enable_gqa: each KV head serves its group of query heads without copying it per query head.
     o = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                                       attn_mask=mask, scale=scale)
+                                       attn_mask=mask, scale=scale, enable_gqa=True)
     return o.transpose(0, 1)
 
 
@@ -149,8 +147,6 @@ def _attend_batched(q, out, kv_cache, b: _BatchedLayout, scale: float, k_scale: 
     # Cache slots past a request's length may hold anything (even NaN): zero them, then mask them.
     keys = torch.where(b.live, load_kv(kv_cache[0][b.blocks].flatten(1, 2)[:, : b.max_s], k_scale, q.dtype), 0)
     values = torch.where(b.live, load_kv(kv_cache[1][b.blocks].flatten(1, 2)[:, : b.max_s], v_scale, q.dtype), 0)
-    group = q.shape[1] // keys.shape[2]
-    keys, values = keys.repeat_interleave(group, dim=2), values.repeat_interleave(group, dim=2)
     o = F.scaled_dot_product_attention(q[b.token].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                       attn_mask=b.mask, scale=scale).transpose(1, 2)
+                                       attn_mask=b.mask, scale=scale, enable_gqa=True).transpose(1, 2)
     out[b.token[b.real]] = o[b.real]
