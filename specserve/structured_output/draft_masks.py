@@ -138,11 +138,7 @@ class DraftMasks:
                 continue
             m = grammar.matcher
             path = self._prefix[i] + self._drafts[i][:node]
-            taken = 0
-            for token in path:
-                if m.is_terminated() or not m.accept_token(token):
-                    break
-                taken += 1
+            taken = grammar.walk(path)
             if taken == len(path) and not m.is_terminated():
                 matchers.append(m)
                 rows.append(i)

@@ -31,6 +31,17 @@ class RequestGrammar:
         """The grammar is complete and a stop token was accepted: the request ends."""
         return self.matcher.is_terminated()
 
+    def walk(self, tokens: Sequence[int]) -> int:
+        """Accept tokens on the matcher (not the request's: the caller rolls them back) up to the first the
+        grammar refuses or that follows its end; returns how many it took. The path is open (a mask may be
+        built after it) when it took them all and the grammar has not ended."""
+        m, taken = self.matcher, 0
+        for token in tokens:
+            if m.is_terminated() or not m.accept_token(token):
+                break
+            taken += 1
+        return taken
+
     def fill_masks(self, bitmask: torch.Tensor, first_row: int, drafts: Sequence[int],
                    parents: Sequence[int] | None = None, nodes: Sequence[int] | None = None,
                    prefix: Sequence[int] = ()) -> None:
@@ -61,13 +72,8 @@ class RequestGrammar:
                         visit(child)
                     m.rollback(1)
 
-        walked = 0
-        for token in prefix:
-            if m.is_terminated() or not m.accept_token(token):
-                break
-            walked += 1
-        else:
-            if not m.is_terminated():
-                visit(0)
+        walked = self.walk(prefix)
+        if walked == len(prefix) and not m.is_terminated():
+            visit(0)
         if walked:
             m.rollback(walked)
