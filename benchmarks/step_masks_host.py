@@ -159,6 +159,7 @@ def carried_masks(verifying: SchedulerOutput, drafts: int, vocab: int):
     for j in range(drafts):
         masks.masks(range(j, j + 1))
         masks.follow(chains[:, j:j + 1])
+    masks.close()
     return masks.carried([r.request_id for r in requests])
 
 
@@ -176,6 +177,7 @@ def drafter_masks(group: list[RequestGrammar], drafts: int, vocab: int, scratch:
         for j in range(drafts):
             masks.masks(range(j, j + 1))
             masks.follow(padded[:, j + 1:j + 2])
+        masks.close()
     return build
 
 

@@ -7,13 +7,16 @@ tokens (its accepted drafts and the token after them) and the drafts of the dept
 step drafts depth by depth, reading each depth's drafts back as soon as they are picked: follow() queues
 the copy, and masks() waits for it, after the drafter has queued its next forward, so the host builds the
 masks while the device runs that forward. Only steps with a grammar request draft this way (worker/
-step_path.py, Drafting.masked); every matcher is back where it was after each depth's masks.
+step_path.py, Drafting.masked).
 
-A chain's depth fills one node a request: every request's matcher walks its path (the step's new tokens, its
-drafts so far), one batched xgrammar call fills them all (structured_output/fill_threads.py), and each rolls
-back. A tree's depth walks each request's paths (RequestGrammar.fill_masks). The rows go straight into the
-runner's pinned buffer for the drafter's masks (InputBuffers.draft_bitmask), a block of rows a depth, and to
-the device in one copy.
+A chain's depth fills one node a request: each request's matcher walks on from the last depth's node by the
+tokens between (the step's new tokens at node 0, then one draft a depth) and stays there, so a path is walked
+once and not again from its start every depth; one batched xgrammar call fills every open node
+(structured_output/fill_threads.py). close() rolls every matcher back to where it was: the caller calls it once
+the step's drafting ends, however it ends, and nothing else reads the matchers before. A tree's depth walks
+each request's paths and rolls back (RequestGrammar.fill_masks). The rows go straight into the runner's pinned
+buffer for the drafter's masks (InputBuffers.draft_bitmask), a block of rows a depth, and to the device in one
+copy.
 
 A chain's masks are also the next step's: its verification of these drafts masks position j with the state
 after the step's tokens and drafts 0..j-1, which is the drafter's node j. carried() keeps them for that step's
@@ -86,6 +89,10 @@ class DraftMasks:
         # What each grammar will have accepted once the step's tokens are appended; the depths masked so far.
         self._accepted: list[int] = []
         self._depths = 0
+        # A chain's walk: the tokens each matcher took this step (close() rolls them back), and whether its path
+        # is still open (the grammar took every token of it and has not ended).
+        self._walked = [0] * len(self.grammars)
+        self._open = [g is not None for g in self.grammars]
 
     def follow(self, drafts: torch.Tensor) -> None:
         """The next drafts were picked, [n, m] on the device (a chain's next draft, or a tree's next depth in
@@ -128,27 +135,33 @@ class DraftMasks:
         return CarriedDraftMasks(self.buffer.host, len(self.grammars), {r: i for i, r in enumerate(request_ids)},
                                  self.grammars, self._accepted, [d[:self._depths - 1] for d in self._drafts])
 
+    def close(self) -> None:
+        """Roll every matcher back by what the chain's walk took: each is where it was before the step drafted."""
+        for grammar, taken in zip(self.grammars, self._walked):
+            if taken:
+                grammar.matcher.rollback(taken)
+        self._walked = [0] * len(self.grammars)
+        self._open = [False] * len(self.grammars)
+
     def _fill_chain_node(self, host: torch.Tensor, node: int) -> None:
         """Row i: the tokens request i's grammar allows after its step's tokens and its drafts before `node`,
         as RequestGrammar.fill_masks walks a chain: a path the grammar refuses, or ends (a stop token), keeps
-        its row allowing every token."""
-        matchers, rows, walked = [], [], []
+        its row allowing every token. Each matcher walks on from node - 1, where the last call left it."""
+        if node != self._depths:
+            raise RuntimeError(f"a chain's masks are built node after node: node {self._depths} is next, not {node}")
+        matchers, rows = [], []
         for i, grammar in enumerate(self.grammars):
-            if grammar is None or len(self._drafts[i]) < node:
+            if not self._open[i]:
                 continue
-            m = grammar.matcher
-            path = self._prefix[i] + self._drafts[i][:node]
-            taken = grammar.walk(path)
-            if taken == len(path) and not m.is_terminated():
-                matchers.append(m)
-                rows.append(i)
-            walked.append((m, taken))
-        try:
-            batch_fill(matchers, host, rows)
-        finally:
-            for m, taken in walked:
-                if taken:
-                    m.rollback(taken)
+            tokens = self._prefix[i] if node == 0 else self._drafts[i][node - 1:node]
+            taken = grammar.walk(tokens)
+            self._walked[i] += taken
+            if node > len(self._drafts[i]) or taken < len(tokens) or grammar.matcher.is_terminated():
+                self._open[i] = False
+                continue
+            matchers.append(grammar.matcher)
+            rows.append(i)
+        batch_fill(matchers, host, rows)
 
     def _read_back(self) -> None:
         if self._step_tokens is not None:

@@ -73,7 +73,11 @@ class DraftProposal:
         inp = self._draft_input(n, desc, target_out, metadata, drafting, _max_base_position(sched, sampling),
                                 SamplingBatch.build(requests, self.device), masks, moves,
                                 follow is not None and follow.shared_picks)
-        drafts = spec.propose(inp)
+        try:
+            drafts = spec.propose(inp)
+        finally:
+            if masks is not None:
+                masks.close()  # every matcher back where it was before the drafts, however propose ended
         if masks is not None:
             self._carried_masks = masks.carried([r.request_id for r in requests])
         if sampling[-1] == n - 1:  # rows 0..n-1: every scheduled request drafts

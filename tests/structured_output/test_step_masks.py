@@ -170,8 +170,8 @@ def test_step_masks_equal_a_fill_row_by_row(compiled, monkeypatch, threads):
 def test_draft_chain_masks_equal_a_fill_row_by_row(compiled, monkeypatch, threads):
     """DraftMasks over a chain (every request's node in one batched fill a depth, on `threads` threads) writes,
     before draft j, each request's mask after its step's tokens and drafts 0..j-1, as a matcher fills it one
-    token at a time; a request without a grammar, or whose path is refused or ended, allows everything; every
-    matcher is back where it started after each depth."""
+    token at a time; a request without a grammar, or whose path is refused or ended, allows everything; close()
+    brings every matcher back where it started, after every depth or after the first."""
     import specserve.structured_output.fill_threads as fill_threads
     from specserve.structured_output.draft_masks import DraftMasks
 
@@ -199,8 +199,25 @@ def test_draft_chain_masks_equal_a_fill_row_by_row(compiled, monkeypatch, thread
         homes.append((m, home))
     drafts = torch.tensor([p[-k:] for p in paths])
     host = torch.zeros(n * k, words, dtype=torch.int32)
-    masks = DraftMasks(grammar_of, torch.tensor(steps), None, TokenBitmaskBuffer(host, host))
     scratch = xgr.allocate_token_bitmask(1, vocab)
+
+    def assert_home() -> None:
+        for m, home in homes:
+            m.fill_next_token_bitmask(scratch, 0)
+            other = xgr.allocate_token_bitmask(1, vocab)
+            home.fill_next_token_bitmask(other, 0)
+            assert torch.equal(scratch, other)
+
+    # Drafting that ends after its first depth (propose raised): close() still rolls the walk back.
+    masks = DraftMasks(grammar_of, torch.tensor(steps), None, TokenBitmaskBuffer(host, host))
+    masks.masks(range(0, 1))
+    masks.follow(drafts[:, :1])
+    masks.masks(range(1, 2))
+    masks.close()
+    assert_home()
+    masks = DraftMasks(grammar_of, torch.tensor(steps), None, TokenBitmaskBuffer(host, host))
+    with pytest.raises(RuntimeError, match="node after node"):
+        masks.masks(range(1, 2))
     for j in range(k):
         got = masks.masks(range(j, j + 1)).clone()
         want = torch.full_like(got, -1)
@@ -215,12 +232,9 @@ def test_draft_chain_masks_equal_a_fill_row_by_row(compiled, monkeypatch, thread
                 ref.fill_next_token_bitmask(want, i)
             ref.rollback(walked)
         assert torch.equal(got, want), f"depth {j}"
-        for m, home in homes:
-            m.fill_next_token_bitmask(scratch, 0)
-            other = xgr.allocate_token_bitmask(1, vocab)
-            home.fill_next_token_bitmask(other, 0)
-            assert torch.equal(scratch, other)
         masks.follow(drafts[:, j:j + 1])
+    masks.close()
+    assert_home()
     assert any(torch.equal(got[i], torch.full((words,), -1, dtype=torch.int32)) for i in range(n))
 
 
@@ -261,6 +275,7 @@ def test_verification_takes_the_drafters_masks_of_the_step_before(compiled, monk
     for j in range(k):
         masks.masks(range(j, j + 1))
         masks.follow(torch.tensor(drafts)[:, j:j + 1])
+    masks.close()
     carried = masks.carried([s.request.request_id for s in requests])
     # The step's tokens reach the requests (Request.append_token), but one takes a token too few: one whose mask
     # after its last token differs from the mask before it. r7 verifies other drafts than those drafted.
