@@ -27,6 +27,7 @@ class TreeTables:
     tree: DraftTree
     children: torch.Tensor  # [N + 1, C] int64: tree indices of each index's children, -1 past them
     ancestor_bits: torch.Tensor  # [N + 1] int64
+    depths: torch.Tensor  # [N + 1] int64: each index's depth (the root's 0)
     # Per depth d >= 1 (entry 0 unused): over the nodes of depth d, each one's column among the guesses drafted
     # at depth d - 1 ([nodes of depth d - 1, top_k(d)], flattened); over those guesses, the node of depth d
     # each one is (its index in the depth), -1 for a guess the tree leaves out.
@@ -55,8 +56,8 @@ class TreeTables:
                 nodes[column] = j
             guess_nodes.append(table(nodes))
         level_parents = [0] + [tree.parents[i] - levels[tree.depths[i] - 1].start for i in range(1, tree.num_nodes + 1)]
-        return cls(tree, children, table(tree.ancestor_bits), tuple(guess_columns), tuple(guess_nodes),
-                   table(level_parents))
+        return cls(tree, children, table(tree.ancestor_bits), table(tree.depths), tuple(guess_columns),
+                   tuple(guess_nodes), table(level_parents))
 
 
 def walk_tree(target: torch.Tensor, node_tokens: torch.Tensor, num_drafts: torch.Tensor,
@@ -149,6 +150,21 @@ def verify_tree(target: torch.Tensor, input_ids: torch.Tensor, index: torch.Tens
     accepted_out.index_copy_(0, out_rows, outcome.accepted)
     tokens_out[:, :outcome.tokens.shape[1]].index_copy_(0, out_rows, outcome.tokens)
     return outcome
+
+
+def retrace_tree(input_ids: torch.Tensor, index: torch.Tensor, num_drafts: torch.Tensor, tables: TreeTables,
+                 slot_mapping: torch.Tensor, spare_slot: int, out_rows: torch.Tensor, accepted_out: torch.Tensor,
+                 tokens_out: torch.Tensor, *, use_triton: bool | None = None) -> TreeOutcome:
+    """verify_tree's outcome again from the tokens it wrote (tokens_out[out_rows]) instead of the target's tokens,
+    writing the same outputs again. Each move of the walk reads the target's token at the node it stands on, a
+    node of its path, and there that token is the emitted token of the node's depth: so a target holding at
+    every index the emitted token of its depth walks the same path, accepts as many drafts and moves the same
+    slots. A rank that has the step's outputs but not the target's tokens follows the verification so
+    (docs/design.md, 'Tensor parallelism')."""
+    emitted = tokens_out.index_select(0, out_rows)[:, :tables.tree.depth + 1]
+    target = emitted[:, tables.depths[:index.shape[1]]]
+    return verify_tree(target, input_ids, index, num_drafts, tables, slot_mapping, spare_slot, out_rows,
+                       accepted_out, tokens_out, use_triton=use_triton)
 
 
 def move_kv(caches: torch.Tensor, source: torch.Tensor, dest: torch.Tensor) -> None:

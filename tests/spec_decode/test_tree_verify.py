@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specserve.spec_decode.tree import DraftTree
-from specserve.spec_decode.tree_verify import TreeTables, move_kv, verify_tree
+from specserve.spec_decode.tree_verify import TreeTables, move_kv, retrace_tree, verify_tree
 
 TREE = DraftTree.build([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)])
 
@@ -71,6 +71,38 @@ def test_walk_tokens_and_moves_match_the_reference(seed, use_triton):
         for d, p in enumerate(path):
             # Depth d's slot now holds what the accepted node's tree slot held.
             assert torch.equal(moved[:, :, int(slot_mapping[i * width + d])], cache[:, :, int(slot_mapping[i * width + p])])
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_walk_retraced_from_its_emitted_tokens_is_the_walk(seed, use_triton):
+    """What a rank > 0 of a sharded drafter knows of rank 0's verification (the outputs it wrote) yields the same
+    accepted counts, paths and moves: random trees whose siblings share tokens, some cut short, a padded row."""
+    rng = random.Random(100 + seed)
+    n, width = 6, rng.choice([TREE.num_nodes + 1, 5])
+    target = torch.tensor([[rng.randrange(3) for _ in range(width)] for _ in range(n)])
+    nodes = torch.tensor([[rng.randrange(3) for _ in range(width)] for _ in range(n)])
+    num = torch.tensor([rng.choice([width - 1, rng.randrange(width)]) for _ in range(n)])
+    index = torch.arange(n * width).view(n, width)
+    slot_mapping = torch.randperm(n * width) + 100
+    slot_mapping[index[-1]] = -1
+    tables = TreeTables.build(TREE, torch.device("cpu"))
+    rows = torch.randperm(n + 2)[:n]
+    want, accepted_out, tokens_out = run_verify(target, nodes, num, index, tables, slot_mapping, 7, use_triton, rows)
+    input_ids = torch.full((n * width,), -5, dtype=torch.int64)
+    input_ids[index.flatten()] = nodes.flatten()
+    # Another rank's outputs: the emitted tokens alone (the accepted counts are not read).
+    accepted_again = torch.full((n + 2,), -9, dtype=torch.int64)
+    tokens_again = torch.full((n + 2, TREE.depth + 2), -9, dtype=torch.int64)
+    tokens_again[rows, :TREE.depth + 1] = tokens_out
+    got = retrace_tree(input_ids, index, num, tables, slot_mapping, 7, rows, accepted_again, tokens_again,
+                       use_triton=use_triton)
+    for field in ("accepted", "tokens", "path_tokens"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert all(torch.equal(g, w) for g, w in zip(got.moves, want.moves))
+    assert torch.equal(accepted_again[rows], accepted_out) and torch.equal(tokens_again[rows, :TREE.depth + 1],
+                                                                            tokens_out)
+    assert want.accepted.max() >= 1  # some walk accepts drafts
 
 
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
