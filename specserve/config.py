@@ -233,9 +233,6 @@ class EngineConfig:
         _check(spec.method in ("eagle", "eagle3"), field,
                f"{draft_tp} shards an EAGLE head like the target; method {spec.method!r} drafts whole on rank 0: "
                "pass 1")
-        _check(spec.speculative_token_tree is None, field,
-               f"{draft_tp} (the head sharded like the target) drafts chains only; pass 1 to draft trees with the "
-               "head whole on rank 0, or drop speculative_token_tree")
 
     @property
     def drafter_sharded(self) -> bool:

@@ -8,7 +8,8 @@ target's, the greedy sampling and verification's, a whole step's) it sends the p
 same kind of recorder. A rank's body runs the collectives rank 0's body runs, and nothing else: the
 target's forward; lm_head over the rows whose logits rank 0 takes; a whole tree step's KV-cache moves,
 which rank 0 broadcasts; a sharded drafter's graphs (the same DrafterGraphs capture as rank 0's, and its
-greedy drafts inside the whole step). Rank 0's sampling and verification, and a drafter whole on rank 0, need
+drafts inside the whole step, a tree's after the walk retraced from the outputs rank 0 shares instead of
+the moves). Rank 0's sampling and verification, and a drafter whole on rank 0, need
 no other rank. Each step then names its descriptor and path (WorkerStep), and the rank replays that
 part's graph, or fails if it has none (a rank that ran other collectives would hang the group).
 """
@@ -88,6 +89,9 @@ class GraphFollower:
                                         r._prepare_capture, r.draft_base_positions, r.draft_block_table)
         else:
             self.tree_depth = msg.tree_depth
+            if r.tree is not None and r.speculator is not None:
+                # A sharded drafter's whole tree step retraces rank 0's walk over the same fixed indices.
+                r.uniform_verify = r.uniform_verify_inputs()
             r.whole_step_graphs = self._manager(msg)
             r.whole_step_graphs.capture(self._whole_step, r._prepare_capture, msg.descriptors)
 
@@ -107,7 +111,8 @@ class GraphFollower:
 
     def _whole_step(self, desc: BatchDescriptor, metadata) -> torch.Tensor:
         """The collectives of rank 0's whole step (TargetGraphs._whole_step, _whole_tree_step), after the
-        in-flight requests' inputs that the step takes from rank 0's shared outputs."""
+        in-flight requests' inputs that the step takes from rank 0's shared outputs; with a sharded drafter, its
+        drafts, from the outputs rank 0 shares after verifying (a tree's walk retraced from them)."""
         r, n = self.runner, desc.num_reqs
         r.buffers.spread()
         r.fill_inflight_inputs(n)
@@ -118,7 +123,13 @@ class GraphFollower:
             move_kv(r.kv.stack, *broadcast_from_rank0(moves))
         if r.speculator is not None:  # a sharded drafter drafts here, from the outputs rank 0 shares first
             r.outputs.share_from_rank0(n)
-            r.draft_in_whole_step(desc, (padded_hidden, padded_aux), metadata)
+            target_out = (padded_hidden, padded_aux)
+            if r.tree is None:
+                r.draft_in_whole_step(desc, target_out, metadata)
+            else:
+                v = r.uniform_verify
+                outcome = r.retrace_trees(v.index[:n], v.num_drafts[:n], v.rows[:n])
+                r.draft_tree_in_whole_step(desc, target_out, metadata, outcome)
         elif r.shares_outputs:
             r.outputs.share_from_rank0(n)
         return logits

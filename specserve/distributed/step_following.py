@@ -14,7 +14,6 @@ from specserve.worker.step_plan import StepPlan
 # The parts that take logits (an all-gather of lm_head's shards) of the hidden rows the plan stages.
 _SAMPLING_LOGITS = (Sampling.ARGMAX, Sampling.SAMPLER)
 _VERIFYING_LOGITS = (Verification.GREEDY, Verification.REJECTION, Verification.TREE_ARGMAX, Verification.TREE_LOGITS)
-_TREES = (Verification.TREE_ARGMAX, Verification.TREE_LOGITS)
 
 
 def worker_step(input_ids: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
@@ -31,7 +30,14 @@ def worker_step(input_ids: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndar
             rows.append(plan.extras[StagedExtra.SAMPLE_INDEX])
         if path.verification in _VERIFYING_LOGITS:
             rows.append(plan.extras[StagedExtra.VERIFY_INDEX].reshape(-1))
-    moves = len(plan.verify_rows) * tree_depth if path.whole is WholeStep.NONE and path.verification in _TREES else 0
+    moves = len(plan.verify_rows) * tree_depth if broadcasts_tree_moves(path, drafting) else 0
     return WorkerStep(input_ids, query_lens, seq_lens, block_table, desc, path, *tree_layout, lm_head_rows=rows,
                       num_tree_moves=moves, extras=plan.extras, masked=path.masked, shares_outputs=shares_outputs,
                       drafting=drafting)
+
+
+def broadcasts_tree_moves(path: StepPath, drafting: DraftFollow | None) -> bool:
+    """Whether rank 0 sends the other ranks the KV moves of the trees it verifies outside graphs: yes, but where a
+    sharded drafter drafts in the step (drafting), for then rank 0 shares its outputs right after verifying and
+    every rank retraces the walk from them, moves included (ModelRunner.retrace_trees)."""
+    return path.verifies_trees and drafting is None

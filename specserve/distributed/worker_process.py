@@ -99,7 +99,8 @@ def follow_step(runner: ModelRunner, step: WorkerStep) -> None:
     logits of, and the KV moves of verified trees, each replayed from the graph rank 0 replays, so that every
     rank runs the same collectives in the same order. Only rank 0 samples and verifies; with asynchronous
     scheduling it shares its outputs, from which every rank takes the in-flight requests' inputs. A sharded
-    drafter drafts on every rank, from the outputs rank 0 shares before drafting."""
+    drafter drafts on every rank, from the outputs rank 0 shares before drafting, the trees' walks retraced
+    from them."""
     b = runner.buffers
     metadata = b.prepare(step.input_ids, step.query_lens, step.seq_lens, step.block_table, runner.block_size,
                          step.extras, step.tree_shift, step.tree_bits, masked=step.masked)
@@ -124,7 +125,9 @@ def follow_step(runner: ModelRunner, step: WorkerStep) -> None:
         move_kv(runner.kv.stack, *broadcast_from_rank0(moves))
     if step.drafting is not None:
         runner.outputs.share_from_rank0(len(step.query_lens))
+        # Rank 0 sent no tree moves (step_following.broadcasts_tree_moves): its walk follows from its outputs.
+        tree_step = runner.retrace_trees(*runner._verified_tokens()) if path.verifies_trees else None
         runner.follow_proposal(step.drafting, len(step.query_lens), desc, (padded_hidden, padded_aux), metadata,
-                               path.drafting)
+                               path.drafting, tree_step)
     elif step.shares_outputs:
         runner.outputs.share_from_rank0(len(step.query_lens))

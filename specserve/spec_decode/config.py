@@ -30,7 +30,7 @@ class SpeculativeConfig:
     speculative_token_tree: str | list | None = None
     # Under tensor parallelism, where the drafter runs (docs/design.md, 'Tensor parallelism'): 1, whole on
     # rank 0 (the other ranks hold the target's shards only); the target's tensor_parallel_size, an EAGLE
-    # head's chain drafter sharded like the target, every rank running its shard in lockstep with rank 0
+    # head sharded like the target (chains or trees), every rank running its shard in lockstep with rank 0
     # (EngineConfig checks the value against the target's size). None: 1.
     draft_tensor_parallel_size: int | None = None
     # Dynamic speculation (spec_decode/policy.py): before each step, draft or not from the batch size, the

@@ -173,7 +173,7 @@ class ModelDrafter(DrafterGraphs, Speculator):
             self._rows_in_use = n
         if inp.drafting in (Drafting.TREE_PASSES, Drafting.MASKED_TREE_PASSES):
             return self._draft_tree(for_logits, fed_back, last, inp.kv_moves, inp.base_positions, inp.block_table,
-                                    masks=inp.masks)
+                                    masks=inp.masks, shared_picks=inp.shared_picks)
         if inp.drafting is Drafting.TREE_GRAPH:
             if inp.kv_moves is not None:
                 self.move_kv(*inp.kv_moves)
@@ -235,14 +235,15 @@ class ModelDrafter(DrafterGraphs, Speculator):
     def _draft_tree(self, for_logits: torch.Tensor, fed_back: torch.Tensor, last: torch.Tensor,
                     kv_moves: tuple[torch.Tensor, torch.Tensor] | None, base_positions: torch.Tensor,
                     block_table: torch.Tensor, num_reqs: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None, masks: DraftMasks | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, masks: DraftMasks | None = None,
+                    shared_picks: bool = False) -> torch.Tensor:
         """After the prefill: the verified trees' cache moves in the drafter's cache (its prefill wrote the tree
         slots), then the next tree from the prefill's states at each last accepted token (masked by the
-        grammars along its paths where masks are given)."""
+        grammars along its paths where masks are given; each depth's guesses rank 0's with shared_picks)."""
         if kv_moves is not None:
             self.move_kv(*kv_moves)
         return draft_tree(self, self.tree_tables, for_logits.index_select(0, last), fed_back.index_select(0, last),
-                          base_positions, block_table, num_reqs, out, masks)
+                          base_positions, block_table, num_reqs, out, masks, shared_picks)
 
     def _keep_feedback(self, n: int, fed_back: torch.Tensor | None, last: torch.Tensor) -> None:
         """The prefill's state to feed back at each request's last accepted token, into the decode steps' rows."""

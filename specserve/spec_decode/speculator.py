@@ -50,9 +50,10 @@ class DraftInput:
     kv_moves: tuple[torch.Tensor, torch.Tensor] | None = None
     # A step with a grammar request (Drafting.masked): the grammar masks of each depth's drafts.
     masks: DraftMasks | None = None
-    # A drafter sharded over the tensor-parallel ranks, in a step whose drafts are not all the argmax of unmasked
-    # logits (a request samples, or a grammar masks them): rank 0 picks each draft and broadcasts it, and the
-    # other ranks draft on from rank 0's. Argmax drafts need no broadcast: every rank computes the same logits.
+    # A drafter sharded over the tensor-parallel ranks, in a step whose drafts are not all the argmax (or a tree's
+    # top guesses) of unmasked logits (a request samples a chain's drafts, or a grammar masks them): rank 0 picks
+    # each draft and broadcasts it, and the other ranks draft on from rank 0's. Argmax drafts and top guesses
+    # need no broadcast: every rank computes the same logits.
     shared_picks: bool = False
 
 

@@ -10,12 +10,15 @@ with the grammar states along their paths, which the host builds from the tokens
 """
 from __future__ import annotations
 
+import torch
+
 from specserve.attention.metadata import AttentionMetadata
 from specserve.distributed.messages import DraftFollow
 from specserve.engine.scheduler import SchedulerOutput
 from specserve.sample.sampler import SamplingBatch
 from specserve.spec_decode.draft_inputs import follow_tree_paths, gather_draft_inputs
 from specserve.spec_decode.speculator import DraftInput
+from specserve.spec_decode.tree_verify import TreeOutcome
 from specserve.structured_output.draft_masks import DraftMasks
 from specserve.worker.cudagraph import BatchDescriptor
 from specserve.worker.staged_inputs import StagedExtra
@@ -43,7 +46,10 @@ class DraftProposal:
         step's graph holds its drafting); None where they draft nothing."""
         if not self.config.drafter_sharded or not path.drafts_on_device or path.whole is not WholeStep.NONE:
             return None
-        argmax = not path.drafting.masked and all(sched.scheduled[i].request.params.greedy for i in sampling)
+        # A tree's drafts are its top guesses whatever the requests' sampling; a chain's are the argmax for
+        # greedy requests only.
+        argmax = not path.drafting.masked and (
+            self.tree is not None or all(sched.scheduled[i].request.params.greedy for i in sampling))
         return DraftFollow(len(sampling), _max_base_position(sched, sampling), not argmax)
 
     def _propose(self, sched: SchedulerOutput, sampling: list[int], desc: BatchDescriptor, target_out: tuple,
@@ -55,13 +61,7 @@ class DraftProposal:
         n = len(sampling)
         scheduled = [sched.scheduled[i] for i in sampling]
         self._gather_draft_inputs(desc, max_rows=len(sched.scheduled))
-        moves = None
-        if self.tree is not None and self._tree_step is not None:
-            outcome = self._tree_step
-            moves = outcome.moves
-            follow_tree_paths(outcome.path_tokens, outcome.accepted, outcome.tokens,
-                              b.staged_extra(StagedExtra.VERIFY_SLOTS), b.positions, spec.next_ids,
-                              self.draft_last_indices, self.draft_base_positions)
+        moves = self._follow_tree_paths(self._tree_step)
         requests = [s.request for s in scheduled]
         masks = None
         if drafting.masked:
@@ -86,16 +86,32 @@ class DraftProposal:
             self.outputs.drafts.index_copy_(0, b.staged_extra(StagedExtra.SAMPLING_ROWS), drafts)
 
     def follow_proposal(self, follow: DraftFollow, num_scheduled: int, desc: BatchDescriptor, target_out: tuple,
-                        metadata: AttentionMetadata, drafting: Drafting) -> None:
+                        metadata: AttentionMetadata, drafting: Drafting, tree_step: TreeOutcome | None) -> None:
         """A rank > 0's part of rank 0's _propose with a sharded drafter (docs/design.md, 'Tensor parallelism'):
-        the same inputs, gathered from the outputs rank 0 shared before drafting, and the same passes over the
-        rank's shard of the head, so the collectives match; the drafts are rank 0's (the same argmax, or rank 0's
-        broadcast picks)."""
+        the same inputs, gathered from the outputs rank 0 shared before drafting (and along the paths of the
+        trees verified, tree_step: retrace_trees), and the same passes over the rank's shard of the head, so the
+        collectives match; the drafts are rank 0's (the same argmax or top guesses, or rank 0's broadcast
+        picks)."""
         self._gather_draft_inputs(desc, max_rows=num_scheduled)
+        moves = self._follow_tree_paths(tree_step)
         inp = self._draft_input(follow.num_reqs, desc, target_out, metadata, drafting, follow.max_base_position,
-                                None, None, None, follow.shared_picks)
+                                None, None, moves, follow.shared_picks)
         drafts = self.speculator.propose(inp)
         self.outputs.drafts.index_copy_(0, self.buffers.staged_extra(StagedExtra.SAMPLING_ROWS), drafts)
+
+    def _follow_tree_paths(self, outcome: TreeOutcome | None,
+                           slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """After _gather_draft_inputs, the inputs of the requests that verified trees (outcome; None: no tree
+        was verified), along their accepted paths (follow_tree_paths; slots: their drafting indices, by default
+        as the step staged them). Returns the trees' KV moves, which the drafter makes in its own cache after its
+        prefill."""
+        if outcome is None:
+            return None
+        b = self.buffers
+        follow_tree_paths(outcome.path_tokens, outcome.accepted, outcome.tokens,
+                          b.staged_extra(StagedExtra.VERIFY_SLOTS) if slots is None else slots, b.positions,
+                          self.speculator.next_ids, self.draft_last_indices, self.draft_base_positions)
+        return outcome.moves
 
     def _draft_input(self, n: int, desc: BatchDescriptor, target_out: tuple, metadata: AttentionMetadata,
                      drafting: Drafting, max_base_position: int, sampling: SamplingBatch | None,

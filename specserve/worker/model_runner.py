@@ -19,7 +19,7 @@ import torch
 
 from specserve.config import EngineConfig
 from specserve.distributed.communication import min_over_ranks
-from specserve.distributed.step_following import worker_step
+from specserve.distributed.step_following import broadcasts_tree_moves, worker_step
 from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.models.arch_config import ArchConfig
 from specserve.outputs import Logprob
@@ -338,8 +338,9 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
                                     carried)
         if path.sampling is not Sampling.NONE:
             self._sample(hidden, sched, plan.sample_rows, handle, desc, path.sampling, masks)
-        if path.verification in (Verification.TREE_ARGMAX, Verification.TREE_LOGITS):
-            self._verify_tree(hidden, sched, plan.verify_rows, handle, path.verification, masks)
+        if path.verifies_trees:
+            self._verify_tree(hidden, sched, plan.verify_rows, handle, path.verification, masks,
+                              self.tp_workers is not None and broadcasts_tree_moves(path, follow))
         elif path.verification is not Verification.NONE:
             self._verify(hidden, sched, plan.verify_rows, handle, desc, path.verification, masks)
         if follow is not None:

@@ -17,7 +17,7 @@ from specserve.sample.logit_bias import apply_logit_bias
 from specserve.sample.sampler import SamplerOutput, SamplingBatch, filtered_probs, sample_from_probs, token_logprobs
 from specserve.spec_decode.greedy_verify import greedy_verify
 from specserve.spec_decode.rejection_sampler import draw_randomness, rejection_sample
-from specserve.spec_decode.tree_verify import move_kv, verify_tree
+from specserve.spec_decode.tree_verify import TreeOutcome, move_kv, retrace_tree, verify_tree
 from specserve.structured_output.step_masks import StepMasks
 from specserve.worker.cudagraph import BatchDescriptor
 from specserve.worker.staged_inputs import StagedExtra
@@ -123,13 +123,14 @@ class SampleAndVerify:
             handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=k + 1))
 
     def _verify_tree(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
-                     how: Verification, masks: StepMasks | None) -> None:
+                     how: Verification, masks: StepMasks | None, broadcast_moves: bool) -> None:
         """Verify each request's tree of drafts (tree_verify.py): the target's token at every node, argmax or
         sampled, then the walk from the root; then move the accepted nodes' keys and values to their
-        positions' slots. Keeps the accepted paths and the moves for the drafter (self._tree_step). A request
-        with a grammar has its logits at each node masked with the grammar's state along the node's path
-        (StepMasks), so the target's token there is one the grammar allows, and a node the grammar refuses
-        never carries it."""
+        positions' slots, and with broadcast_moves send the moves to the other ranks, which move their shards
+        of the same slots (distributed/step_following.py says when). Keeps the accepted paths and the moves for
+        the drafter (self._tree_step). A request with a grammar has its logits at each node masked with the
+        grammar's state along the node's path (StepMasks), so the target's token there is one the grammar
+        allows, and a node the grammar refuses never carries it."""
         b, tables = self.buffers, self.tree_tables
         index, num, where = self._verified_tokens()
         n, width = index.shape[0], index.shape[1]
@@ -154,8 +155,7 @@ class SampleAndVerify:
         outcome = verify_tree(target, b.input_ids, index, num, tables, b.slot_mapping, self.kv.spare_slot,
                               where, self.outputs.accepted, self.outputs.tokens)
         move_kv(self.kv.stack, *outcome.moves)
-        if self.tp_workers is not None:
-            # The other ranks move their shards of the same slots (distributed/step_following.py).
+        if broadcast_moves:
             broadcast_from_rank0(torch.stack(outcome.moves))
         self._tree_step = outcome
         if batch is not None and batch.max_logprobs is not None:
@@ -167,3 +167,14 @@ class SampleAndVerify:
             result = token_logprobs(raw.flatten(0, 1).log_softmax(dim=-1), outcome.tokens.flatten().clamp(min=0),
                                     batch.max_logprobs)
             handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=path_tokens.shape[1]))
+
+    def retrace_trees(self, index: torch.Tensor, num_drafts: torch.Tensor, rows: torch.Tensor) -> TreeOutcome:
+        """A rank > 0's _verify_tree of a sharded drafter's step, after rank 0 shared its outputs: the same walk
+        retraced from the tokens rank 0 emitted (tree_verify.retrace_tree), its moves made in this rank's shard of
+        the cache. index, num_drafts, rows: the verifying requests' token indices, drafts and output rows, as
+        rank 0's verification read them. Returns the outcome, from which the drafter's inputs follow."""
+        b = self.buffers
+        outcome = retrace_tree(b.input_ids, index, num_drafts, self.tree_tables, b.slot_mapping, self.kv.spare_slot,
+                               rows, self.outputs.accepted, self.outputs.tokens)
+        move_kv(self.kv.stack, *outcome.moves)
+        return outcome

@@ -168,6 +168,11 @@ class StepPath:
     def drafts_on_device(self) -> bool:
         return self.drafting not in (Drafting.NONE, Drafting.ON_HOST)
 
+    @property
+    def verifies_trees(self) -> bool:
+        """Some rows verify trees of drafts outside the whole step's graph (the runner's _verify_tree)."""
+        return self.verification in (Verification.TREE_ARGMAX, Verification.TREE_LOGITS)
+
 
 def choose_step_path(desc: BatchDescriptor, rows: StepRows, graphs: GraphsReady, speculator: SpeculatorKind,
                      trees: bool) -> StepPath:

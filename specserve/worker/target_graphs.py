@@ -19,9 +19,8 @@ from specserve.attention.metadata import AttentionMetadata
 from specserve.distributed.communication import broadcast_from_rank0
 from specserve.distributed.graph_following import CaptureDone, GraphPart, capture_message
 from specserve.sample.token_bitmask import TokenMask
-from specserve.spec_decode.draft_inputs import follow_tree_paths
 from specserve.spec_decode.greedy_verify import UniformVerifyInputs, greedy_verify
-from specserve.spec_decode.tree_verify import move_kv, verify_tree
+from specserve.spec_decode.tree_verify import TreeOutcome, move_kv, verify_tree
 from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager, default_capture_sizes
 from specserve.worker.cudagraph_mode import CUDAGraphMode
 from specserve.worker.graph_recorder import AttentionSplitter
@@ -50,8 +49,7 @@ class TargetGraphs:
         uniform = [d for d in self.graphs.capture_descriptors()
                    if d.mode is CUDAGraphMode.FULL and d.query_len in query_lens]
         if k:
-            self.uniform_verify = UniformVerifyInputs.allocate(cfg.max_num_seqs, k, self.device,
-                                                               forced=self.forced_acceptance_prob is not None)
+            self.uniform_verify = self.uniform_verify_inputs()
         # Greedy sampling of a decode batch, and greedy verification of a chain of drafts.
         greedy_lens = (1,) if self.tree is not None else query_lens
         self.greedy_graphs = CUDAGraphManager(
@@ -74,7 +72,10 @@ class TargetGraphs:
                 "whole tree step", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs,
                 cfg.max_num_batched_tokens, uniform_query_lens=(1 + k,), recorder=recorder)
             whole = [d for d in uniform if d.query_len == 1 + k]
-            self._tell_workers(GraphPart.WHOLE_TREE_STEP, self.whole_step_graphs, whole, recorder, self.tree.depth)
+            # The KV moves a request that rank 0 broadcasts: none to the ranks of a sharded drafter, which retrace
+            # the walk from the outputs rank 0 shares (_whole_tree_step).
+            moves = 0 if cfg.drafter_sharded else self.tree.depth
+            self._tell_workers(GraphPart.WHOLE_TREE_STEP, self.whole_step_graphs, whole, recorder, moves)
             self.whole_step_graphs.capture(self._whole_tree_step, self._prepare_capture, whole)
         elif not cfg.debug_cudagraph and (drafter is None or getattr(drafter, "greedy_loop_graphs", None)):
             self.whole_step_graphs = CUDAGraphManager(
@@ -101,6 +102,11 @@ class TargetGraphs:
             "target", mode, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
             uniform_query_lens=(1, 1 + k) if k else (1,), recorder=recorder, debug=cfg.debug_cudagraph,
             splitter=splitter, single_request_query_lens=range(2, self.block_size + 1))
+
+    def uniform_verify_inputs(self) -> UniformVerifyInputs:
+        """The fixed inputs of a uniform batch's verification of every draft (greedy_verify.py)."""
+        return UniformVerifyInputs.allocate(self.config.max_num_seqs, self.outputs.num_drafts, self.device,
+                                            forced=self.forced_acceptance_prob is not None)
 
     def _tell_workers(self, part: GraphPart, manager: CUDAGraphManager, descriptors, recorder,
                       tree_depth: int = 0, sizes=()) -> None:
@@ -194,18 +200,28 @@ class TargetGraphs:
         padded_hidden, padded_aux = self._target_forward(desc, metadata)
         target = self.model.greedy_tokens(padded_hidden[:n * q], captured=True).view(n, q)
         v = self.uniform_verify
-        rows = v.rows[:n]
         outcome = verify_tree(target, b.input_ids, v.index[:n], v.num_drafts[:n], self.tree_tables, b.slot_mapping,
-                              self.kv.spare_slot, rows, out.accepted, out.tokens)
+                              self.kv.spare_slot, v.rows[:n], out.accepted, out.tokens)
         move_kv(self.kv.stack, *outcome.moves)
-        if self.tp_workers is not None:
-            broadcast_from_rank0(torch.stack(outcome.moves))  # the other ranks' shards move too
-        self._gather_draft_inputs(desc, max_rows=n)
-        spec = self.speculator
-        follow_tree_paths(outcome.path_tokens, outcome.accepted, outcome.tokens, rows, b.positions, spec.next_ids,
-                          self.draft_last_indices, self.draft_base_positions)
-        spec.propose_tree_in_graph(desc, (padded_hidden, padded_aux), metadata, outcome.moves,
-                                   b.staged[NUM_REQS:NUM_REQS + 1], self.draft_last_indices, self.draft_base_positions,
-                                   self.draft_block_table, out.drafts[:n])
-        if self.shares_outputs:
+        sharded = self.config.drafter_sharded
+        if sharded:
+            # The other ranks retrace the walk from this step's outputs, moves included, and draft beside this one.
             out.share_from_rank0(n)
+        elif self.tp_workers is not None:
+            broadcast_from_rank0(torch.stack(outcome.moves))  # the other ranks' shards move too
+        self.draft_tree_in_whole_step(desc, (padded_hidden, padded_aux), metadata, outcome)
+        if self.shares_outputs and not sharded:
+            out.share_from_rank0(n)
+
+    def draft_tree_in_whole_step(self, desc: BatchDescriptor, target_out: tuple, metadata: AttentionMetadata,
+                                 outcome: TreeOutcome) -> None:
+        """The next trees of a whole tree step's batch (padded to desc.num_reqs) into the step outputs, after the
+        trees verified (outcome): every rank of a sharded drafter runs it, the other ranks from the walk they
+        retraced (retrace_trees)."""
+        n, b = desc.num_reqs, self.buffers
+        self._gather_draft_inputs(desc, max_rows=n)
+        # Request i's output row is also its drafting index.
+        moves = self._follow_tree_paths(outcome, self.uniform_verify.rows[:n])
+        self.speculator.propose_tree_in_graph(desc, target_out, metadata, moves, b.staged[NUM_REQS:NUM_REQS + 1],
+                                              self.draft_last_indices, self.draft_base_positions,
+                                              self.draft_block_table, self.outputs.drafts[:n])
