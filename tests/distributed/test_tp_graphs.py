@@ -30,12 +30,13 @@ def head(tmp_path_factory, tiny_llama):
 
 
 def _spec(head, drafts: str | None):
-    """No drafter, an EAGLE-3 chain or tree whole on rank 0, or a chain of the head sharded like the target."""
+    """No drafter, an EAGLE-3 chain or tree whole on rank 0, or ("sharded-" before either) of the head sharded
+    like the target."""
     if drafts is None:
         return None
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
-    if drafts == "sharded-chain":
-        return {**spec, "draft_tensor_parallel_size": 2}
+    if drafts.startswith("sharded-"):
+        return {**_spec(head, drafts.removeprefix("sharded-")), "draft_tensor_parallel_size": 2}
     return {**spec, "speculative_token_tree": TREE} if drafts == "tree" else spec
 
 
@@ -53,7 +54,7 @@ def tp1_reference(tiny_llama, head):
     runs: dict[tuple[str | None, bool], Reference] = {}
 
     def reference(drafts: str | None, async_scheduling: bool) -> Reference:
-        drafts = "chain" if drafts == "sharded-chain" else drafts  # TP=1 has no placement of the drafter
+        drafts = drafts and drafts.removeprefix("sharded-")  # TP=1 has no placement of the drafter
         key = (drafts, async_scheduling)
         if key not in runs:
             ref = LLM(str(path), speculative_config=_spec(head, drafts), async_scheduling=async_scheduling, **ENGINE)
@@ -74,12 +75,17 @@ def prompts(hf) -> list[list[int]]:
 @pytest.mark.parametrize("drafts, mode, async_scheduling", [
     (None, M.FULL_AND_PIECEWISE, False), ("chain", M.FULL_AND_PIECEWISE, True), ("tree", M.FULL_AND_PIECEWISE, True),
     ("chain", M.PIECEWISE, True), ("sharded-chain", M.FULL_AND_PIECEWISE, True),
-    ("sharded-chain", M.FULL_AND_PIECEWISE, False), ("sharded-chain", M.PIECEWISE, True)],
+    ("sharded-chain", M.FULL_AND_PIECEWISE, False), ("sharded-chain", M.PIECEWISE, True),
+    ("sharded-tree", M.FULL_AND_PIECEWISE, True), ("sharded-tree", M.FULL_AND_PIECEWISE, False),
+    ("sharded-tree", M.FULL_DECODE_ONLY, True), ("sharded-tree", M.PIECEWISE, True)],
     ids=["none-full", "chain-full-async", "tree-full-async", "chain-piecewise-async", "sharded-chain-full-async",
-         "sharded-chain-full", "sharded-chain-piecewise-async"])
+         "sharded-chain-full", "sharded-chain-piecewise-async", "sharded-tree-full-async", "sharded-tree-full",
+         "sharded-tree-full-decode-only-async", "sharded-tree-piecewise-async"])
 def test_tp2_graphs_follow_rank0_and_equal_tp1(tiny_llama, head, tp1_reference, drafts, mode, async_scheduling):
     """With asynchronous scheduling the whole step's graph takes its in-flight inputs from the outputs rank 0
-    shares at the end of the previous step's graph."""
+    shares at the end of the previous step's graph. A sharded tree's other rank retraces rank 0's walk from the
+    outputs rank 0 shares after verifying, in the whole tree step's graph and outside it (the drafter's tree
+    graph, or its passes)."""
     path, hf = tiny_llama
     spec = _spec(head, drafts)
     want = tp1_reference(drafts, async_scheduling)
@@ -99,9 +105,9 @@ def test_tp2_graphs_follow_rank0_and_equal_tp1(tiny_llama, head, tp1_reference, 
         assert (llm.engine.spec_stats.num_drafted, llm.engine.spec_stats.num_accepted) == want.drafted_and_accepted
         # Rank 0 replayed graphs, which the other rank followed: the whole step where full graphs are recorded,
         # the target's piecewise graphs otherwise.
-        if mode is M.FULL_AND_PIECEWISE:
-            assert replays["whole"]
-        else:
+        if mode is M.PIECEWISE:
             assert M.PIECEWISE in replays["target"] and not replays["whole"]
+        else:
+            assert replays["whole"]
     finally:
         llm.engine.core.close()

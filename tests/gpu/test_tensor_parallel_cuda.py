@@ -1,6 +1,6 @@
 """Tensor parallelism on two GPUs (NCCL; run with `pytest -m gpu` on a machine with >= 2 GPUs): TP=2 equals
-TP=1 in float32 (TF32 off) in every graph mode, with and without EAGLE-3 chains and trees, and chains of the head
-sharded like the target, the all-reduces replayed inside CUDA graphs; the KV cache sized by gpu_memory_utilization on every rank; and in bfloat16 on a
+TP=1 in float32 (TF32 off) in every graph mode, with and without EAGLE-3 chains and trees, and chains and trees of
+the head sharded like the target, the all-reduces replayed inside CUDA graphs; the KV cache sized by gpu_memory_utilization on every rank; and in bfloat16 on a
 real model (SPECSERVE_TP_MODEL, a Hugging Face directory whose heads divide by 2, with an optional EAGLE-3 head
 in SPECSERVE_TP_EAGLE3_HEAD) TP=2's greedy tokens agree with TP=1's."""
 from __future__ import annotations
@@ -34,12 +34,13 @@ def case(tiny_llama, tmp_path_factory):
 
 
 def _spec(head, drafts, tp: int = 1):
-    """No drafter, an EAGLE-3 chain or tree whole on rank 0, or a chain of the head sharded over the tp ranks."""
+    """No drafter, an EAGLE-3 chain or tree whole on rank 0, or ("sharded-" before either) of the head sharded over
+    the tp ranks."""
     if drafts is None:
         return None
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
-    if drafts == "sharded-chain":
-        return {**spec, "draft_tensor_parallel_size": tp}
+    if drafts.startswith("sharded-"):
+        return {**_spec(head, drafts.removeprefix("sharded-")), "draft_tensor_parallel_size": tp}
     return {**spec, "speculative_token_tree": TREE} if drafts == "tree" else spec
 
 
@@ -54,7 +55,7 @@ def _run(path, prompts, tp: int, **kwargs):
         llm.engine.core.close()
 
 
-@pytest.mark.parametrize("drafts", [None, "chain", "tree", "sharded-chain"])
+@pytest.mark.parametrize("drafts", [None, "chain", "tree", "sharded-chain", "sharded-tree"])
 @pytest.mark.parametrize("mode", [M.FULL_AND_PIECEWISE, M.FULL_DECODE_ONLY, M.PIECEWISE, M.NONE], ids=lambda m: m.name)
 def test_tp2_float32_equals_tp1(case, drafts, mode):
     path, prompts, head = case
