@@ -222,8 +222,7 @@ def main() -> None:
     if a.write and not a.sweep:
         raise SystemExit("--write stores the sweep's choices: give --sweep as well")
     rows = sorted({int(r) for r in (a.rows or ("1,8,16,32,64,128,256" if a.sweep else "1,8,64")).split(",")})
-    # xgrammar's threads and the engine's own; torch's intra-op pool would only compete with them.
-    torch.set_num_threads(1)
+    # torch's intra-op threads stay as the engine has them: mask building must not wake them.
     gs, vocab = grammars(a.model, max(rows), a.states)
     print(f"{a.states} states, vocabulary {vocab}, {usable_cpus()} usable CPUs")
     if not a.sweep:

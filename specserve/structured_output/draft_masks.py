@@ -117,7 +117,7 @@ class DraftMasks:
             raise RuntimeError(f"a draft depth masks rows {first}..{first + rows} but the drafter's bitmask buffer "
                                f"holds {self.buffer.host.shape[0]}")
         host = self.buffer.fillable()
-        host[first:first + rows].fill_(-1)
+        self.buffer.allow_all(first, first + rows)
         if self.tree_parents is None:
             self._fill_chain_node(host[first:first + rows], nodes[0])
         else:

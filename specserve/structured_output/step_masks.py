@@ -46,8 +46,8 @@ class StepMasks:
         sample = [sched.scheduled[i] for i in sample_rows]
         verify = [sched.scheduled[i] for i in verify_rows]
         host = buffer.fillable()
-        num_sample = _fill_sample(host, sample)
-        num_verify = _fill_verify(host, num_sample, verify, drafts_of, tree_parents, carried)
+        num_sample = _fill_sample(buffer, sample)
+        num_verify = _fill_verify(buffer, num_sample, verify, drafts_of, tree_parents, carried)
         rows = num_sample + num_verify
         if rows > host.shape[0]:
             raise RuntimeError(f"a step masks {rows} logits rows but the bitmask buffer holds {host.shape[0]}")
@@ -70,37 +70,37 @@ def _live(s: ScheduledRequest) -> bool:
     return s.request.grammar is not None and not s.request.is_finished
 
 
-def _fill_sample(host: torch.Tensor, requests: list[ScheduledRequest]) -> int:
-    """Rows 0.. of host: each request's mask after its tokens. Returns the rows written."""
+def _fill_sample(buffer: TokenBitmaskBuffer, requests: list[ScheduledRequest]) -> int:
+    """Rows 0.. of the buffer's host rows: each request's mask after its tokens. Returns the rows written."""
     live = [i for i, s in enumerate(requests) if _live(s)]
     if len(live) < len(requests) and _any_grammar(requests):
-        host[:len(requests)].fill_(-1)
-    batch_fill([requests[i].request.grammar.matcher for i in live], host, live)
+        buffer.allow_all(0, len(requests))
+    batch_fill([requests[i].request.grammar.matcher for i in live], buffer.host, live)
     return len(requests)
 
 
-def _fill_verify(host: torch.Tensor, first: int, requests: list[ScheduledRequest],
+def _fill_verify(buffer: TokenBitmaskBuffer, first: int, requests: list[ScheduledRequest],
                  drafts_of: Callable[[ScheduledRequest], list[int]], tree_parents: tuple[int, ...] | None,
                  carried: CarriedDraftMasks | None) -> int:
-    """Rows first.. of host: 1 + the most drafts rows per request, each from a walk of its drafts. Returns the
-    rows written."""
+    """Rows first.. of the buffer's host rows: 1 + the most drafts rows per request, each from a walk of its
+    drafts. Returns the rows written."""
     if not requests:
         return 0
     drafts = [drafts_of(s) for s in requests]
     width = 1 + max(map(len, drafts))
     if not _any_grammar(requests):
         return len(requests) * width
-    host[first:first + len(requests) * width].fill_(-1)
+    buffer.allow_all(first, first + len(requests) * width)
     if tree_parents is None:
-        _fill_chains(host, first, width, requests, drafts, carried)
+        _fill_chains(buffer, first, width, requests, drafts, carried)
         return len(requests) * width
     for i, s in enumerate(requests):
         if _live(s):
-            s.request.grammar.fill_masks(host, first + i * width, drafts[i], tree_parents)
+            s.request.grammar.fill_masks(buffer.host, first + i * width, drafts[i], tree_parents)
     return len(requests) * width
 
 
-def _fill_chains(host: torch.Tensor, first: int, width: int, requests: list[ScheduledRequest],
+def _fill_chains(buffer: TokenBitmaskBuffer, first: int, width: int, requests: list[ScheduledRequest],
                  drafts: list[list[int]], carried: CarriedDraftMasks | None) -> None:
     """Each live request's row first + i * width + j: its mask after its drafts 0..j-1, depth by depth, all the
     requests of a depth in one batched call, as RequestGrammar.fill_masks walks one chain: a request stops at
@@ -121,7 +121,7 @@ def _fill_chains(host: torch.Tensor, first: int, width: int, requests: list[Sche
                 copy_from.append(depth * carried.n + row)
             else:
                 fill.append((i, m))
-        batch_fill([m for _, m in fill], host, [first + i * width + depth for i, _ in fill])
+        batch_fill([m for _, m in fill], buffer.host, [first + i * width + depth for i, _ in fill])
         going = []
         for i, m in walking:
             if depth < len(drafts[i]) and m.accept_token(drafts[i][depth]):
@@ -130,7 +130,7 @@ def _fill_chains(host: torch.Tensor, first: int, width: int, requests: list[Sche
                     going.append((i, m))
         walking = going
     if copy_to:
-        host.index_copy_(0, torch.tensor(copy_to), carried.host.index_select(0, torch.tensor(copy_from)))
+        buffer.take_rows(copy_to, carried.host, copy_from)
     for s, n in zip(requests, taken):
         if n:
             s.request.grammar.matcher.rollback(n)

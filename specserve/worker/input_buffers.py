@@ -41,6 +41,15 @@ class TokenBitmaskBuffer:
             self._copied.synchronize()
         return self.host
 
+    def allow_all(self, start: int, stop: int) -> None:
+        """Host rows start..stop allow every token. Through numpy, on this thread: torch would spread the fill over
+        its intra-op threads, which then contend with xgrammar's fill threads for the host's CPUs."""
+        self.host.numpy()[start:stop] = -1
+
+    def take_rows(self, rows: list[int], source: torch.Tensor, source_rows: list[int]) -> None:
+        """Host rows `rows` become source's host rows `source_rows` (another buffer's), through numpy as allow_all."""
+        self.host.numpy()[rows] = source.numpy()[source_rows]
+
     def copy(self, rows: int, first: int = 0) -> torch.Tensor:
         """rows rows of host from first, on their way to the device (queued behind the work already there)."""
         part = slice(first, first + rows)
