@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 from specserve.attention.backend import get_attention_backend
 from specserve.config import EngineConfig
@@ -208,7 +209,9 @@ class EngineCore:
             self._drain = False
             done, self._inflight = self._inflight, None
             return self._complete(done)
+        started = time.perf_counter()
         sched = self.scheduler.schedule()
+        sched.started = started
         self._drain = sched.stalled
         if not self.config.async_scheduling:
             return [] if sched.is_empty else self._complete(self.runner.launch(sched))
@@ -226,11 +229,14 @@ class EngineCore:
 
         self._inflight = None if sched.is_empty else self.runner.launch(sched, complete_previous)
         complete_previous()
+        sched.seconds = time.perf_counter() - started
         return outputs
 
     def _complete(self, handle: StepHandle) -> list[CoreOutput]:
         result = self.runner.resolve(handle)
         sched = handle.sched
+        if sched.seconds is None and sched.started:  # synchronous scheduling: launch to results
+            sched.seconds = time.perf_counter() - sched.started
         before = {s.request.request_id: s.request.num_output_tokens for s in sched.scheduled}
         outputs = []
         with_spec = self.config.speculative_config is not None

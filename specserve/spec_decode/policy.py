@@ -12,6 +12,8 @@ per second, p_i an exponential moving average of each step's acceptance per posi
   a row, so acceptance noise near the break-even does not make it flap.
 - While it does not draft it measures nothing, so after `probe_interval` such decisions in a row it drafts for one
   step, if drafting could pay at all at that batch size: acceptance that recovered is seen again.
+- A step with a grammar request is decided from the tokens per second such steps were measured to yield with
+  drafts and without (grammar_steps.py), since the table does not time a grammar's masks.
 - `disable_by_batch_size` (vLLM's field) overrides it: no drafts from that many requests on.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specserve.errors import ConfigError
+from specserve.spec_decode.grammar_steps import GrammarSteps
 from specserve.spec_decode.metrics import SpecDecodeStats
 from specserve.spec_decode.step_costs import StepCosts
 
@@ -64,6 +67,9 @@ class SpeculationPolicy:
         self._idle = 0
         self.steps_drafting = 0
         self.steps_without_drafts = 0
+        s = self.settings
+        # Steps with a grammar request decide from their own measured rates (grammar_steps.py).
+        self.grammar_steps = GrammarSteps(self.max_drafts, s.acceptance_weight, s.switch_margin, s.probe_interval)
 
     def set_costs(self, costs: StepCosts) -> None:
         if costs.draft_counts != (0, self.max_drafts):
@@ -94,22 +100,31 @@ class SpeculationPolicy:
 
     # ---- the decision ---------------------------------------------------------------------------
 
-    def choose(self, batch: int) -> int:
-        """The drafts per request of a step of `batch` requests that yield tokens."""
-        drafts = self._decide(batch)
+    def observe_grammar_step(self, drafts: int, previous_drafts: int, batch: int, tokens: int,
+                             seconds: float) -> None:
+        """A finished step with a grammar request (GrammarSteps.observe), for a dynamic policy."""
+        if self.dynamic:
+            self.grammar_steps.observe(drafts, previous_drafts, batch, tokens, seconds)
+
+    def choose(self, batch: int, grammar: bool = False) -> int:
+        """The drafts per request of a step of `batch` requests that yield tokens; grammar: one of them is
+        constrained by a grammar."""
+        drafts = self._decide(batch, grammar)
         if drafts:
             self.steps_drafting += 1
         else:
             self.steps_without_drafts += 1
         return drafts
 
-    def _decide(self, batch: int) -> int:
+    def _decide(self, batch: int, grammar: bool) -> int:
         if self.forced is not None:
             return self.forced
         if self.disable_by_batch_size is not None and batch >= self.disable_by_batch_size:
             return 0
         if not self.dynamic or self.costs is None:
             return self.max_drafts
+        if grammar:
+            return self.grammar_steps.choose(batch)
         s = self.settings
         best = self.best(batch)
         gain = self.tokens_per_second(best, batch) / self.tokens_per_second(self.current, batch)

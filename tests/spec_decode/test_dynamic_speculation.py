@@ -78,7 +78,7 @@ def scripted(llm: LLM, pattern: list[int]) -> None:
     """Replace the policy's decisions by a pattern repeated; the scheduler and runner follow them as they would the
     policy's own."""
     decisions = itertools.cycle(pattern)
-    llm.engine.core.scheduler.policy._decide = lambda batch: next(decisions)
+    llm.engine.core.scheduler.policy._decide = lambda batch, grammar: next(decisions)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -150,3 +150,23 @@ def test_prometheus_counts_steps_with_and_without_drafts(models):
                if not s.labels}
     assert samples[PREFIX + "spec_decode_steps_drafting_total"] == stats.spec_steps_drafting > 0
     assert samples[PREFIX + "spec_decode_steps_without_drafts_total"] == stats.spec_steps_without_drafts > 0
+
+
+def test_grammar_steps_stop_drafting_where_their_measured_drafts_do_not_pay(models):
+    """Requests under a JSON schema with every draft rejected: a grammar step that drafts costs more host time
+    (masked drafting, depth by depth) and yields no more tokens, so once both decisions are measured the policy
+    keeps grammar steps from drafting, although the table (drafts nearly free) would draft; the output is the
+    constrained output without speculation."""
+    from schemas import SCHEMAS
+
+    ps = models["prompts"][:2]
+    params = SamplingParams(temperature=0, max_tokens=40, structured_output={"kind": "json_schema",
+                                                                              "value": SCHEMAS[0]})
+    want = tokens(LLM(str(models["path"]), max_model_len=256, **TEST_KV).generate(ps, params, use_tqdm=False))
+    table = cost_table(models, "nearly_free", (1.0,) * 4, (1.01,) * 4)
+    llm = dynamic_llm(models, table, forced_acceptance_prob=0.0)
+    assert tokens(llm.generate(ps, params, use_tqdm=False)) == want
+    policy = llm.engine.core.scheduler.policy
+    state = policy.grammar_steps.buckets[2]
+    assert state.current == 0 and state.rates[0].tokens_per_second > state.rates[3].tokens_per_second
+    assert policy.choose(2, grammar=True) == 0 and policy.choose(2) == 3
