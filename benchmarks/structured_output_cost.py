@@ -170,8 +170,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         f, c = r["free"], r["json_schema"]
-        acc = ("-" if f["mean_acceptance_length"] is None
-               else f"{f['mean_acceptance_length']:.2f} / {c['mean_acceptance_length']:.2f}")
+        acc = " / ".join("-" if a["mean_acceptance_length"] is None else f"{a['mean_acceptance_length']:.2f}"
+                         for a in (f, c))
         print(f"| {r['spec']} | {r['batch']} | {f['tok_s']:,.0f} | {c['tok_s']:,.0f} | {c['tok_s'] / f['tok_s']:.0%} "
               f"| {1e3 * c['mask_build_s'] / max(c['steps'], 1):.3f} "
               f"| {1e3 * c['draft_mask_build_s'] / max(c['steps'], 1):.3f} | {f['steps']} / {c['steps']} | {acc} |")

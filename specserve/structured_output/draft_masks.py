@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.sample.token_bitmask import apply_token_bitmask
 from specserve.structured_output.fill_threads import batch_fill
 from specserve.structured_output.request_grammar import RequestGrammar
 from specserve.transfer import HostCopy
@@ -179,8 +180,6 @@ def mask_draft_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tens
     """The drafter's logits [rows, V] with the tokens each bitmask row refuses at -inf, in a new tensor (the
     input may be a graph's output); tokens the drafter cannot propose rank below every other (UNRANKED_LOGIT)
     but stay above the refused ones."""
-    import xgrammar as xgr
-
     masked = logits.clamp(min=UNRANKED_LOGIT)
-    xgr.apply_token_bitmask_inplace(masked, bitmask)
+    apply_token_bitmask(masked, bitmask)
     return masked
