@@ -27,7 +27,7 @@ from specserve.sampling_params import SamplingParams
 STAND_IN = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=32, intermediate_size=64,
                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=4096,
                 max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True)
-PARTS = (("scheduler", "schedule"), ("scheduler", "update"), ("engine", "_output"), ("runner", "launch"))
+PARTS = (("scheduler", "schedule"), ("scheduler", "update"), ("processor", "process"), ("runner", "launch"))
 
 
 def measure(root: Path, batch: int, prompt_len: int, steps: int, detokenize: bool, output_kind: str) -> dict[str, float]:
@@ -37,8 +37,8 @@ def measure(root: Path, batch: int, prompt_len: int, steps: int, detokenize: boo
     engine = llm.engine
     hidden = STAND_IN["hidden_size"]
     engine.runner._target_forward = lambda desc, metadata: (torch.zeros(desc.num_tokens, hidden), [])
-    engine.runner.model.greedy_tokens = lambda h: torch.zeros(h.shape[0], dtype=torch.int64)
-    owners = {"scheduler": engine.scheduler, "engine": engine, "runner": engine.runner}
+    engine.runner.model.greedy_tokens = lambda h, mask=None: torch.zeros(h.shape[0], dtype=torch.int64)
+    owners = {"scheduler": engine.scheduler, "processor": engine.processor, "runner": engine.runner}
     totals: dict[str, float] = defaultdict(float)
     for owner, name in PARTS:
         f = getattr(owners[owner], name)
