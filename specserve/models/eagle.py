@@ -29,7 +29,7 @@ class EagleHead(nn.Module):
         super().__init__()
         self.whole_cfg, self.tp = cfg, tp
         # The rank's architecture: what the layer, weight loading and the head's KV cache are sized by.
-        self.cfg = cfg = shard_arch(cfg, tp) if tp.size > 1 else cfg
+        self.cfg = cfg = shard_arch(cfg, tp)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=fc_bias)
         self.layer = DecoderLayer(cfg, backend, tp)

@@ -71,7 +71,7 @@ class Eagle3Head(nn.Module):
         super().__init__()
         self.whole_cfg, self.tp = cfg, tp
         # The rank's architecture: what the layer, weight loading and the head's KV cache are sized by.
-        self.cfg = cfg = shard_arch(cfg, tp) if tp.size > 1 else cfg
+        self.cfg = cfg = shard_arch(cfg, tp)
         self.aux_hidden_layers = aux_hidden_layers
         self.draft_vocab_size = draft_vocab_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)

@@ -145,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.whole_cfg = cfg
         # The rank's architecture: what its modules, weight loading and KV cache are sized by.
-        self.cfg = cfg = shard_arch(cfg, tp) if tp.size > 1 else cfg
+        self.cfg = cfg = shard_arch(cfg, tp)
         self.model = LlamaModel(cfg, backend, tp)
         self.lm_head = (ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp) if tp.size > 1
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
