@@ -46,11 +46,12 @@ UNRANKED_LOGIT = -1e4
 class CarriedDraftMasks:
     """A chain step's drafter masks, for the next step's verification masks (StepMasks.build).
 
-    What must hold: the host rows are the drafter's buffer, untouched until the next step drafts (which comes
-    after its StepMasks.build); a row is used only for a request whose grammar has accepted exactly the tokens
-    the drafter's path started from, and whose verified drafts begin with the drafts the row's path took."""
+    What must hold: the drafter's rows stay untouched until the next step drafts, which comes after its
+    StepMasks.build and, on the device, after the copies it queues; a row is used only for a request whose
+    grammar has accepted exactly the tokens the drafter's path started from, and whose verified drafts begin
+    with the drafts the row's path took."""
 
-    host: torch.Tensor  # the drafter's pinned rows, depth-major: depth d of request i at row d * n + i
+    source: TokenBitmaskBuffer  # the drafter's buffer, depth-major: depth d of request i at row d * n + i
     n: int
     index: dict[str, int]  # request id -> i
     grammars: list[RequestGrammar | None]
@@ -58,7 +59,7 @@ class CarriedDraftMasks:
     drafts: list[list[int]]  # the drafts each request's rows walked (all but its last)
 
     def rows(self, request_id: str, grammar: RequestGrammar, drafts: Sequence[int]) -> tuple[int, int]:
-        """(i, depths): the mask after a verifying request's drafts 0..d-1 is host row d * n + i for every
+        """(i, depths): the mask after a verifying request's drafts 0..d-1 is source's row d * n + i for every
         d < depths; depths 0 where the drafter built none of its masks."""
         i = self.index.get(request_id)
         if i is None or self.grammars[i] is not grammar or grammar.accepted != self.accepted[i]:
@@ -133,7 +134,7 @@ class DraftMasks:
         None for trees. Reads back nothing more: the last draft's row is the next step's own to fill."""
         if self.tree_parents is not None or not self._prefix:
             return None
-        return CarriedDraftMasks(self.buffer.host, len(self.grammars), {r: i for i, r in enumerate(request_ids)},
+        return CarriedDraftMasks(self.buffer, len(self.grammars), {r: i for i, r in enumerate(request_ids)},
                                  self.grammars, self._accepted, [d[:self._depths - 1] for d in self._drafts])
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ reads them (i, or i * (k + 1) + j).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,11 +47,14 @@ class StepMasks:
         verify = [sched.scheduled[i] for i in verify_rows]
         host = buffer.fillable()
         num_sample = _fill_sample(buffer, sample)
-        num_verify = _fill_verify(buffer, num_sample, verify, drafts_of, tree_parents, carried)
+        taken = CarriedRows()
+        num_verify = _fill_verify(buffer, num_sample, verify, drafts_of, tree_parents, carried, taken)
         rows = num_sample + num_verify
         if rows > host.shape[0]:
             raise RuntimeError(f"a step masks {rows} logits rows but the bitmask buffer holds {host.shape[0]}")
         device = buffer.copy(rows)
+        if taken.rows:
+            buffer.take_rows(taken.rows, carried.source, taken.source_rows)
         return cls(TokenMask(device[:num_sample]) if _any_grammar(sample) else None,
                    TokenMask(device[num_sample:]) if _any_grammar(verify) else None)
 
@@ -60,6 +63,14 @@ class StepMasks:
         """Set the logits of disallowed tokens to -inf in place (logits: [rows, vocab] as the mask's rows)."""
         if mask is not None:
             mask.apply(logits)
+
+
+@dataclass
+class CarriedRows:
+    """The rows a build takes from the drafter's (CarriedDraftMasks) instead of filling them."""
+
+    rows: list[int] = field(default_factory=list)
+    source_rows: list[int] = field(default_factory=list)
 
 
 def _any_grammar(requests: list[ScheduledRequest]) -> bool:
@@ -81,9 +92,9 @@ def _fill_sample(buffer: TokenBitmaskBuffer, requests: list[ScheduledRequest]) -
 
 def _fill_verify(buffer: TokenBitmaskBuffer, first: int, requests: list[ScheduledRequest],
                  drafts_of: Callable[[ScheduledRequest], list[int]], tree_parents: tuple[int, ...] | None,
-                 carried: CarriedDraftMasks | None) -> int:
+                 carried: CarriedDraftMasks | None, taken: CarriedRows) -> int:
     """Rows first.. of the buffer's host rows: 1 + the most drafts rows per request, each from a walk of its
-    drafts. Returns the rows written."""
+    drafts, or named in `taken` where the drafter's carried row applies. Returns the rows written."""
     if not requests:
         return 0
     drafts = [drafts_of(s) for s in requests]
@@ -92,7 +103,7 @@ def _fill_verify(buffer: TokenBitmaskBuffer, first: int, requests: list[Schedule
         return len(requests) * width
     buffer.allow_all(first, first + len(requests) * width)
     if tree_parents is None:
-        _fill_chains(buffer, first, width, requests, drafts, carried)
+        _fill_chains(buffer, first, width, requests, drafts, carried, taken)
         return len(requests) * width
     for i, s in enumerate(requests):
         if _live(s):
@@ -101,36 +112,33 @@ def _fill_verify(buffer: TokenBitmaskBuffer, first: int, requests: list[Schedule
 
 
 def _fill_chains(buffer: TokenBitmaskBuffer, first: int, width: int, requests: list[ScheduledRequest],
-                 drafts: list[list[int]], carried: CarriedDraftMasks | None) -> None:
+                 drafts: list[list[int]], carried: CarriedDraftMasks | None, taken: CarriedRows) -> None:
     """Each live request's row first + i * width + j: its mask after its drafts 0..j-1, depth by depth, all the
     requests of a depth in one batched call, as RequestGrammar.fill_masks walks one chain: a request stops at
     the first draft its grammar refuses or that ends it (a stop token), and its matcher is rolled back by the
-    drafts it took. A row the drafter already built for the same state (carried) is copied, not filled."""
+    drafts it took. A row the drafter already built for the same state (carried) goes into `taken`, not filled."""
     walking = [(i, s.request.grammar.matcher) for i, s in enumerate(requests) if _live(s)]
     walking = [(i, m) for i, m in walking if not m.is_terminated()]
-    taken = [0] * len(requests)
+    walked = [0] * len(requests)
     spans = {} if carried is None else {
         i: carried.rows(requests[i].request.request_id, requests[i].request.grammar, drafts[i]) for i, _ in walking}
-    copy_to, copy_from = [], []
     for depth in range(width):
         fill = []
         for i, m in walking:
             row, depths = spans.get(i, (0, 0))
             if depth < depths:
-                copy_to.append(first + i * width + depth)
-                copy_from.append(depth * carried.n + row)
+                taken.rows.append(first + i * width + depth)
+                taken.source_rows.append(depth * carried.n + row)
             else:
                 fill.append((i, m))
         batch_fill([m for _, m in fill], buffer.host, [first + i * width + depth for i, _ in fill])
         going = []
         for i, m in walking:
             if depth < len(drafts[i]) and m.accept_token(drafts[i][depth]):
-                taken[i] += 1
+                walked[i] += 1
                 if not m.is_terminated():
                     going.append((i, m))
         walking = going
-    if copy_to:
-        buffer.take_rows(copy_to, carried.host, copy_from)
-    for s, n in zip(requests, taken):
+    for s, n in zip(requests, walked):
         if n:
             s.request.grammar.matcher.rollback(n)

@@ -33,7 +33,7 @@ class TokenBitmaskBuffer:
         self.device = device
         self.host = host
         self.switch = switch  # [1] int64, a view of the staged header (the target's buffer)
-        self._copied = torch.cuda.Event() if host is not device else None
+        self._copied = torch.cuda.Event() if device.is_cuda else None
 
     def fillable(self) -> torch.Tensor:
         """The host rows, once the last copy from them has run."""
@@ -46,17 +46,27 @@ class TokenBitmaskBuffer:
         its intra-op threads, which then contend with xgrammar's fill threads for the host's CPUs."""
         self.host.numpy()[start:stop] = -1
 
-    def take_rows(self, rows: list[int], source: torch.Tensor, source_rows: list[int]) -> None:
-        """Host rows `rows` become source's host rows `source_rows` (another buffer's), through numpy as allow_all."""
-        self.host.numpy()[rows] = source.numpy()[source_rows]
-
     def copy(self, rows: int, first: int = 0) -> torch.Tensor:
         """rows rows of host from first, on their way to the device (queued behind the work already there)."""
         part = slice(first, first + rows)
-        if self._copied is not None:
+        if self.host is not self.device:
             self.device[part].copy_(self.host[part], non_blocking=True)
-            self._copied.record()
+            if self._copied is not None:
+                self._copied.record()
         return self.device[part]
+
+    def take_rows(self, rows: list[int], source: "TokenBitmaskBuffer", source_rows: list[int]) -> None:
+        """Device rows `rows` become source's device rows `source_rows`, once copy() has queued the host rows: where
+        host and device rows are one memory (a CPU engine) through numpy as allow_all; otherwise a gather on the
+        device queued behind that copy (the host rows at `rows` stay as they were, and source's device rows must
+        hold until it runs, which stream order gives)."""
+        if self.host is self.device:
+            self.host.numpy()[rows] = source.host.numpy()[source_rows]
+            return
+        from specserve.transfer import to_device
+
+        self.device.index_copy_(0, to_device(rows, self.device.device),
+                                source.device.index_select(0, to_device(source_rows, self.device.device)))
 
 
 class InputBuffers:

@@ -238,11 +238,13 @@ def test_draft_chain_masks_equal_a_fill_row_by_row(compiled, monkeypatch, thread
     assert any(torch.equal(got[i], torch.full((words,), -1, dtype=torch.int32)) for i in range(n))
 
 
-def test_verification_takes_the_drafters_masks_of_the_step_before(compiled, monkeypatch):
+@pytest.mark.parametrize("memory", ["one", "separate"])
+def test_verification_takes_the_drafters_masks_of_the_step_before(compiled, monkeypatch, memory):
     """A chain step's drafter masks, carried to the next step, give StepMasks.build the same verification masks
     as filling every position, with only what the drafter did not build filled (the position after the last
     draft); a request whose grammar did not take exactly the step's tokens, or whose verified drafts differ, is
-    filled in full."""
+    filled in full. With device rows apart from the host's (memory "separate", as on CUDA) the drafter's rows are
+    taken on the device, after the host rows' copy, and the host rows there are left as they were."""
     import specserve.structured_output.step_masks as step_masks
     from specserve.structured_output.draft_masks import DraftMasks
 
@@ -269,9 +271,12 @@ def test_verification_takes_the_drafters_masks_of_the_step_before(compiled, monk
         requests.append(s)
         steps.append([accepted] + prefix + [0] * (2 - len(prefix)))
         drafts.append(d)
-    draft_host = torch.zeros(n * k, words, dtype=torch.int32)
-    masks = DraftMasks([s.request.grammar for s in requests], torch.tensor(steps), None,
-                       TokenBitmaskBuffer(draft_host, draft_host))
+
+    def buffer(rows: int) -> TokenBitmaskBuffer:
+        host = torch.zeros(rows, words, dtype=torch.int32)
+        return TokenBitmaskBuffer(host if memory == "one" else torch.zeros_like(host), host)
+
+    masks = DraftMasks([s.request.grammar for s in requests], torch.tensor(steps), None, buffer(n * k))
     for j in range(k):
         masks.masks(range(j, j + 1))
         masks.follow(torch.tensor(drafts)[:, j:j + 1])
@@ -297,12 +302,12 @@ def test_verification_takes_the_drafters_masks_of_the_step_before(compiled, monk
     assert other, "r7 needs a state with two allowed tokens; change the seed"
     requests[7].spec_token_ids[0] = other[0]  # another grammatical draft than the drafter's
     sched = SchedulerOutput(requests)
-    got, want = (torch.zeros(n * (k + 1), words, dtype=torch.int32) for _ in range(2))
-    StepMasks.build(sched, [], list(range(n)), TokenBitmaskBuffer(want, want), lambda s: s.spec_token_ids)
+    got, want = buffer(n * (k + 1)), buffer(n * (k + 1))
+    StepMasks.build(sched, [], list(range(n)), want, lambda s: s.spec_token_ids)
     full, filled[:] = filled[:], []
-    StepMasks.build(sched, [], list(range(n)), TokenBitmaskBuffer(got, got), lambda s: s.spec_token_ids, None,
-                    carried)
-    assert torch.equal(got, want)
+    StepMasks.build(sched, [], list(range(n)), got, lambda s: s.spec_token_ids, None, carried)
+    assert torch.equal(got.device, want.device)
+    assert torch.equal(got.host, want.host) == (memory == "one")
     # Rows filled a depth (after the sampling rows' call): before the last only the short request's and r7's
     # (past its changed draft), at the last as many as without the drafter's rows.
     assert len(filled) == len(full) == 2 + k
