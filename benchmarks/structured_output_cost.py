@@ -11,6 +11,8 @@ DraftMasks._build, once its drafts are back).
 A shape name (specserve/bench/models.py) as --model is that shape with random weights and the vocabulary of
 --tokenizer, whose grammar masks it then applies: the cost of the masks beside a larger model's step.
 
+Each batch size runs --rounds rounds of both arms, alternating, and reports each arm's median round (a small model's
+unconstrained arm is host-bound and varies from run to run), with the rounds' range.
 Both arms generate exactly --max-tokens tokens per request, so their batches stay full equally long: the
 unconstrained arm ignores EOS, and the schema (an array of at least SCHEMA_MIN_ITEMS objects) cannot be complete
 in fewer tokens. Greedy, the model's own chat template, the same prompts in both arms. The table goes to stdout.
@@ -115,6 +117,13 @@ def run_arm(llm: LLM, inputs: list[list[int]], params: SamplingParams, repeats: 
                      draft_masks.seconds - before[4], emitted / spec_steps if spec_steps else None)
 
 
+def median_round(results: list[ArmResult]) -> dict:
+    """The round of median tok/s (the lower middle one of an even count), with every round's tok/s."""
+    ranked = sorted(results, key=lambda r: r.tok_s)
+    median = ranked[(len(ranked) - 1) // 2]
+    return asdict(median) | {"tok_s": median.tok_s, "tok_s_rounds": [r.tok_s for r in results]}
+
+
 def engine_source(model: str, tokenizer: str | None) -> tuple[str, dict]:
     """The model path and the LLM's extra arguments: a shape gets random weights and the tokenizer's vocabulary."""
     if model not in SHAPES:
@@ -138,8 +147,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--min-tokens-per-size", type=int, default=4096,
                     help="each batch size repeats its batch until it generates at least this many tokens")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of both arms, alternating; each arm's figures are its median round's (by tok/s)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
+    if a.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {a.rounds}")
     sizes = [int(x) for x in a.batch_sizes.split(",")]
     prompts = load_prompts(a.dataset, max(sizes))
     masks, draft_masks = MaskTimer(StepMasks, "build"), MaskTimer(DraftMasks, "_build")
@@ -156,23 +169,28 @@ def main() -> None:
         llm.generate(inputs, warm, use_tqdm=False)  # compiles the grammar, captures, warms every batch size
         for b in sizes:
             repeats = max(1, -(-a.min_tokens_per_size // (b * a.max_tokens)))
-            arms = {name: run_arm(llm, inputs[:b], params, repeats, masks, draft_masks, counter)
-                    for name, params in (("free", free), ("json_schema", constrained))}
+            runs: dict[str, list[ArmResult]] = {"free": [], "json_schema": []}
+            for _ in range(a.rounds):
+                for name, params in (("free", free), ("json_schema", constrained)):
+                    runs[name].append(run_arm(llm, inputs[:b], params, repeats, masks, draft_masks, counter))
             row = dict(spec="none" if spec is None else f"{spec['method']} k={spec.get('num_speculative_tokens')}",
-                       batch=b, **{name: asdict(r) | {"tok_s": r.tok_s} for name, r in arms.items()})
+                       batch=b, **{name: median_round(r) for name, r in runs.items()})
             rows.append(row)
             print(json.dumps(row), flush=True)
             if a.json:
                 a.json.write_text(json.dumps(rows, indent=1))
         del llm
-    print("\n| speculation | batch | free tok/s | json_schema tok/s | constrained / free | mask build ms/step "
-          "| drafter's mask build ms/step | steps free / json | mean acceptance free / json |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"\n(median of {a.rounds} rounds, arms alternating)")
+    print("| speculation | batch | free tok/s | json_schema tok/s | constrained / free | rounds' range free / json "
+          "| mask build ms/step | drafter's mask build ms/step | steps free / json | mean acceptance free / json |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         f, c = r["free"], r["json_schema"]
         acc = " / ".join("-" if a["mean_acceptance_length"] is None else f"{a['mean_acceptance_length']:.2f}"
                          for a in (f, c))
+        spread = " / ".join(f"{min(a['tok_s_rounds']):,.0f}-{max(a['tok_s_rounds']):,.0f}" for a in (f, c))
         print(f"| {r['spec']} | {r['batch']} | {f['tok_s']:,.0f} | {c['tok_s']:,.0f} | {c['tok_s'] / f['tok_s']:.0%} "
+              f"| {spread} "
               f"| {1e3 * c['mask_build_s'] / max(c['steps'], 1):.3f} "
               f"| {1e3 * c['draft_mask_build_s'] / max(c['steps'], 1):.3f} | {f['steps']} / {c['steps']} | {acc} |")
 
