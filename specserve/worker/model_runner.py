@@ -45,7 +45,7 @@ from specserve.worker.step_handle import StepHandle
 from specserve.worker.step_outputs import StepOutputs
 from specserve.worker.step_path import (Drafting, GraphsReady, Sampling, SpeculatorKind, StepPath, StepRows,
                                         Verification, WholeStep, choose_step_path)
-from specserve.worker.step_plan import StepPlan
+from specserve.worker.step_plan import StepPlan, TreeLayout
 from specserve.worker.target_graphs import TargetGraphs
 
 logger = logging.getLogger(__name__)
@@ -91,9 +91,7 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         self.tree_tables = TreeTables.build(self.tree, self.device) if self.tree else None
         # This step's accepted paths (token indices), accepted counts, emitted tokens and cache moves.
         self._tree_step: TreeOutcome | None = None
-        # Each tree index's position shift (index - depth) and tree bits, as _tree_layout stages them.
-        self._tree_shift = np.arange(self.tree.num_nodes + 1) - np.array(self.tree.depths) if self.tree else None
-        self._tree_bits = np.array(self.tree.ancestor_bits) if self.tree else None
+        self.tree_layout = TreeLayout.of(self.tree) if self.tree else None
         # Extras a step stages beside its inputs, per request at most: the in-flight row (5), sampling or
         # verification indices (k + 4), the drafter's request row (5) and its rows (2); and one value of
         # alignment padding per extra.
@@ -302,7 +300,7 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         ids, qlens_np, slens = (np.array(ids, dtype=np.int64), np.array(qlens, dtype=np.int64),
                                 np.array(slens, dtype=np.int64))
         table = self.host_block_table.gather(rows)
-        tree_layout = self._tree_layout(sched, offset)
+        tree_layout = self.tree_layout.stage(sched, offset) if self.tree_layout else (None, None)
         desc = self.dispatch(offset, qlens)
         path = self._choose_path(desc, sched)
         metadata = self.buffers.prepare(ids, qlens_np, slens, table, self.block_size, plan.extras, *tree_layout,
@@ -352,22 +350,6 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
             self.outputs.share_from_rank0(len(sched.scheduled))
         handle.host, handle.event = self.outputs.copy_to_host(len(sched.scheduled))
         return handle
-
-    def _tree_layout(self, sched: SchedulerOutput, num_tokens: int) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """(position shift, tree bits) of each token (InputBuffers.prepare) when drafting trees: a verifying
-        request's last 1 + n tokens are the root and the first n drafts of the tree."""
-        if self.tree is None:
-            return None, None
-        shift = np.zeros(num_tokens, dtype=np.int64)
-        bits = np.full(num_tokens, -1, dtype=np.int64)
-        end = 0
-        for s in sched.scheduled:
-            end += s.num_new_tokens
-            n = len(s.spec_token_ids) + 1
-            if s.samples and n > 1:
-                shift[end - n:end] = self._tree_shift[:n]
-                bits[end - n:end] = self._tree_bits[:n]
-        return shift, bits
 
     def _verified_drafts(self, s: ScheduledRequest) -> list[int]:
         """The drafts a scheduled request verifies: those of a row that takes them from the device are the ones

@@ -8,6 +8,7 @@ import numpy as np
 
 from specserve.engine.scheduler import SchedulerOutput
 from specserve.spec_decode.draft_inputs import DraftRequest, draft_request_rows
+from specserve.spec_decode.tree import DraftTree
 from specserve.worker.inflight_inputs import InflightRequest, inflight_rows
 from specserve.worker.staged_inputs import StagedExtra
 
@@ -60,3 +61,30 @@ class StepPlan:
                 drafting = {row: i for i, row in enumerate(sampling)}
                 extras[StagedExtra.VERIFY_SLOTS] = np.array([drafting[i] for i in verify_rows], dtype=np.int64)
         return cls(sample_rows, verify_rows, extras)
+
+
+@dataclass(frozen=True)
+class TreeLayout:
+    """Where a step's trees of drafts sit: each tree index's position shift (index - depth) and tree bits
+    (DraftTree.ancestor_bits), staged per token with the step's inputs (InputBuffers.prepare)."""
+
+    shift: np.ndarray  # [N + 1] int64
+    bits: np.ndarray  # [N + 1] int64
+
+    @classmethod
+    def of(cls, tree: DraftTree) -> TreeLayout:
+        return cls(np.arange(tree.num_nodes + 1) - np.array(tree.depths), np.array(tree.ancestor_bits))
+
+    def stage(self, sched: SchedulerOutput, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """(position shift, tree bits) of each of the step's tokens: a verifying request's last 1 + n tokens are
+        the root and the first n drafts of its tree; every other token has shift 0 and bits -1."""
+        shift = np.zeros(num_tokens, dtype=np.int64)
+        bits = np.full(num_tokens, -1, dtype=np.int64)
+        end = 0
+        for s in sched.scheduled:
+            end += s.num_new_tokens
+            n = len(s.spec_token_ids) + 1
+            if s.samples and n > 1:
+                shift[end - n:end] = self.shift[:n]
+                bits[end - n:end] = self.bits[:n]
+        return shift, bits
