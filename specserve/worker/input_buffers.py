@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from specserve.attention.metadata import PAD_SLOT_ID, AttentionMetadata
+from specserve.transfer import to_device
 from specserve.worker.staged_inputs import (HEADER_SLOTS, MASKED, StagedExtra, StagedLayout, pack_step_inputs,
                                             scatter_staged_inputs)
 
@@ -63,8 +64,6 @@ class TokenBitmaskBuffer:
         if self.host is self.device:
             self.host.numpy()[rows] = source.host.numpy()[source_rows]
             return
-        from specserve.transfer import to_device
-
         self.device.index_copy_(0, to_device(rows, self.device.device),
                                 source.device.index_select(0, to_device(source_rows, self.device.device)))
 
