@@ -1,26 +1,31 @@
-"""Measure the two GEMMs of an FP8 projection, torch._scaled_mm (rowwise scales) and the small-M Triton kernel
-(kernels/fused_linear.py, fp8_linear), at each projection shape of the named models (the decoder layer's qkv,
-o_proj, gate/up and down_proj, and of their EAGLE-3 heads' layer, whose qkv reads 2 x hidden) and each token
-count up to the Triton kernel's 32 rows, the Triton kernel in each of TILES; keep the faster kernel (and
-Triton's fastest tile) per shape and token count, and write the device's
-choice table (kernels/fp8_gemm_choice.py). Both take the same FP8 input and scales (W8A8); the per-token
-quantization in front of them is the same for both and not timed. Needs a CUDA device.
+"""Measure the GEMMs of an FP8 projection, torch._scaled_mm (rowwise scales), the small-M Triton kernel
+(kernels/fused_linear.py, fp8_linear; up to its 32 rows) and the FP8 dot kernel (kernels/fp8_gemm.py; from 16
+rows), at each projection shape of the named models (the decoder layer's qkv, o_proj, gate/up and down_proj,
+and of their EAGLE-3 heads' layer, whose qkv reads 2 x hidden) and each token count, the Triton kernels each in
+several tiles; keep the fastest kernel (and its fastest tile) per shape and token count, and write the device's
+choice table (kernels/fp8_gemm_choice.py). All take the same FP8 input and scales (W8A8); the per-token
+quantization in front of them is the same for all and not timed. Needs a CUDA device.
 
-    python benchmarks/fp8_gemm_choice.py [--models llama3-8b,smollm2-shape] [--tokens 1,2,4,8,16,32]
+    python benchmarks/fp8_gemm_choice.py [--models llama3-8b,smollm2-shape] [--tokens 1,2,4,8,16,32,64,128]
         [--write [PATH]]
 
---write writes specserve/kernels/configs/fp8_gemm/<device>.json (or PATH); without it the table is printed only.
+--write updates specserve/kernels/configs/fp8_gemm/<device>.json (or PATH): the buckets measured replace the
+table's, the others stay; without it the table is printed only.
 """
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
+import triton
 from bench_kernels import graph_time_us
 
 from specserve.bench.models import SHAPES
-from specserve.kernels.fp8_gemm_choice import SCALED_MM, TRITON, Fp8GemmChoice, choice_path, write_choices
+from specserve.kernels.fp8_gemm import fp8_dot
+from specserve.kernels.fp8_gemm_choice import (FP8_DOT, SCALED_MM, TRITON, TRITON_MAX_ROWS, Fp8DotTile,
+                                               Fp8GemmChoice, choice_path, write_choices)
 from specserve.kernels.fused_linear import fp8_linear
 from specserve.kernels.small_m_configs import SmallMConfig
 from specserve.quantization.fp8 import quantize_per_channel, quantize_per_token
@@ -38,13 +43,24 @@ def projection_shapes(model: str) -> dict[str, tuple[int, int]]:
             f"{model} head qkv": (qkv, 2 * hidden)}
 
 
-# The Triton kernel's tiles tried beside the 16-bit tile data's (None): (block_n, block_k, num_warps, num_stages).
+# The small-M kernel's tiles tried beside the 16-bit tile data's (None): (block_n, block_k, num_warps, num_stages).
 TILES = [None, (32, 512, 4, 4), (64, 256, 8, 4), (64, 512, 8, 3), (128, 256, 8, 3), (16, 512, 4, 4)]
+# The FP8 dot kernel's tiles, block_m aside (the token count's: 16 to 64 rows, then 64 or 128):
+# (block_n, block_k, num_warps, num_stages, split_k).
+DOT_TILES = [(32, 256, 4, 4, 1), (64, 128, 4, 4, 1), (64, 256, 4, 3, 1), (128, 128, 4, 4, 1), (128, 128, 8, 3, 1),
+             (64, 128, 4, 6, 1), (32, 128, 4, 6, 1), (64, 128, 4, 4, 2), (32, 256, 4, 4, 2), (64, 256, 4, 3, 4)]
+# The FP8 dot kernel's fewest rows: below, a 16-row MMA tile would be mostly padding.
+DOT_MIN_ROWS = 16
 
 
-def time_both(n: int, k: int, m: int) -> tuple[dict[str, float], tuple | None]:
-    """(GPU microseconds per call of each kernel over m tokens, the Triton kernel's fastest tile); several weights
-    rotated past the L2."""
+def dot_tiles(m: int) -> list[Fp8DotTile]:
+    rows = [min(64, triton.next_power_of_2(m))] + ([128] if m > 64 else [])
+    return [Fp8DotTile(block_m, *tile) for block_m in rows for tile in DOT_TILES]
+
+
+def time_kernels(n: int, k: int, m: int) -> dict[str, tuple[float, object]]:
+    """Per kernel that takes m rows, (GPU microseconds per call over m tokens, its fastest tile); several weights
+    rotated past the L2. A tile that does not compile on the device is left out."""
     copies = max(2, min(512, (256 << 20) // (n * k)))
     weights = [quantize_per_channel(torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(copies)]
     xq, xs = quantize_per_token(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
@@ -54,47 +70,79 @@ def time_both(n: int, k: int, m: int) -> tuple[dict[str, float], tuple | None]:
         turn["i"] = (turn["i"] + 1) % copies
         return weights[turn["i"]]
 
-    def scaled_mm():
+    def scaled_mm(_tile):
         wq, ws = rotate()
         torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16)
 
-    def triton_kernel(tile):
-        config = SmallMConfig(*tile) if tile else None
+    def small_m(tile):
+        wq, ws = rotate()
+        fp8_linear(xq, wq, ws, xs, out_dtype=torch.bfloat16, config=SmallMConfig(*tile) if tile else None)
 
-        def run():
-            wq, ws = rotate()
-            fp8_linear(xq, wq, ws, xs, out_dtype=torch.bfloat16, config=config)
-        return run
+    def dot(tile):
+        wq, ws = rotate()
+        fp8_dot(xq, wq, ws, xs, out_dtype=torch.bfloat16, tile=tile)
 
-    tiles = {tile: graph_time_us(triton_kernel(tile), reps=copies) for tile in TILES}
-    best = min(tiles, key=tiles.get)
-    return {SCALED_MM: graph_time_us(scaled_mm, reps=copies), TRITON: tiles[best]}, best
+    candidates = {SCALED_MM: (scaled_mm, [None])}
+    if m <= TRITON_MAX_ROWS:
+        candidates[TRITON] = (small_m, TILES)
+    if m >= DOT_MIN_ROWS:
+        candidates[FP8_DOT] = (dot, dot_tiles(m))
+    best = {}
+    for kernel, (run, tiles) in candidates.items():
+        times = {}
+        for tile in tiles:
+            try:
+                times[tile] = graph_time_us(lambda: run(tile), reps=copies)
+            except Exception as e:  # a tile past the device's shared memory or registers
+                print(f"  {kernel} tile {tile} skipped: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+        fastest = min(times, key=times.get)
+        best[kernel] = (times[fastest], fastest)
+    return best
+
+
+def choice_of(n: int, k: int, m: int, kernel: str, tile) -> Fp8GemmChoice:
+    if kernel == FP8_DOT:
+        return Fp8GemmChoice(n, k, m, kernel, tile.block_n, tile.block_k, tile.num_warps, tile.num_stages,
+                             split_k=tile.split_k, block_m=tile.block_m)
+    return Fp8GemmChoice(n, k, m, kernel, *(tile or ()))
+
+
+def tile_text(tile) -> str:
+    if tile is None:
+        return "default"
+    if isinstance(tile, Fp8DotTile):
+        return "/".join(map(str, (tile.block_m, tile.block_n, tile.block_k, tile.num_warps, tile.num_stages,
+                                  tile.split_k)))
+    return "/".join(map(str, tile))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llama3-8b,smollm2-shape")
-    ap.add_argument("--tokens", default="1,2,4,8,16,32")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--write", nargs="?", const="", type=str, help="write the table (default path: the device's)")
     a = ap.parse_args()
     device_name = torch.cuda.get_device_name()
     shapes = {name: nk for model in a.models.split(",") for name, nk in projection_shapes(model).items()}
     choices = []
-    print(f"{'projection':24} {'N x K':>13} {'M':>3} {'_scaled_mm us':>14} {'Triton us':>10} {'tile':>16}  faster")
+    print(f"{'projection':24} {'N x K':>13} {'M':>3} {'_scaled_mm us':>14} {'small-M us':>11} {'tile':>14} "
+          f"{'fp8_dot us':>11} {'tile':>16} {'GB/s':>6}  fastest")
     for name, (n, k) in shapes.items():
         for m in sorted(int(t) for t in a.tokens.split(",")):
-            times, tile = time_both(n, k, m)
-            best = min(times, key=times.get)
-            tile_text = "/".join(map(str, tile)) if tile else "tile data"
-            print(f"{name:24} {n:>6} x {k:<6} {m:>3} {times[SCALED_MM]:>14.2f} {times[TRITON]:>10.2f} "
-                  f"{tile_text:>16}  {best}", flush=True)
-            choices.append(Fp8GemmChoice(n, k, m, best, *(tile if best == TRITON and tile else ())))
+            best = time_kernels(n, k, m)
+            fastest = min(best, key=lambda kernel: best[kernel][0])
+            cells = [f"{best[kernel][0]:>11.2f} {tile_text(best[kernel][1]):>{width}}" if kernel in best
+                     else f"{'-':>11} {'-':>{width}}" for kernel, width in ((TRITON, 14), (FP8_DOT, 16))]
+            print(f"{name:24} {n:>6} x {k:<6} {m:>3} {best[SCALED_MM][0]:>14.2f} {' '.join(cells)} "
+                  f"{n * k / best[fastest][0] / 1e3:>6.0f}  {fastest}", flush=True)
+            choices.append(choice_of(n, k, m, fastest, best[fastest][1]))
     if a.write is not None:
         path = Path(a.write) if a.write else choice_path(device_name)
-        # A shape measured twice (two models sharing it) keeps the last measurement.
-        write_choices(path, device_name, list({(c.n, c.k, c.max_m): c for c in choices}.values()))
-        print(f"wrote {path}")
-
+        measured = {(c.n, c.k, c.max_m): c for c in choices}  # a shape two models share: the last measurement
+        rows = json.loads(path.read_text())["choices"] if path.exists() else []
+        kept = [c for c in (Fp8GemmChoice(**row) for row in rows) if (c.n, c.k, c.max_m) not in measured]
+        write_choices(path, device_name, kept + list(measured.values()))
+        print(f"wrote {path}: {len(measured)} buckets measured, {len(kept)} kept")
 
 if __name__ == "__main__":
     main()

@@ -2,7 +2,7 @@
 eager launches the host makes (outside graph replays), and the host functions that take the time.
 
     python benchmarks/profile_step.py [--model llama3-8b|smollm2-shape] [--batch 1] [--spec K:P] \
-        [--tensor-parallel-size N [--all-reduce nccl|one_shot]]
+        [--tensor-parallel-size N [--all-reduce nccl|one_shot]] [--quantization fp8]
 
 --spec K:P adds a random EAGLE-3 head drafting K tokens, each accepted with probability P. Under tensor
 parallelism the profile is rank 0's (its host and its GPU): an all-reduce kernel that lasts far longer than
@@ -30,7 +30,8 @@ from specserve.engine.engine import LLMEngine
 from specserve.sampling_params import SamplingParams
 
 
-def build_engine(name: str, batch: int, spec: SpecSetting | None, tp: int, all_reduce: str | None) -> LLMEngine:
+def build_engine(name: str, batch: int, spec: SpecSetting | None, tp: int, all_reduce: str | None,
+                 quantization: str | None) -> LLMEngine:
     root = Path(tempfile.mkdtemp())
     model = prepare_model(name, root, torch.bfloat16)
     speculative = None
@@ -40,7 +41,8 @@ def build_engine(name: str, batch: int, spec: SpecSetting | None, tp: int, all_r
                        "forced_acceptance_prob": spec.p}
     return LLMEngine(EngineConfig(model=model.path, load_format=model.load_format, device="cuda", dtype="bfloat16",
                                   max_model_len=1024, max_num_seqs=max(batch, 8), enable_prefix_caching=False,
-                                  speculative_config=speculative, tensor_parallel_size=tp, all_reduce=all_reduce))
+                                  speculative_config=speculative, tensor_parallel_size=tp, all_reduce=all_reduce,
+                                  quantization=quantization))
 
 
 def profile_steps(engine: LLMEngine, prompts: list[list[int]], steps: int, top: int) -> None:
@@ -90,8 +92,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--all-reduce", choices=["nccl", "one_shot"], help="default: the engine's choice")
+    ap.add_argument("--quantization", choices=["fp8"], help="FP8 weights for the target (default: bfloat16)")
     a = ap.parse_args()
-    engine = build_engine(a.model, a.batch, a.spec, a.tensor_parallel_size, a.all_reduce)
+    engine = build_engine(a.model, a.batch, a.spec, a.tensor_parallel_size, a.all_reduce, a.quantization)
     try:
         profile(engine, a)
     finally:

@@ -1,13 +1,15 @@
-"""Which GEMM an FP8 projection runs at each shape: torch._scaled_mm (cuBLAS) or the small-M Triton kernel.
+"""Which GEMM an FP8 projection runs at each shape: torch._scaled_mm (cuBLAS), the small-M Triton kernel or the
+FP8 dot kernel.
 
 The choice is data, measured on the device (docs/design.md, 'FP8 weights'): `benchmarks/fp8_gemm_choice.py`
-times both kernels for each projection shape (N, K) at each token count M up to the Triton kernel's row limit,
-the Triton kernel in several tiles, and writes, per device, `kernels/configs/fp8_gemm/<device name>.json`: for
-each (N, K) a list of token-count buckets, the faster kernel in each and, for Triton, its fastest tile (none:
-the 16-bit tile data's, small_m_configs.py). A GPU without a table of its own takes FALLBACK_DEVICE's, as it
+times the kernels for each projection shape (N, K) at each token count M (the small-M kernel up to its row
+limit, the FP8 dot kernel, kernels/fp8_gemm.py, past it), the Triton kernels in several tiles, and writes, per
+device, `kernels/configs/fp8_gemm/<device name>.json`: for each (N, K) a list of token-count buckets, the
+fastest kernel in each and, for the Triton kernels, its fastest tile (none: the small-M kernel takes the
+16-bit tile data's, small_m_configs.py, the FP8 dot kernel DEFAULT_DOT_TILE). A GPU without a table of its own takes FALLBACK_DEVICE's, as it
 takes that device's 16-bit tiles: `_scaled_mm` at one token made FP8 weights slower than bf16 on an H200
 (BENCHMARKS.md, 'FP8 weights'). A shape or token count the table does not name takes `torch._scaled_mm`
-(DEFAULT), as does every M past the Triton kernel's limit.
+(DEFAULT), as does every M past the table's largest bucket for the shape.
 """
 from __future__ import annotations
 
@@ -25,9 +27,37 @@ TRITON_MAX_ROWS = 32
 
 SCALED_MM = "scaled_mm"
 TRITON = "triton"
-KERNELS = (SCALED_MM, TRITON)
+FP8_DOT = "fp8_dot"
+KERNELS = (SCALED_MM, TRITON, FP8_DOT)
 DEFAULT = SCALED_MM
 CHOICE_DIR = Path(__file__).resolve().parent / "configs" / "fp8_gemm"
+
+
+@dataclass(frozen=True)
+class Fp8DotTile:
+    """A launch of the FP8 dot kernel (fp8_gemm.py): block_m x block_n outputs a program, K in block_k
+    chunks, split_k programs per output tile."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k"):
+            value = getattr(self, name)
+            if value < 1 or (name.startswith("block") and value & (value - 1)):
+                raise ValueError(f"{name} must be a positive{' power of two' if name.startswith('block') else ''}, "
+                                 f"got {value}")
+        if self.block_m < 16 or self.block_n < 16 or self.block_k < 32:
+            raise ValueError(f"tl.dot of e4m3 needs tiles of at least 16 x 16 outputs and 32 along K, got "
+                             f"{self.block_m} x {self.block_n} x {self.block_k}")
+
+
+# Where the choice table names none: a 64-row tile, the decode batch's, over 64 columns.
+DEFAULT_DOT_TILE = Fp8DotTile(64, 64, 128, 4, 4)
 
 
 @dataclass(frozen=True)
@@ -39,11 +69,14 @@ class Fp8GemmChoice:
     k: int
     max_m: int
     kernel: str
-    # The Triton kernel's tile (small_m_configs.SmallMConfig's fields); 0: the tile data's.
+    # A Triton kernel's tile (small_m_configs.SmallMConfig's fields; the FP8 dot kernel's Fp8DotTile takes
+    # block_m too); 0: the kernel's own default.
     block_n: int = 0
     block_k: int = 0
     num_warps: int = 0
     num_stages: int = 0
+    split_k: int = 1
+    block_m: int = 0
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:
@@ -51,15 +84,24 @@ class Fp8GemmChoice:
         if self.kernel == TRITON and self.max_m > TRITON_MAX_ROWS:
             raise ValueError(f"the Triton kernel takes at most {TRITON_MAX_ROWS} rows, got a bucket up to {self.max_m}")
         tile = (self.block_n, self.block_k, self.num_warps, self.num_stages)
-        if any(tile) and (self.kernel != TRITON or not all(v > 0 for v in tile)):
-            raise ValueError(f"a tile goes with the Triton kernel and names all of block_n, block_k, num_warps and "
-                             f"num_stages, got kernel {self.kernel!r} and {tile}")
+        if (any(tile) or self.split_k != 1) and (self.kernel == SCALED_MM or not all(v > 0 for v in tile)):
+            raise ValueError(f"a tile goes with a Triton kernel and names all of block_n, block_k, num_warps and "
+                             f"num_stages, got kernel {self.kernel!r}, {tile} and split_k {self.split_k}")
+        if (self.block_m > 0) != (self.kernel == FP8_DOT and any(tile)):
+            raise ValueError(f"block_m goes with an {FP8_DOT} tile only, got kernel {self.kernel!r}, block_m "
+                             f"{self.block_m} and {tile}")
 
     def config(self) -> SmallMConfig | None:
-        """The Triton kernel's tile, None for the tile data's."""
-        if not self.block_n:
+        """The small-M kernel's tile, None for the tile data's."""
+        if self.kernel != TRITON or not self.block_n:
             return None
-        return SmallMConfig(self.block_n, self.block_k, self.num_warps, self.num_stages)
+        return SmallMConfig(self.block_n, self.block_k, self.num_warps, self.num_stages, split_k=self.split_k)
+
+    def dot_tile(self) -> Fp8DotTile | None:
+        """The FP8 dot kernel's tile, None for its default."""
+        if self.kernel != FP8_DOT or not self.block_m:
+            return None
+        return Fp8DotTile(self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages, self.split_k)
 
 
 def choice_path(device_name: str) -> Path:
@@ -68,9 +110,11 @@ def choice_path(device_name: str) -> Path:
 
 
 def write_choices(path: Path, device_name: str, choices: list[Fp8GemmChoice]) -> None:
-    """A device's table, one choice a line, sorted by shape and bucket."""
+    """A device's table, one choice a line, sorted by shape and bucket; fields at their defaults left out."""
     rows = sorted(choices, key=lambda c: (c.n, c.k, c.max_m))
-    lines = [f"    {json.dumps(asdict(c))}" for c in rows]
+    defaults = asdict(Fp8GemmChoice(0, 0, 0, DEFAULT))
+    named = ("n", "k", "max_m", "kernel")
+    lines = [f"    {json.dumps({f: v for f, v in asdict(c).items() if f in named or v != defaults[f]})}" for c in rows]
     path.write_text(f'{{\n  "device": {json.dumps(device_name)},\n  "choices": [\n' + ",\n".join(lines) + "\n  ]\n}\n")
 
 
@@ -92,10 +136,9 @@ def load_choices(device_name: str) -> dict[tuple[int, int], tuple[Fp8GemmChoice,
 
 def choose(n: int, k: int, m: int, device: torch.device) -> Fp8GemmChoice:
     """The choice for a projection [n, k] over m tokens on device: the table's bucket for m, else DEFAULT."""
-    if m <= TRITON_MAX_ROWS:
-        for choice in load_choices(_device_name(device)).get((n, k), ()):
-            if m <= choice.max_m:
-                return choice
+    for choice in load_choices(_device_name(device)).get((n, k), ()):
+        if m <= choice.max_m:
+            return choice
     return Fp8GemmChoice(n, k, m, DEFAULT)
 
 

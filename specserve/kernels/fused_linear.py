@@ -20,16 +20,11 @@ argmax (or a tree's top guesses) and the norm in front of it are two
 launches (fused_linear_argmax, fused_linear_topk).
 
 A plain projection (no prologue, no epilogue) may split K over SPLIT_K
-programs per column tile: one with few columns and a long K (an EAGLE-3
-head's down_proj, 576 x 6144: 36 tiles of 16 columns on 132 SMs) otherwise
-leaves most SMs idle while a few stream the weight. Each part stores its
-float32 partial sums to a workspace and counts itself in with an atomic;
-the last to finish adds the parts in part order (float atomics would sum in
-whatever order the parts finished, a result that varies from run to run),
-rounds once to the output dtype and resets the count: one launch, no second
-kernel. The prologues and epilogues stay unsplit: each would have to be
-redone or deferred to the last part. The counters assume one stream runs
-these projections. Launches depend on shapes only (CUDA-graph capturable).
+programs per column tile (split_parts.py): one with few columns and a long
+K (an EAGLE-3 head's down_proj, 576 x 6144: 36 tiles of 16 columns on 132
+SMs) otherwise leaves most SMs idle while a few stream the weight. The
+prologues and epilogues stay unsplit: each would have to be redone or
+deferred to the last part. Launches depend on shapes only (CUDA-graph capturable).
 """
 from __future__ import annotations
 
@@ -42,6 +37,7 @@ from specserve.kernels.small_m_configs import SmallMConfig, linear_config
 from specserve.kernels.small_m_prologue import (MAX_ROWS, check_prologue, dot_in_float32, input_chunk,
                                                  prologue_meta, prologue_rows, row_rstd, split_k_range,
                                                  store_residual_slice)
+from specserve.kernels.split_parts import counts_in_last, split_counters, sum_parts
 from specserve.spec_decode.pick_scatter import PickScatter
 
 
@@ -104,16 +100,9 @@ def _fused_linear_kernel(
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         parts = part_ptr + offs_m[:, None] * N + offs_n[None, :]
         tl.store(parts + tl.program_id(1) * M * N, acc, mask=mask)
-        # Every thread's stores are done before the count (released at GPU scope) says so.
-        tl.debug_barrier()
-        if tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel") != SPLIT_K - 1:
+        if not counts_in_last(counter_ptr, pid, SPLIT_K):
             return
-        tl.atomic_xchg(counter_ptr + pid, 0)
-        # In part order, whichever part came last: the same sum every run.
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for s in range(0, SPLIT_K):
-            # From L2: other SMs wrote these.
-            acc += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+        acc = sum_parts(parts, mask, M * N, SPLIT_K, BLOCK_M, BLOCK_N)
     if W_SCALED:
         acc = acc * tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
     if X_SCALED:
@@ -282,21 +271,3 @@ def _launch(x, weight, norm_weight, eps, residual, silu_mul, config, n, out, fir
         SPLIT_K=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return residual_out
-
-
-# Split counts, one per column tile: 4096 tiles cover 65,536 columns in the narrowest (16-wide) tiles, more
-# than a split projection has (split-K pays where columns are few).
-MAX_SPLIT_TILES = 4096
-_split_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The split counts' persistent zeros on device, shared by every split projection there: their launches
-    run one after another on one stream. Allocated on first use, which the eager warm-up before any graph
-    recording makes."""
-    if tiles > MAX_SPLIT_TILES:
-        raise ValueError(f"a split-K projection takes at most {MAX_SPLIT_TILES} column tiles, got {tiles}: "
-                         "use a wider block_n or no split")
-    if device not in _split_counters:
-        _split_counters[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-    return _split_counters[device]

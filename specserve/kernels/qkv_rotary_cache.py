@@ -30,10 +30,10 @@ import triton.language as tl
 
 from specserve.attention.metadata import PAD_SLOT_ID
 from specserve.kernels.fp8_kv import cache_scales, store_to_cache
-from specserve.kernels.fused_linear import split_counters
 from specserve.kernels.small_m_configs import SmallMConfig, qkv_config
 from specserve.kernels.small_m_prologue import (check_prologue, dot_in_float32, input_chunk, prologue_meta,
                                                  prologue_rows, row_rstd, split_k_range, store_residual_slice)
+from specserve.kernels.split_parts import counts_in_last, split_counters, sum_parts
 
 
 @triton.jit
@@ -124,18 +124,10 @@ def _qkv_rotary_cache_kernel(
         lo_parts = part_ptr + offs_m[:, None] * N + lo_cols[None, :]
         tl.store(lo_parts + tl.program_id(2) * M * N, acc_lo, mask=part_mask)
         tl.store(lo_parts + tl.program_id(2) * M * N + half, acc_hi, mask=part_mask)
-        # Every thread's stores are done before the count (released at GPU scope) says so.
-        tl.debug_barrier()
-        if tl.atomic_add(counter_ptr + program, 1, sem="acq_rel") != SPLIT_K - 1:
+        if not counts_in_last(counter_ptr, program, SPLIT_K):
             return
-        tl.atomic_xchg(counter_ptr + program, 0)
-        # In part order, whichever part came last: the same sum every run.
-        acc_lo = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
-        acc_hi = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
-        for s in range(0, SPLIT_K):
-            # From L2: other SMs wrote these.
-            acc_lo += tl.load(lo_parts + s * M * N, mask=part_mask, other=0.0, cache_modifier=".cg")
-            acc_hi += tl.load(lo_parts + s * M * N + half, mask=part_mask, other=0.0, cache_modifier=".cg")
+        acc_lo = sum_parts(lo_parts, part_mask, M * N, SPLIT_K, BLOCK_M, BLOCK_P)
+        acc_hi = sum_parts(lo_parts + half, part_mask, M * N, SPLIT_K, BLOCK_M, BLOCK_P)
 
     out_ty = q_ptr.dtype.element_ty
     lo = _finish_half(acc_lo, bias_ptr, lo_cols, p_mask, q_ptr, BIAS)

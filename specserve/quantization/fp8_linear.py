@@ -5,7 +5,8 @@ model's dtype. The input is quantized as `activation` says: per token on the fly
 checkpoint's static scale (W8A8, static), or not at all (W8A16: the weight is widened inside the GEMM).
 
 Which GEMM runs: on the fused path (any CUDA module; a CPU module under Triton's interpreter when forced),
-the small-M Triton kernel (kernels/fused_linear.py, fp8_linear) where the measured table picks it, in the
+the FP8 dot kernel (kernels/fp8_gemm.py) for an FP8 input where the measured table picks it; the small-M
+Triton kernel (kernels/fused_linear.py, fp8_linear) where the measured table picks it, in the
 table's tile, which was measured for a bfloat16 model's FP8 input (kernels/fp8_gemm_choice.py), or where
 `torch._scaled_mm` cannot run (a float32 or float16 model, a W8A16 layer); torch._scaled_mm with rowwise
 scales (bfloat16 output) otherwise; past the Triton kernel's rows, a layer _scaled_mm cannot take
@@ -20,7 +21,7 @@ import enum
 import torch
 from torch import nn
 
-from specserve.kernels.fp8_gemm_choice import TRITON, TRITON_MAX_ROWS, choose
+from specserve.kernels.fp8_gemm_choice import FP8_DOT, TRITON, TRITON_MAX_ROWS, choose
 from specserve.models.layers import FusableModule
 from specserve.quantization.fp8 import (FP8_DTYPE, Fp8Rows, dequantize, quantize_per_channel, quantize_per_token,
                                         quantize_static)
@@ -117,6 +118,10 @@ class Fp8Linear(FusableModule):
         m = xq.shape[0]
         scaled_mm_fits = dtype == torch.bfloat16 and x_scale is not None
         choice = choose(self.out_features, self.in_features, m, xq.device)
+        if choice.kernel == FP8_DOT and x_scale is not None:
+            from specserve.kernels.fp8_gemm import fp8_dot
+
+            return fp8_dot(xq, self.weight, self.weight_scale, x_scale, out_dtype=dtype, tile=choice.dot_tile())
         if m <= TRITON_MAX_ROWS and (not scaled_mm_fits or choice.kernel == TRITON):
             from specserve.kernels.fused_linear import fp8_linear
 

@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specserve.kernels.fused_linear import (MAX_SPLIT_TILES, fused_linear, fused_linear_argmax, fused_linear_topk,
-                                            split_counters)
+from specserve.kernels.fused_linear import fused_linear, fused_linear_argmax, fused_linear_topk
 from specserve.kernels.small_m_configs import INTERPRETER
+from specserve.kernels.split_parts import MAX_SPLIT_TILES, split_counters
 
 from .util import DEVICE, assert_close, poison_intact, poisoned_view
 
@@ -126,7 +126,7 @@ def test_split_k_is_for_plain_projections_only():
         fused_linear(x, weight, norm_weight=norm_weight, residual=x, silu_mul=True, config=split_config(2))
     with pytest.raises(ValueError, match="got top-k"):
         fused_linear_topk(x, weight, 1, config=split_config(2))
-    with pytest.raises(ValueError, match=f"at most {MAX_SPLIT_TILES} column tiles"):
+    with pytest.raises(ValueError, match=f"at most {MAX_SPLIT_TILES} output tiles"):
         split_counters(x.device, MAX_SPLIT_TILES + 1)
     assert counters_are_zero()
 

@@ -12,7 +12,8 @@ import torch
 
 from specserve.attention.backend import get_attention_backend
 from specserve.attention.metadata import PAD_SLOT_ID, AttentionMetadata
-from specserve.kernels.fused_linear import fused_linear, split_counters
+from specserve.kernels.fused_linear import fused_linear
+from specserve.kernels.split_parts import split_counters
 from specserve.kernels.small_m_configs import CANDIDATES
 from specserve.models.arch_config import ArchConfig
 from specserve.models.layers import RotaryEmbedding, set_fused_kernels

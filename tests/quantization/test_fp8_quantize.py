@@ -9,7 +9,7 @@ from torch import nn
 
 from specserve.errors import ConfigError
 from specserve.kernels import fp8_gemm_choice
-from specserve.kernels.fp8_gemm_choice import Fp8GemmChoice, choose, write_choices
+from specserve.kernels.fp8_gemm_choice import Fp8DotTile, Fp8GemmChoice, choose, write_choices
 from specserve.kernels.small_m_configs import FALLBACK_DEVICE
 from specserve.kernels.small_m_configs import SmallMConfig
 from specserve.quantization.fp8 import FP8_DTYPE, FP8_MAX, FP8_RELATIVE_ERROR, quantize_per_channel, quantize_per_token
@@ -159,10 +159,60 @@ def test_the_choice_table(tmp_path, monkeypatch):
     fp8_gemm_choice.load_choices.cache_clear()
     with pytest.raises(ValueError, match="at most 32 rows"):
         Fp8GemmChoice(64, 32, 64, "triton")
-    with pytest.raises(ValueError, match="a tile goes with the Triton kernel"):
+    with pytest.raises(ValueError, match="a tile goes with a Triton kernel"):
         Fp8GemmChoice(64, 32, 4, "scaled_mm", 64, 512, 8, 3)
     with pytest.raises(ValueError, match="names all of"):
         Fp8GemmChoice(64, 32, 4, "triton", 64, 512)
+    with pytest.raises(ValueError, match="block_m goes with an fp8_dot tile only"):
+        Fp8GemmChoice(64, 32, 4, "triton", 64, 512, 8, 3, block_m=64)
+    with pytest.raises(ValueError, match="block_m goes with an fp8_dot tile only"):
+        Fp8GemmChoice(64, 32, 64, "fp8_dot", 64, 128, 4, 4)
+
+
+def test_the_table_names_fp8_dot_buckets_past_the_small_m_rows(tmp_path, monkeypatch):
+    """Buckets past 32 rows: the FP8 dot kernel in its tile (or its default), cuBLAS past the largest bucket; a
+    written table leaves out the fields at their defaults and reads back the same."""
+    monkeypatch.setattr(fp8_gemm_choice, "CHOICE_DIR", tmp_path)
+    cpu = torch.device("cpu")
+    rows = [Fp8GemmChoice(64, 32, 32, "triton", 16, 512, 4, 4, split_k=2),
+            Fp8GemmChoice(64, 32, 64, "fp8_dot", 64, 128, 4, 4, split_k=2, block_m=64),
+            Fp8GemmChoice(64, 32, 128, "fp8_dot")]
+    write_choices(tmp_path / "cpu.json", "cpu", rows)
+    assert '"block_m"' not in (tmp_path / "cpu.json").read_text().splitlines()[-3]
+    fp8_gemm_choice.load_choices.cache_clear()
+    try:
+        assert fp8_gemm_choice.load_choices("cpu")[(64, 32)] == tuple(rows)
+        assert [choose(64, 32, m, cpu).kernel for m in (32, 33, 64, 65, 128, 129)] == \
+            ["triton", "fp8_dot", "fp8_dot", "fp8_dot", "fp8_dot", "scaled_mm"]
+        assert choose(64, 32, 40, cpu).dot_tile() == Fp8DotTile(64, 64, 128, 4, 4, split_k=2)
+        assert choose(64, 32, 100, cpu).dot_tile() is None
+        assert choose(64, 32, 40, cpu).config() is None
+        assert choose(64, 32, 8, cpu).config() == SmallMConfig(16, 512, 4, 4, split_k=2)
+    finally:
+        fp8_gemm_choice.load_choices.cache_clear()
+
+
+def test_the_layer_runs_the_fp8_dot_kernel_where_the_table_says(tmp_path, monkeypatch):
+    """A bfloat16 layer over 40 rows, which the table gives the FP8 dot kernel, equals its reference path."""
+    monkeypatch.setattr(fp8_gemm_choice, "CHOICE_DIR", tmp_path)
+    fp8_gemm_choice.load_choices.cache_clear()
+    write_choices(tmp_path / "cpu.json", "cpu", [Fp8GemmChoice(24, 64, 64, "fp8_dot", 16, 32, 4, 2, block_m=32)])
+    import specserve.kernels.fp8_gemm as fp8_gemm_module
+
+    calls = []
+    real = fp8_gemm_module.fp8_dot
+    monkeypatch.setattr(fp8_gemm_module, "fp8_dot", lambda *a, **kw: calls.append(kw["tile"]) or real(*a, **kw))
+    torch.manual_seed(3)
+    layer = _layer(torch.randn(24, 64), Fp8Activation.DYNAMIC)
+    x = torch.randn(40, 64).to(torch.bfloat16)
+    try:
+        want = layer(x)
+        layer.fused = True
+        got = layer(x)
+    finally:
+        fp8_gemm_choice.load_choices.cache_clear()
+    assert calls == [Fp8DotTile(32, 16, 32, 4, 2)]
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
 
 
 def test_the_layer_runs_the_tables_tile(tmp_path, monkeypatch):

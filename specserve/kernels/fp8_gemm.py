@@ -1,0 +1,113 @@
+"""An FP8 GEMM past the small-M kernel's rows: e4m3 by e4m3 on the tensor cores' FP8 path, rowwise scales.
+
+out [M, N] = (x * x_scale) @ (weight * weight_scale)^T for an e4m3 input x [M, K] quantized per token
+(x_scale [M, 1]) and an e4m3 weight [N, K] quantized per output row (weight_scale [N]), the operands and
+scales torch._scaled_mm takes with rowwise scaling. The small-M kernel (fused_linear.fp8_linear) widens both
+operands to float16 and takes at most 32 rows; from a batch-64 decode step up, a projection multiplies
+64-row tiles, which Hopper multiplies in e4m3 directly (wgmma). The sums are float32; each output is
+scaled once after the K loop and rounded once to the output dtype, as _scaled_mm does, so the two differ
+in summation order only.
+
+Which of the two (or cuBLAS) a projection runs is the measured choice table's (fp8_gemm_choice.py), with
+this kernel's tile (fp8_gemm_choice.Fp8DotTile). A tile may split K over SPLIT_K programs per output tile, as the small-M
+kernel does (split_parts.py): a projection with few output tiles (o_proj and down_proj of an 8B model,
+4,096 columns) otherwise leaves SMs idle. Launches depend on shapes only (CUDA-graph capturable).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.kernels.fp8_gemm_choice import DEFAULT_DOT_TILE, Fp8DotTile
+from specserve.kernels.small_m_prologue import split_k_range
+from specserve.kernels.split_parts import counts_in_last, split_counters, sum_parts
+
+
+@triton.jit
+def _fp8_dot_kernel(
+    x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, part_ptr, counter_ptr,
+    M, N, K, k_per, stride_xm, stride_wn, stride_om,
+    DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """Program (m tile, n tile, part): the m tiles of one n tile are neighbours in the launch order, so a
+    weight tile read by one is in L2 for the next."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    # int64 rows: a vocabulary-sized weight passes 2**31 elements.
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_start, k_end = split_k_range(K, k_per, tl.program_id(2), SPLIT_K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_cols + offs_k[:, None], mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = offs_k < k_end
+            a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_cols + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_FP32:
+            # The interpreter's (numpy's) dot has no e4m3: widened exactly, summed in IEEE float32.
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    if SPLIT_K > 1:
+        mask = m_mask[:, None] & n_mask[None, :]
+        parts = part_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(parts + tl.program_id(2) * M * N, acc, mask=mask)
+        if not counts_in_last(counter_ptr, pid_m * tl.num_programs(1) + pid_n, SPLIT_K):
+            return
+        acc = sum_parts(parts, mask, M * N, SPLIT_K, BLOCK_M, BLOCK_N)
+    acc = acc * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    acc = acc * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def fp8_dot(
+    x: torch.Tensor,  # [M, K] float8_e4m3fn
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    weight_scale: torch.Tensor,  # [N] float32
+    x_scale: torch.Tensor,  # [M, 1] float32
+    out_dtype: torch.dtype = torch.bfloat16,
+    tile: Fp8DotTile | None = None,
+) -> torch.Tensor:
+    """(x * x_scale) @ (weight * weight_scale)^T as out_dtype [M, N], in tile (DEFAULT_DOT_TILE if None)."""
+    from specserve.quantization.fp8 import FP8_DTYPE
+
+    tile = tile or DEFAULT_DOT_TILE
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE or weight.shape[1] != k:
+        raise ValueError(f"{FP8_DTYPE} x [M, K] and weight [N, K] expected, got {x.dtype} {tuple(x.shape)} and "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    if weight_scale.shape != (n,) or x_scale.shape != (m, 1) or {weight_scale.dtype, x_scale.dtype} != {torch.float32}:
+        raise ValueError(f"float32 weight_scale [{n}] and x_scale [{m}, 1] expected, got {weight_scale.dtype} "
+                         f"{tuple(weight_scale.shape)} and {x_scale.dtype} {tuple(x_scale.shape)}")
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"the output must be float32, bfloat16 or float16, got {out_dtype}")
+    if x.stride(1) != 1 or weight.stride(1) != 1 or x.device != weight.device:
+        raise ValueError("x and weight must share a device and have unit stride along K")
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    grid = (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n), tile.split_k)
+    parts, counters, k_per = out, out, k
+    if tile.split_k > 1:
+        parts = torch.empty((tile.split_k, m, n), dtype=torch.float32, device=x.device)
+        counters = split_counters(x.device, grid[0] * grid[1])
+        k_per = triton.cdiv(triton.cdiv(k, tile.split_k), tile.block_k) * tile.block_k
+    _fp8_dot_kernel[grid](
+        x, weight, out, x_scale, weight_scale, parts, counters, m, n, k, k_per, x.stride(0), weight.stride(0),
+        out.stride(0), DOT_FP32=x.device.type == "cpu", EVEN_K=k_per % tile.block_k == 0 and k % tile.block_k == 0,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SPLIT_K=tile.split_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return out

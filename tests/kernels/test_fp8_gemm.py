@@ -1,0 +1,62 @@
+"""The FP8 dot kernel (kernels/fp8_gemm.py) against float64 and torch._scaled_mm: rows past the small-M
+kernel's, K and N no multiples of the tile, K split, operands views into NaN buffers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.kernels.fp8_gemm import Fp8DotTile, fp8_dot
+from specserve.kernels.split_parts import split_counters
+from specserve.quantization.fp8 import quantize_per_channel, quantize_per_token
+
+from .util import DEVICE, assert_close, poisoned_view
+
+K, N = 200, 90
+TILES = [Fp8DotTile(64, 64, 128, 4, 4), Fp8DotTile(16, 32, 32, 4, 2), Fp8DotTile(32, 16, 64, 4, 3, split_k=3)]
+
+
+def _quantized_view(rows: int, cols: int, seed: int, quantize):
+    """An e4m3 [rows, cols] view into a NaN buffer, and its scale."""
+    q, scale = quantize(poisoned_view(rows, cols, torch.float32, seed))
+    buf = torch.full((rows + 2, cols + 8), float("nan"), device=DEVICE).to(q.dtype)
+    buf[:rows, :cols] = q
+    return buf[:rows, :cols], scale
+
+
+def _dequantized(q, scale):
+    return q.double() * scale.double().reshape(q.shape[0], 1)
+
+
+@pytest.mark.parametrize("tile", TILES, ids=str)
+@pytest.mark.parametrize("m", [1, 33, 64, 80])
+def test_against_float64(m, tile):
+    wq, ws = _quantized_view(N, K, m, quantize_per_channel)
+    xq, xs = _quantized_view(m, K, m + 1, quantize_per_token)
+    out = fp8_dot(xq, wq, ws, xs, out_dtype=torch.float32, tile=tile)
+    assert_close(out, _dequantized(xq, xs) @ _dequantized(wq, ws).T, terms=K)
+    assert not split_counters(out.device, 1).any(), "every output tile's count is back at zero"
+
+
+def test_bfloat16_output_equals_scaled_mm_within_one_rounding():
+    """The same operands and scales as torch._scaled_mm's rowwise path (what the choice table compares it with):
+    both sum in float32 and round once, so they differ by at most a bfloat16 ulp or two."""
+    wq, ws = _quantized_view(N, K, 7, quantize_per_channel)
+    xq, xs = _quantized_view(64, K, 8, quantize_per_token)
+    got = fp8_dot(xq.contiguous(), wq.contiguous(), ws, xs, out_dtype=torch.bfloat16)
+    want = torch._scaled_mm(xq.contiguous(), wq.contiguous().t(), scale_a=xs, scale_b=ws.view(1, -1),
+                            out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+
+
+def test_bad_operands_and_tiles_are_refused():
+    wq, ws = _quantized_view(N, K, 0, quantize_per_channel)
+    xq, xs = _quantized_view(4, K, 1, quantize_per_token)
+    with pytest.raises(ValueError, match="x \\[M, K\\] and weight \\[N, K\\]"):
+        fp8_dot(xq.float(), wq, ws, xs)
+    with pytest.raises(ValueError, match="x_scale \\[4, 1\\]"):
+        fp8_dot(xq, wq, ws, xs[:3])
+    with pytest.raises(ValueError, match="power of two"):
+        Fp8DotTile(64, 48, 128, 4, 4)
+    with pytest.raises(ValueError, match="at least 16 x 16"):
+        Fp8DotTile(64, 8, 128, 4, 4)
