@@ -43,8 +43,10 @@ def projection_shapes(model: str) -> dict[str, tuple[int, int]]:
             f"{model} head qkv": (qkv, 2 * hidden)}
 
 
-# The small-M kernel's tiles tried beside the 16-bit tile data's (None): (block_n, block_k, num_warps, num_stages).
-TILES = [None, (32, 512, 4, 4), (64, 256, 8, 4), (64, 512, 8, 3), (128, 256, 8, 3), (16, 512, 4, 4)]
+# The small-M kernel's tiles tried beside the 16-bit tile data's (None), some with K split.
+TILES = [None] + [SmallMConfig(*tile) for tile in [(32, 512, 4, 4), (64, 256, 8, 4), (64, 512, 8, 3), (128, 256, 8, 3),
+                                                   (16, 512, 4, 4)]] + \
+    [SmallMConfig(32, 256, 4, 4, split_k=2), SmallMConfig(16, 512, 4, 4, split_k=2), SmallMConfig(32, 256, 4, 4, split_k=4)]
 # The FP8 dot kernel's tiles, block_m aside (the token count's: 16 to 64 rows, then 64 or 128):
 # (block_n, block_k, num_warps, num_stages, split_k).
 DOT_TILES = [(32, 256, 4, 4, 1), (64, 128, 4, 4, 1), (64, 256, 4, 3, 1), (128, 128, 4, 4, 1), (128, 128, 8, 3, 1),
@@ -76,7 +78,7 @@ def time_kernels(n: int, k: int, m: int) -> dict[str, tuple[float, object]]:
 
     def small_m(tile):
         wq, ws = rotate()
-        fp8_linear(xq, wq, ws, xs, out_dtype=torch.bfloat16, config=SmallMConfig(*tile) if tile else None)
+        fp8_linear(xq, wq, ws, xs, out_dtype=torch.bfloat16, config=tile)
 
     def dot(tile):
         wq, ws = rotate()
@@ -100,20 +102,20 @@ def time_kernels(n: int, k: int, m: int) -> dict[str, tuple[float, object]]:
     return best
 
 
-def choice_of(n: int, k: int, m: int, kernel: str, tile) -> Fp8GemmChoice:
-    if kernel == FP8_DOT:
-        return Fp8GemmChoice(n, k, m, kernel, tile.block_n, tile.block_k, tile.num_warps, tile.num_stages,
-                             split_k=tile.split_k, block_m=tile.block_m)
-    return Fp8GemmChoice(n, k, m, kernel, *(tile or ()))
+def choice_of(n: int, k: int, m: int, kernel: str, tile: SmallMConfig | Fp8DotTile | None) -> Fp8GemmChoice:
+    if tile is None:
+        return Fp8GemmChoice(n, k, m, kernel)
+    return Fp8GemmChoice(n, k, m, kernel, tile.block_n, tile.block_k, tile.num_warps, tile.num_stages,
+                         split_k=tile.split_k, block_m=getattr(tile, "block_m", 0))
 
 
-def tile_text(tile) -> str:
+def tile_text(tile: SmallMConfig | Fp8DotTile | None) -> str:
+    """[block_m/]block_n/block_k/num_warps/num_stages[/split_k] (split_k where it is not 1)."""
     if tile is None:
         return "default"
-    if isinstance(tile, Fp8DotTile):
-        return "/".join(map(str, (tile.block_m, tile.block_n, tile.block_k, tile.num_warps, tile.num_stages,
-                                  tile.split_k)))
-    return "/".join(map(str, tile))
+    parts = [getattr(tile, "block_m", None), tile.block_n, tile.block_k, tile.num_warps, tile.num_stages,
+             tile.split_k if tile.split_k > 1 else None]
+    return "/".join(str(p) for p in parts if p is not None)
 
 
 def main() -> None:

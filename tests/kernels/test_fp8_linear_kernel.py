@@ -8,6 +8,7 @@ import torch
 
 from specserve.kernels.fp8_rows import quantize_rows
 from specserve.kernels.fused_linear import fp8_linear
+from specserve.kernels.small_m_configs import SmallMConfig
 from specserve.models.layers import set_fused_kernels
 from specserve.quantization.fp8 import quantize_per_channel, quantize_per_token
 from specserve.quantization.fp8_linear import Fp8Activation, Fp8Linear
@@ -48,6 +49,15 @@ def test_fp8_input(m, dtype):
     xq, xs = quantize_per_token(poisoned_view(m, K, dtype, m + 11))
     out = fp8_linear(xq, wq, ws, xs, out_dtype=dtype)
     assert out.dtype == dtype
+    assert_close(out, _dequantized(xq, xs) @ _dequantized(wq, ws).T, terms=K)
+
+
+@pytest.mark.parametrize("m", [1, 7])
+def test_fp8_input_with_k_split(m):
+    """K split over three programs a column tile (split_parts.py), the scales applied once after the sum."""
+    wq, ws = _weight(m + 20)
+    xq, xs = quantize_per_token(poisoned_view(m, K, torch.bfloat16, m + 21))
+    out = fp8_linear(xq, wq, ws, xs, out_dtype=torch.float32, config=SmallMConfig(16, 32, 4, 2, split_k=3))
     assert_close(out, _dequantized(xq, xs) @ _dequantized(wq, ws).T, terms=K)
 
 
