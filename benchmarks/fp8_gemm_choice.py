@@ -10,7 +10,8 @@ quantization in front of them is the same for all and not timed. Needs a CUDA de
         [--write [PATH]]
 
 --write updates specserve/kernels/configs/fp8_gemm/<device>.json (or PATH): the buckets measured replace the
-table's, the others stay; without it the table is printed only.
+table's, the others stay (a device without a table starts from the fallback device's, which it ran before);
+without it the table is printed only.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from specserve.kernels.fp8_gemm import fp8_dot
 from specserve.kernels.fp8_gemm_choice import (FP8_DOT, SCALED_MM, TRITON, TRITON_MAX_ROWS, Fp8DotTile,
                                                Fp8GemmChoice, choice_path, write_choices)
 from specserve.kernels.fused_linear import fp8_linear
-from specserve.kernels.small_m_configs import SmallMConfig
+from specserve.kernels.small_m_configs import FALLBACK_DEVICE, SmallMConfig
 from specserve.quantization.fp8 import quantize_per_channel, quantize_per_token
 
 
@@ -141,7 +142,9 @@ def main() -> None:
     if a.write is not None:
         path = Path(a.write) if a.write else choice_path(device_name)
         measured = {(c.n, c.k, c.max_m): c for c in choices}  # a shape two models share: the last measurement
-        rows = json.loads(path.read_text())["choices"] if path.exists() else []
+        # A device without a table of its own has run the fallback device's: its buckets not measured now stay.
+        source = path if path.exists() else choice_path(FALLBACK_DEVICE)
+        rows = json.loads(source.read_text())["choices"] if source.exists() else []
         kept = [c for c in (Fp8GemmChoice(**row) for row in rows) if (c.n, c.k, c.max_m) not in measured]
         write_choices(path, device_name, kept + list(measured.values()))
         print(f"wrote {path}: {len(measured)} buckets measured, {len(kept)} kept")
