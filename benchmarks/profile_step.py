@@ -96,12 +96,13 @@ def main() -> None:
     a = ap.parse_args()
     engine = build_engine(a.model, a.batch, a.spec, a.tensor_parallel_size, a.all_reduce, a.quantization)
     try:
-        profile(engine, a)
+        profile_run(engine, a)
     finally:
         engine.core.close()  # stops the other tensor-parallel ranks, which would keep the process alive
 
 
-def profile(engine, a: argparse.Namespace) -> None:
+def profile_run(engine, a: argparse.Namespace) -> None:
+    """Times the engine, then profiles 50 steps under the torch profiler and a run under cProfile."""
     prompts = make_prompts(a.batch, 32, engine.core.arch.vocab_size, 0)
     time_engine(engine, prompts, 16)
     t = time_engine(engine, prompts, a.new_tokens)

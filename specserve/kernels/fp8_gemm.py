@@ -24,6 +24,10 @@ from specserve.kernels.small_m_prologue import split_k_range
 from specserve.kernels.split_parts import counts_in_last, split_counters, sum_parts
 
 
+# The K of one Hopper FP8 MMA instruction (wgmma with 8-bit operands).
+FP8_MMA_K = tl.constexpr(32)
+
+
 @triton.jit
 def _fp8_dot_kernel(
     x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, part_ptr, counter_ptr,
@@ -57,7 +61,10 @@ def _fp8_dot_kernel(
             # The interpreter's (numpy's) dot has no e4m3: widened exactly, summed in IEEE float32.
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
-            acc = tl.dot(a, w, acc)
+            # Hopper's FP8 MMA sums in fewer bits than float32: left to run over all of K (Triton's default on
+            # sm_90), the sums drift with K. Each MMA's 32 products are added into the float32 accumulator
+            # instead, as cuBLAS promotes its FP8 sums (tests/kernels/test_fp8_gemm.py compares the errors).
+            acc = tl.dot(a, w, acc, max_num_imprecise_acc=FP8_MMA_K)
     if SPLIT_K > 1:
         mask = m_mask[:, None] & n_mask[None, :]
         parts = part_ptr + offs_m[:, None] * N + offs_n[None, :]
