@@ -43,14 +43,15 @@ def test_against_float64(m, tile):
 
 def test_bfloat16_output_equals_scaled_mm_within_one_rounding():
     """The same operands and scales as torch._scaled_mm's rowwise path (what the choice table compares it with):
-    both sum in float32 and round once, so they differ by at most a bfloat16 ulp or two."""
+    both round once to bfloat16 sums that differ in order (and on a GPU in the FP8 MMA's own rounding of each 32
+    products), so they differ by a bfloat16 ulp of the value, or of the largest output where sums cancel."""
     wq, ws = _quantized_view(N, K, 7, quantize_per_channel)
     xq, xs = _quantized_view(64, K, 8, quantize_per_token)
     got = fp8_dot(xq.contiguous(), wq.contiguous(), ws, xs, out_dtype=torch.bfloat16)
     want = torch._scaled_mm(xq.contiguous(), wq.contiguous().t(), scale_a=xs, scale_b=ws.view(1, -1),
                             out_dtype=torch.bfloat16)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -8 * want.float().abs().max().item())
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the FP8 MMA's accumulation precision is the GPU's")
