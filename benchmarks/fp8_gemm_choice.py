@@ -3,7 +3,9 @@
 rows), at each projection shape of the named models (the decoder layer's qkv, o_proj, gate/up and down_proj,
 and of their EAGLE-3 heads' layer, whose qkv reads 2 x hidden) and each token count, the Triton kernels each in
 several tiles; keep the fastest kernel (and its fastest tile) per shape and token count, and write the device's
-choice table (kernels/fp8_gemm_choice.py). All take the same FP8 input and scales (W8A8); the per-token
+choice table (kernels/fp8_gemm_choice.py). The FP8 dot kernel's tiles promote the MMA's sums every instruction or
+every K chunk; a tile whose largest error against float64 passes cuBLAS's by more than PRECISION_MARGIN is
+left out. All take the same FP8 input and scales (W8A8); the per-token
 quantization in front of them is the same for all and not timed. Needs a CUDA device.
 
     python benchmarks/fp8_gemm_choice.py [--models llama3-8b,smollm2-shape] [--tokens 1,2,4,8,16,32,64,128]
@@ -25,7 +27,7 @@ from bench_kernels import graph_time_us
 
 from specserve.bench.models import SHAPES
 from specserve.kernels.fp8_gemm import fp8_dot
-from specserve.kernels.fp8_gemm_choice import (FP8_DOT, SCALED_MM, TRITON, TRITON_MAX_ROWS, Fp8DotTile,
+from specserve.kernels.fp8_gemm_choice import (FP8_DOT, FP8_MMA_K, SCALED_MM, TRITON, TRITON_MAX_ROWS, Fp8DotTile,
                                                Fp8GemmChoice, choice_path, write_choices)
 from specserve.kernels.fused_linear import fp8_linear
 from specserve.kernels.small_m_configs import FALLBACK_DEVICE, SmallMConfig
@@ -49,16 +51,44 @@ TILES = [None] + [SmallMConfig(*tile) for tile in [(32, 512, 4, 4), (64, 256, 8,
                                                    (16, 512, 4, 4)]] + \
     [SmallMConfig(32, 256, 4, 4, split_k=2), SmallMConfig(16, 512, 4, 4, split_k=2), SmallMConfig(32, 256, 4, 4, split_k=4)]
 # The FP8 dot kernel's tiles, block_m aside (the token count's: 16 to 64 rows, then 64 or 128):
-# (block_n, block_k, num_warps, num_stages, split_k).
+# (block_n, block_k, num_warps, num_stages, split_k), each promoting its sums every FP8 MMA and every block_k.
 DOT_TILES = [(32, 256, 4, 4, 1), (64, 128, 4, 4, 1), (64, 256, 4, 3, 1), (128, 128, 4, 4, 1), (128, 128, 8, 3, 1),
              (64, 128, 4, 6, 1), (32, 128, 4, 6, 1), (64, 128, 4, 4, 2), (32, 256, 4, 4, 2), (64, 256, 4, 3, 4)]
 # The FP8 dot kernel's fewest rows: below, a 16-row MMA tile would be mostly padding.
 DOT_MIN_ROWS = 16
+# A tile is kept only if its largest error against float64 is at most this many times cuBLAS's on the same
+# operands (torch._scaled_mm promotes its FP8 sums to float32 as it goes).
+PRECISION_MARGIN = 1.25
 
 
 def dot_tiles(m: int) -> list[Fp8DotTile]:
     rows = [min(64, triton.next_power_of_2(m))] + ([128] if m > 64 else [])
-    return [Fp8DotTile(block_m, *tile) for block_m in rows for tile in DOT_TILES]
+    return [Fp8DotTile(block_m, *tile, promote_k=promote_k) for block_m in rows for tile in DOT_TILES
+            for promote_k in sorted({FP8_MMA_K, tile[1]})]
+
+
+def as_precise_as_cublas(tiles: list[Fp8DotTile], xq, xs, wq, ws) -> list[Fp8DotTile]:
+    """The tiles whose largest error against float64 is within PRECISION_MARGIN of torch._scaled_mm's."""
+    want = (xq.double() * xs.double()) @ (wq.double() * ws.double()[:, None]).T
+
+    def error(out: torch.Tensor) -> float:
+        return (out.double() - want).abs().max().item()
+
+    bound = PRECISION_MARGIN * error(torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1),
+                                                      out_dtype=torch.bfloat16))
+    kept = []
+    for tile in tiles:
+        try:
+            err = error(fp8_dot(xq, wq, ws, xs, out_dtype=torch.bfloat16, tile=tile))
+        except Exception:  # a tile that does not compile is left out when timed
+            kept.append(tile)
+            continue
+        if err <= bound:
+            kept.append(tile)
+        else:
+            print(f"  {FP8_DOT} tile {tile_text(tile)} left out: largest error {err:.4g}, cuBLAS's x "
+                  f"{PRECISION_MARGIN} {bound:.4g}")
+    return kept
 
 
 def time_kernels(n: int, k: int, m: int) -> dict[str, tuple[float, object]]:
@@ -89,7 +119,7 @@ def time_kernels(n: int, k: int, m: int) -> dict[str, tuple[float, object]]:
     if m <= TRITON_MAX_ROWS:
         candidates[TRITON] = (small_m, TILES)
     if m >= DOT_MIN_ROWS:
-        candidates[FP8_DOT] = (dot, dot_tiles(m))
+        candidates[FP8_DOT] = (dot, as_precise_as_cublas(dot_tiles(m), xq, xs, *weights[0]))
     best = {}
     for kernel, (run, tiles) in candidates.items():
         times = {}
@@ -98,8 +128,9 @@ def time_kernels(n: int, k: int, m: int) -> dict[str, tuple[float, object]]:
                 times[tile] = graph_time_us(lambda: run(tile), reps=copies)
             except Exception as e:  # a tile past the device's shared memory or registers
                 print(f"  {kernel} tile {tile} skipped: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
-        fastest = min(times, key=times.get)
-        best[kernel] = (times[fastest], fastest)
+        if times:
+            fastest = min(times, key=times.get)
+            best[kernel] = (times[fastest], fastest)
     return best
 
 
@@ -107,15 +138,18 @@ def choice_of(n: int, k: int, m: int, kernel: str, tile: SmallMConfig | Fp8DotTi
     if tile is None:
         return Fp8GemmChoice(n, k, m, kernel)
     return Fp8GemmChoice(n, k, m, kernel, tile.block_n, tile.block_k, tile.num_warps, tile.num_stages,
-                         split_k=tile.split_k, block_m=getattr(tile, "block_m", 0))
+                         split_k=tile.split_k, block_m=getattr(tile, "block_m", 0),
+                         promote_k=getattr(tile, "promote_k", FP8_MMA_K))
 
 
 def tile_text(tile: SmallMConfig | Fp8DotTile | None) -> str:
-    """[block_m/]block_n/block_k/num_warps/num_stages[/split_k] (split_k where it is not 1)."""
+    """[block_m/]block_n/block_k/num_warps/num_stages[/sSPLIT_K][/pPROMOTE_K] (split_k where it is not 1,
+    promote_k where it is not one MMA's)."""
     if tile is None:
         return "default"
     parts = [getattr(tile, "block_m", None), tile.block_n, tile.block_k, tile.num_warps, tile.num_stages,
-             tile.split_k if tile.split_k > 1 else None]
+             f"s{tile.split_k}" if tile.split_k > 1 else None,
+             f"p{tile.promote_k}" if getattr(tile, "promote_k", FP8_MMA_K) != FP8_MMA_K else None]
     return "/".join(str(p) for p in parts if p is not None)
 
 

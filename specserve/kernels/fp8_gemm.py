@@ -4,14 +4,15 @@ out [M, N] = (x * x_scale) @ (weight * weight_scale)^T for an e4m3 input x [M, K
 (x_scale [M, 1]) and an e4m3 weight [N, K] quantized per output row (weight_scale [N]), the operands and
 scales torch._scaled_mm takes with rowwise scaling. The small-M kernel (fused_linear.fp8_linear) widens both
 operands to float16 and takes at most 32 rows; from a batch-64 decode step up, a projection multiplies
-64-row tiles, which Hopper multiplies in e4m3 directly (wgmma). The sums are float32; each output is
-scaled once after the K loop and rounded once to the output dtype, as _scaled_mm does, so the two differ
-in summation order only.
+64-row tiles, which Hopper multiplies in e4m3 directly (wgmma). The MMA sums its products in fewer bits than
+float32; every promote_k products (the tile's) its sums are added into a float32 accumulator, as cuBLAS
+promotes its own. Each output is scaled once after the K loop and rounded once to the output dtype, as
+_scaled_mm does.
 
-Which of the two (or cuBLAS) a projection runs is the measured choice table's (fp8_gemm_choice.py), with
-this kernel's tile (fp8_gemm_choice.Fp8DotTile). A tile may split K over SPLIT_K programs per output tile, as the small-M
-kernel does (split_parts.py): a projection with few output tiles (o_proj and down_proj of an 8B model,
-4,096 columns) otherwise leaves SMs idle. Launches depend on shapes only (CUDA-graph capturable).
+Which of the two (or cuBLAS) a projection runs is the measured choice table's (fp8_gemm_choice.py), with this
+kernel's tile (fp8_gemm_choice.Fp8DotTile). A tile may split K over SPLIT_K programs per output tile, as the
+small-M kernel does (split_parts.py): a projection with few output tiles (o_proj and down_proj of an 8B
+model, 4,096 columns) otherwise leaves SMs idle. Launches depend on shapes only (CUDA-graph capturable).
 """
 from __future__ import annotations
 
@@ -24,16 +25,13 @@ from specserve.kernels.small_m_prologue import split_k_range
 from specserve.kernels.split_parts import counts_in_last, split_counters, sum_parts
 
 
-# The K of one Hopper FP8 MMA instruction (wgmma with 8-bit operands).
-FP8_MMA_K = tl.constexpr(32)
-
-
 @triton.jit
 def _fp8_dot_kernel(
     x_ptr, w_ptr, out_ptr, x_scale_ptr, w_scale_ptr, part_ptr, counter_ptr,
     M, N, K, k_per, stride_xm, stride_wn, stride_om,
     DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PROMOTE_K: tl.constexpr,
 ):
     """Program (m tile, n tile, part): the m tiles of one n tile are neighbours in the launch order, so a
     weight tile read by one is in L2 for the next."""
@@ -62,9 +60,10 @@ def _fp8_dot_kernel(
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
             # Hopper's FP8 MMA sums in fewer bits than float32: left to run over all of K (Triton's default on
-            # sm_90), the sums drift with K. Each MMA's 32 products are added into the float32 accumulator
-            # instead, as cuBLAS promotes its FP8 sums (tests/kernels/test_fp8_gemm.py compares the errors).
-            acc = tl.dot(a, w, acc, max_num_imprecise_acc=FP8_MMA_K)
+            # sm_90), the sums drift with K. Every PROMOTE_K products they are added into the float32
+            # accumulator instead, as cuBLAS promotes its FP8 sums (the tile's promote_k, which the choice
+            # table's sweep keeps only where its error is no more than cuBLAS's).
+            acc = tl.dot(a, w, acc, max_num_imprecise_acc=PROMOTE_K)
     if SPLIT_K > 1:
         mask = m_mask[:, None] & n_mask[None, :]
         parts = part_ptr + offs_m[:, None] * N + offs_n[None, :]
@@ -115,6 +114,6 @@ def fp8_dot(
         x, weight, out, x_scale, weight_scale, parts, counters, m, n, k, k_per, x.stride(0), weight.stride(0),
         out.stride(0), DOT_FP32=x.device.type == "cpu", EVEN_K=k_per % tile.block_k == 0 and k % tile.block_k == 0,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SPLIT_K=tile.split_k,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        PROMOTE_K=tile.promote_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out

@@ -31,12 +31,15 @@ FP8_DOT = "fp8_dot"
 KERNELS = (SCALED_MM, TRITON, FP8_DOT)
 DEFAULT = SCALED_MM
 CHOICE_DIR = Path(__file__).resolve().parent / "configs" / "fp8_gemm"
+# The K of one Hopper FP8 MMA instruction (wgmma with 8-bit operands): the finest promotion of its sums.
+FP8_MMA_K = 32
 
 
 @dataclass(frozen=True)
 class Fp8DotTile:
     """A launch of the FP8 dot kernel (fp8_gemm.py): block_m x block_n outputs a program, K in block_k
-    chunks, split_k programs per output tile."""
+    chunks, split_k programs per output tile; the FP8 MMA's own sums of promote_k products at a time added
+    into the float32 accumulator (a multiple of FP8_MMA_K, at most block_k)."""
 
     block_m: int
     block_n: int
@@ -44,8 +47,12 @@ class Fp8DotTile:
     num_warps: int
     num_stages: int
     split_k: int = 1
+    promote_k: int = 32
 
     def __post_init__(self) -> None:
+        if self.promote_k % FP8_MMA_K or not FP8_MMA_K <= self.promote_k <= self.block_k:
+            raise ValueError(f"promote_k must be a multiple of {FP8_MMA_K} up to block_k ({self.block_k}), got "
+                             f"{self.promote_k}")
         for name in ("block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k"):
             value = getattr(self, name)
             if value < 1 or (name.startswith("block") and value & (value - 1)):
@@ -77,6 +84,7 @@ class Fp8GemmChoice:
     num_stages: int = 0
     split_k: int = 1
     block_m: int = 0
+    promote_k: int = FP8_MMA_K
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:
@@ -87,9 +95,10 @@ class Fp8GemmChoice:
         if (any(tile) or self.split_k != 1) and (self.kernel == SCALED_MM or not all(v > 0 for v in tile)):
             raise ValueError(f"a tile goes with a Triton kernel and names all of block_n, block_k, num_warps and "
                              f"num_stages, got kernel {self.kernel!r}, {tile} and split_k {self.split_k}")
-        if (self.block_m > 0) != (self.kernel == FP8_DOT and any(tile)):
-            raise ValueError(f"block_m goes with an {FP8_DOT} tile only, got kernel {self.kernel!r}, block_m "
-                             f"{self.block_m} and {tile}")
+        if (self.block_m > 0) != (self.kernel == FP8_DOT and any(tile)) or \
+                (self.promote_k != FP8_MMA_K and not self.block_m):
+            raise ValueError(f"block_m and promote_k go with an {FP8_DOT} tile only, got kernel {self.kernel!r}, "
+                             f"block_m {self.block_m}, promote_k {self.promote_k} and {tile}")
 
     def config(self) -> SmallMConfig | None:
         """The small-M kernel's tile, None for the tile data's."""
@@ -101,7 +110,8 @@ class Fp8GemmChoice:
         """The FP8 dot kernel's tile, None for its default."""
         if self.kernel != FP8_DOT or not self.block_m:
             return None
-        return Fp8DotTile(self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages, self.split_k)
+        return Fp8DotTile(self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages, self.split_k,
+                          self.promote_k)
 
 
 def choice_path(device_name: str) -> Path:

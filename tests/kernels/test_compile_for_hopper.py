@@ -104,14 +104,16 @@ def kernels():
     yield fp8_rows._quantize_rows_kernel, dict(
         x_ptr=bf16, q_ptr="*fp8e4nv", scale_ptr=f32, K=i32, stride_xm=i32, stride_qm=i32, fp8_max="fp32",
         min_scale="fp32", BLOCK_K=fp8_rows.BLOCK_K)
-    # FP8 by FP8 past 32 rows (kernels/fp8_gemm.py): e4m3 dots on the tensor cores, unsplit and split over K.
+    # FP8 by FP8 from 16 rows (kernels/fp8_gemm.py): e4m3 dots on the tensor cores, unsplit and split over K,
+    # their sums promoted every MMA and every K chunk.
     from specserve.kernels import fp8_gemm
 
-    for split_k, even_k in ((1, True), (2, False)):
+    for split_k, even_k, promote_k in ((1, True, 32), (2, False, 128)):
         yield fp8_gemm._fp8_dot_kernel, dict(
             x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", out_ptr=bf16, x_scale_ptr=f32, w_scale_ptr=f32, part_ptr=f32,
             counter_ptr=p32, M=i32, N=i32, K=i32, k_per=i32, stride_xm=i32, stride_wn=i32, stride_om=i32,
-            DOT_FP32=False, EVEN_K=even_k, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split_k)
+            DOT_FP32=False, EVEN_K=even_k, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split_k,
+            PROMOTE_K=promote_k)
     # The head's down_proj (576 x 6144), K split over 4 programs a column tile (atomics, L2 loads, a barrier).
     yield fused_linear._fused_linear_kernel, dict(
         projection, part_ptr=f32, counter_ptr=p32, ADD=False, NORM=False, SILU_MUL=False, TOP=0, COMPACT=False,

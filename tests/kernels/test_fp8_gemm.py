@@ -12,7 +12,8 @@ from specserve.quantization.fp8 import quantize_per_channel, quantize_per_token
 from .util import DEVICE, assert_close, poisoned_view
 
 K, N = 200, 90
-TILES = [Fp8DotTile(64, 64, 128, 4, 4), Fp8DotTile(16, 32, 32, 4, 2), Fp8DotTile(32, 16, 64, 4, 3, split_k=3)]
+TILES = [Fp8DotTile(64, 64, 128, 4, 4), Fp8DotTile(16, 32, 32, 4, 2), Fp8DotTile(32, 16, 64, 4, 3, split_k=3),
+         Fp8DotTile(64, 32, 128, 4, 3, promote_k=128)]
 
 
 def _quantized_view(rows: int, cols: int, seed: int, quantize):
@@ -57,8 +58,8 @@ def test_bfloat16_output_equals_scaled_mm_within_one_rounding():
 @pytest.mark.skipif(DEVICE != "cuda", reason="the FP8 MMA's accumulation precision is the GPU's")
 @pytest.mark.parametrize("split_k", [1, 4])
 def test_as_precise_as_cublas(split_k):
-    """Over a long K (an 8B model's down_proj reads 14,336), the kernel's largest error against float64 is no
-    more than 1.25 times torch._scaled_mm's (cuBLAS, which promotes its FP8 sums to float32 as it goes) on
+    """Over a long K (an 8B model's down_proj reads 14,336), the kernel's largest error against float64 with its
+    sums promoted after every MMA (the default tile's) is no more than 1.25 times torch._scaled_mm's (cuBLAS, which promotes its FP8 sums to float32 as it goes) on
     the same operands: sums left in the MMA's own precision over all of K drift several times further."""
     k = 14336
     wq, ws = quantize_per_channel(torch.randn(256, k, device=DEVICE))
@@ -82,3 +83,7 @@ def test_bad_operands_and_tiles_are_refused():
         Fp8DotTile(64, 48, 128, 4, 4)
     with pytest.raises(ValueError, match="at least 16 x 16"):
         Fp8DotTile(64, 8, 128, 4, 4)
+    with pytest.raises(ValueError, match="promote_k must be a multiple of 32 up to block_k"):
+        Fp8DotTile(64, 64, 128, 4, 4, promote_k=256)
+    with pytest.raises(ValueError, match="promote_k must be a multiple of 32"):
+        Fp8DotTile(64, 64, 128, 4, 4, promote_k=48)

@@ -163,10 +163,12 @@ def test_the_choice_table(tmp_path, monkeypatch):
         Fp8GemmChoice(64, 32, 4, "scaled_mm", 64, 512, 8, 3)
     with pytest.raises(ValueError, match="names all of"):
         Fp8GemmChoice(64, 32, 4, "triton", 64, 512)
-    with pytest.raises(ValueError, match="block_m goes with an fp8_dot tile only"):
+    with pytest.raises(ValueError, match="block_m and promote_k go with an fp8_dot tile only"):
         Fp8GemmChoice(64, 32, 4, "triton", 64, 512, 8, 3, block_m=64)
-    with pytest.raises(ValueError, match="block_m goes with an fp8_dot tile only"):
+    with pytest.raises(ValueError, match="block_m and promote_k go with an fp8_dot tile only"):
         Fp8GemmChoice(64, 32, 64, "fp8_dot", 64, 128, 4, 4)
+    with pytest.raises(ValueError, match="block_m and promote_k go with an fp8_dot tile only"):
+        Fp8GemmChoice(64, 32, 64, "fp8_dot", promote_k=128)
 
 
 def test_the_table_names_fp8_dot_buckets_past_the_small_m_rows(tmp_path, monkeypatch):
@@ -176,14 +178,17 @@ def test_the_table_names_fp8_dot_buckets_past_the_small_m_rows(tmp_path, monkeyp
     cpu = torch.device("cpu")
     rows = [Fp8GemmChoice(64, 32, 32, "triton", 16, 512, 4, 4, split_k=2),
             Fp8GemmChoice(64, 32, 64, "fp8_dot", 64, 128, 4, 4, split_k=2, block_m=64),
-            Fp8GemmChoice(64, 32, 128, "fp8_dot")]
+            Fp8GemmChoice(64, 32, 128, "fp8_dot"),
+            Fp8GemmChoice(64, 32, 256, "fp8_dot", 64, 128, 4, 4, block_m=64, promote_k=128)]
     write_choices(tmp_path / "cpu.json", "cpu", rows)
-    assert '"block_m"' not in (tmp_path / "cpu.json").read_text().splitlines()[-3]
+    assert '"block_m"' not in (tmp_path / "cpu.json").read_text().splitlines()[-4]
+    assert '"promote_k": 128' in (tmp_path / "cpu.json").read_text().splitlines()[-3]
     fp8_gemm_choice.load_choices.cache_clear()
     try:
         assert fp8_gemm_choice.load_choices("cpu")[(64, 32)] == tuple(rows)
-        assert [choose(64, 32, m, cpu).kernel for m in (32, 33, 64, 65, 128, 129)] == \
-            ["triton", "fp8_dot", "fp8_dot", "fp8_dot", "fp8_dot", "scaled_mm"]
+        assert [choose(64, 32, m, cpu).kernel for m in (32, 33, 64, 65, 128, 256, 257)] == \
+            ["triton", "fp8_dot", "fp8_dot", "fp8_dot", "fp8_dot", "fp8_dot", "scaled_mm"]
+        assert choose(64, 32, 200, cpu).dot_tile() == Fp8DotTile(64, 64, 128, 4, 4, promote_k=128)
         assert choose(64, 32, 40, cpu).dot_tile() == Fp8DotTile(64, 64, 128, 4, 4, split_k=2)
         assert choose(64, 32, 100, cpu).dot_tile() is None
         assert choose(64, 32, 40, cpu).config() is None
