@@ -3,12 +3,12 @@ FP8 dot kernel.
 
 The choice is data, measured on the device (docs/design.md, 'FP8 weights'): `benchmarks/fp8_gemm_choice.py`
 times the kernels for each projection shape (N, K) at each token count M (the small-M kernel up to its row
-limit, the FP8 dot kernel, kernels/fp8_gemm.py, past it), the Triton kernels in several tiles, and writes, per
-device, `kernels/configs/fp8_gemm/<device name>.json`: for each (N, K) a list of token-count buckets, the
-fastest kernel in each and, for the Triton kernels, its fastest tile (none: the small-M kernel takes the
-16-bit tile data's, small_m_configs.py, the FP8 dot kernel DEFAULT_DOT_TILE). A GPU without a table of its own takes FALLBACK_DEVICE's, as it
-takes that device's 16-bit tiles: `_scaled_mm` at one token made FP8 weights slower than bf16 on an H200
-(BENCHMARKS.md, 'FP8 weights'). A shape or token count the table does not name takes `torch._scaled_mm`
+limit, the FP8 dot kernel, kernels/fp8_gemm.py, from 16 rows), the Triton kernels in several tiles, and
+writes, per device, `kernels/configs/fp8_gemm/<device name>.json`: for each (N, K) a list of token-count
+buckets, the fastest kernel in each and, for the Triton kernels, its fastest tile (none: the small-M kernel
+takes the 16-bit tile data's, small_m_configs.py, the FP8 dot kernel DEFAULT_DOT_TILE). A GPU without a table
+of its own takes FALLBACK_DEVICE's, as it takes that device's 16-bit tiles: `_scaled_mm` at one token made FP8
+weights slower than bf16 on an H200 (BENCHMARKS.md, 'FP8 weights'). A shape or token count the table does not name takes `torch._scaled_mm`
 (DEFAULT), as does every M past the table's largest bucket for the shape.
 """
 from __future__ import annotations

@@ -17,14 +17,29 @@ the reference: dequantize both operands and multiply in float32.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from specserve.kernels.fp8_gemm_choice import FP8_DOT, TRITON, TRITON_MAX_ROWS, choose
+from specserve.kernels.fp8_gemm_choice import FP8_DOT, SCALED_MM, TRITON, TRITON_MAX_ROWS, Fp8DotTile, choose
+from specserve.kernels.small_m_configs import SmallMConfig
 from specserve.models.layers import FusableModule
 from specserve.quantization.fp8 import (FP8_DTYPE, Fp8Rows, dequantize, quantize_per_channel, quantize_per_token,
                                         quantize_static)
+
+
+# The route of a layer off the fused path (or one no kernel takes): both operands dequantized, in float32.
+REFERENCE = "reference"
+
+
+@dataclass(frozen=True)
+class Fp8GemmRoute:
+    """The GEMM a layer runs over some rows: SCALED_MM, TRITON (the small-M kernel, in tile: a SmallMConfig, None
+    for the tile data's), FP8_DOT (in tile: an Fp8DotTile, None for its default) or REFERENCE."""
+
+    kernel: str
+    tile: SmallMConfig | Fp8DotTile | None = None
 
 
 class Fp8Activation(enum.Enum):
@@ -112,22 +127,30 @@ class Fp8Linear(FusableModule):
         out = self._matmul(xq, x_scale, dtype)
         return out if self.bias is None else out + self.bias
 
-    def _matmul(self, xq: torch.Tensor, x_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    def route(self, m: int, dtype: torch.dtype, x_scaled: bool) -> Fp8GemmRoute:
+        """Which GEMM this layer runs over m rows of dtype output, its input FP8 (x_scaled) or not (the one
+        place that decides; the module docstring says how)."""
         if not self.fused:
-            return self.reference(xq, x_scale, dtype)
-        m = xq.shape[0]
-        scaled_mm_fits = dtype == torch.bfloat16 and x_scale is not None
-        choice = choose(self.out_features, self.in_features, m, xq.device)
-        if choice.kernel == FP8_DOT and x_scale is not None:
+            return Fp8GemmRoute(REFERENCE)
+        scaled_mm_fits = dtype == torch.bfloat16 and x_scaled
+        choice = choose(self.out_features, self.in_features, m, self.weight.device)
+        if choice.kernel == FP8_DOT and x_scaled:
+            return Fp8GemmRoute(FP8_DOT, choice.dot_tile())
+        if m <= TRITON_MAX_ROWS and (not scaled_mm_fits or choice.kernel == TRITON):
+            return Fp8GemmRoute(TRITON, choice.config() if scaled_mm_fits else None)
+        return Fp8GemmRoute(SCALED_MM if scaled_mm_fits else REFERENCE)
+
+    def _matmul(self, xq: torch.Tensor, x_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        route = self.route(xq.shape[0], dtype, x_scale is not None)
+        if route.kernel == FP8_DOT:
             from specserve.kernels.fp8_gemm import fp8_dot
 
-            return fp8_dot(xq, self.weight, self.weight_scale, x_scale, out_dtype=dtype, tile=choice.dot_tile())
-        if m <= TRITON_MAX_ROWS and (not scaled_mm_fits or choice.kernel == TRITON):
+            return fp8_dot(xq, self.weight, self.weight_scale, x_scale, out_dtype=dtype, tile=route.tile)
+        if route.kernel == TRITON:
             from specserve.kernels.fused_linear import fp8_linear
 
-            return fp8_linear(xq, self.weight, self.weight_scale, x_scale, out_dtype=dtype,
-                              config=choice.config() if scaled_mm_fits else None)
-        if scaled_mm_fits:
+            return fp8_linear(xq, self.weight, self.weight_scale, x_scale, out_dtype=dtype, config=route.tile)
+        if route.kernel == SCALED_MM:
             # Rowwise scaling: scale_a [M, 1], scale_b [1, N]; the weight transposed is the column-major [K, N]
             # operand cuBLAS takes.
             return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale.view(1, -1),

@@ -132,7 +132,7 @@ def kernels():
         stride_qh=i32, stride_pos=i32, stride_cb=i32, stride_cs=i32, stride_ch=i32, block_size=i32,
         num_heads=i32, num_kv_heads=i32, half=i32, eps="fp32", ADD=True, NORM=True, BIAS=False, DOT_FP32=False,
         PAD_SLOT=PAD_SLOT_ID, ROWS=1, BLOCK_M=16, k_scale_ptr=f32, v_scale_ptr=f32, FP8=False,
-        part_ptr=f32, counter_ptr=p32, N=i32, k_per=i32, SPLIT_K=1)
+        part_ptr=f32, counter_ptr=p32, N=i32, k_per=i32, SPLIT_K=1, w_scale_ptr=f32, x_scale_ptr=f32, FP8_ROWS=False)
     for rows, cfg in ((1, tiles["qkv_norm_small_one_token"]), (16, tiles["qkv_norm_small"])):
         yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
             qkv, ROWS=rows, COMPACT=cfg.compact, PRE_K=4096 // rows, SLICE_K=64, LATE_RSTD=True, BLOCK_P=cfg.block_n,
@@ -148,6 +148,10 @@ def kernels():
     # A rank's qkv at TP=2 (48 programs), K split over 2 programs each (atomics, L2 loads, a barrier).
     yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
         qkv, COMPACT=False, PRE_K=4096, SLICE_K=64, LATE_RSTD=False, BLOCK_P=32, BLOCK_K=256, SPLIT_K=2)
+    # An FP8 layer's qkv (its norm wrote e4m3 rows), K split over 2 (quantization/fp8_linear.py).
+    yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
+        qkv, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", ADD=False, NORM=False, COMPACT=False, ROWS=16, PRE_K=256,
+        SLICE_K=64, LATE_RSTD=False, BLOCK_P=16, BLOCK_K=256, SPLIT_K=2, FP8_ROWS=True)
     # Into an FP8 (e4m3) KV cache, quantized with the layer's scales.
     fp8, scale = "*fp8e4nv", dict(k_scale_ptr=f32, v_scale_ptr=f32, FP8=True)
     yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
