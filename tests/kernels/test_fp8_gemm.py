@@ -42,7 +42,7 @@ def test_against_float64(m, tile):
     assert not split_counters(out.device, 1).any(), "every output tile's count is back at zero"
 
 
-def test_bfloat16_output_equals_scaled_mm_within_one_rounding():
+def test_bfloat16_output_agrees_with_scaled_mm():
     """The same operands and scales as torch._scaled_mm's rowwise path (what the choice table compares it with):
     both round once to bfloat16 sums that differ in order (and on a GPU in the FP8 MMA's own rounding of each 32
     products), so they differ by a bfloat16 ulp of the value, or of the largest output where sums cancel."""
