@@ -86,21 +86,10 @@ def fp8_dot(
     tile: Fp8DotTile | None = None,
 ) -> torch.Tensor:
     """(x * x_scale) @ (weight * weight_scale)^T as out_dtype [M, N], in tile (DEFAULT_DOT_TILE if None)."""
-    from specserve.quantization.fp8 import FP8_DTYPE
-
+    check_fp8_operands(x, weight, weight_scale, x_scale, out_dtype)
     tile = tile or DEFAULT_DOT_TILE
     m, k = x.shape
     n = weight.shape[0]
-    if x.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE or weight.shape[1] != k:
-        raise ValueError(f"{FP8_DTYPE} x [M, K] and weight [N, K] expected, got {x.dtype} {tuple(x.shape)} and "
-                         f"{weight.dtype} {tuple(weight.shape)}")
-    if weight_scale.shape != (n,) or x_scale.shape != (m, 1) or {weight_scale.dtype, x_scale.dtype} != {torch.float32}:
-        raise ValueError(f"float32 weight_scale [{n}] and x_scale [{m}, 1] expected, got {weight_scale.dtype} "
-                         f"{tuple(weight_scale.shape)} and {x_scale.dtype} {tuple(x_scale.shape)}")
-    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"the output must be float32, bfloat16 or float16, got {out_dtype}")
-    if x.stride(1) != 1 or weight.stride(1) != 1 or x.device != weight.device:
-        raise ValueError("x and weight must share a device and have unit stride along K")
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -117,3 +106,22 @@ def fp8_dot(
         PROMOTE_K=tile.promote_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
+
+
+def check_fp8_operands(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, x_scale: torch.Tensor,
+                       out_dtype: torch.dtype) -> None:
+    """Validate e4m3 rows x [M, K] with x_scale [M, 1] and an e4m3 weight [N, K] with weight_scale [N] (float32
+    scales) for a projection into out_dtype; raises ValueError naming what is wrong."""
+    from specserve.quantization.fp8 import FP8_DTYPE
+
+    m, n = x.shape[0], weight.shape[0]
+    if x.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE or x.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"{FP8_DTYPE} x [M, K] and weight [N, K] expected, got {x.dtype} {tuple(x.shape)} and "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    if weight_scale.shape != (n,) or x_scale.shape != (m, 1) or {weight_scale.dtype, x_scale.dtype} != {torch.float32}:
+        raise ValueError(f"float32 weight_scale [{n}] and x_scale [{m}, 1] expected, got {weight_scale.dtype} "
+                         f"{tuple(weight_scale.shape)} and {x_scale.dtype} {tuple(x_scale.shape)}")
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"the output must be float32, bfloat16 or float16, got {out_dtype}")
+    if x.stride(1) != 1 or weight.stride(1) != 1 or x.device != weight.device:
+        raise ValueError("x and weight must share a device and have unit stride along K")

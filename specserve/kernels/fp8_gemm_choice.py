@@ -8,8 +8,8 @@ writes, per device, `kernels/configs/fp8_gemm/<device name>.json`: for each (N, 
 buckets, the fastest kernel in each and, for the Triton kernels, its fastest tile (none: the small-M kernel
 takes the 16-bit tile data's, small_m_configs.py, the FP8 dot kernel DEFAULT_DOT_TILE). A GPU without a table
 of its own takes FALLBACK_DEVICE's, as it takes that device's 16-bit tiles: `_scaled_mm` at one token made FP8
-weights slower than bf16 on an H200 (BENCHMARKS.md, 'FP8 weights'). A shape or token count the table does not name takes `torch._scaled_mm`
-(DEFAULT), as does every M past the table's largest bucket for the shape.
+weights slower than bf16 on an H200 (BENCHMARKS.md, 'FP8 weights'). A shape or token count the table does not
+name takes `torch._scaled_mm` (DEFAULT), as does every M past the table's largest bucket for the shape.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class Fp8DotTile:
     num_warps: int
     num_stages: int
     split_k: int = 1
-    promote_k: int = 32
+    promote_k: int = FP8_MMA_K
 
     def __post_init__(self) -> None:
         if self.promote_k % FP8_MMA_K or not FP8_MMA_K <= self.promote_k <= self.block_k:

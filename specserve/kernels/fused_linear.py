@@ -264,8 +264,7 @@ def _launch(x, weight, norm_weight, eps, residual, silu_mul, config, n, out, fir
         m, n, k, k_per, x.stride(0), residual.stride(0) if residual is not None else 0,
         residual_out.stride(0) if residual_out is not None else 0, weight.stride(0), out.stride(0), eps,
         ADD=residual is not None, NORM=norm, SILU_MUL=silu_mul, TOP=top,
-        DOT_FP32=dot_in_float32(x) or (weight_scale is not None and (x.device.type == "cpu"
-                                                                      or out.dtype == torch.float32)),
+        DOT_FP32=dot_in_float32(x, out.dtype if weight_scale is not None else None),
         W_SCALED=weight_scale is not None, X_SCALED=x_scale is not None,
         **prologue_meta(x, norm, cfg.compact, grid), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from specserve.attention.metadata import PAD_SLOT_ID
+from specserve.kernels.fp8_gemm import check_fp8_operands
 from specserve.kernels.fp8_kv import cache_scales, store_to_cache
 from specserve.kernels.small_m_configs import SmallMConfig, qkv_config
 from specserve.kernels.small_m_prologue import (MAX_ROWS, check_prologue, dot_in_float32, input_chunk,
@@ -193,7 +194,10 @@ def qkv_rotary_cache(
     scale per row (quantization/fp8_linear.Fp8Linear), no prologue; q comes out in out_dtype.
     """
     if fp8_scales is not None:
-        _check_fp8_operands(x, weight, fp8_scales, out_dtype, norm_weight is not None or residual is not None)
+        check_fp8_operands(x, weight, fp8_scales[1], fp8_scales[0], out_dtype)
+        if norm_weight is not None or residual is not None or x.shape[0] > MAX_ROWS:
+            raise ValueError(f"FP8 rows come normed already (the norm wrote them), at most {MAX_ROWS} of them: no "
+                             f"norm_weight or residual, got {x.shape[0]} rows")
     else:
         check_prologue(x, weight, norm_weight, residual)
     out_dtype = out_dtype if fp8_scales is not None else x.dtype
@@ -240,32 +244,10 @@ def qkv_rotary_cache(
         cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         kv_cache.shape[2], num_heads, num_kv_heads, half, eps,
         ADD=residual is not None, NORM=norm, BIAS=bias is not None,
-        DOT_FP32=dot_in_float32(x) or (fp8_scales is not None and (x.device.type == "cpu"
-                                                                    or out_dtype == torch.float32)),
+        DOT_FP32=dot_in_float32(x, out_dtype if fp8_scales is not None else None),
         PAD_SLOT=PAD_SLOT_ID,
         **prologue_meta(x, norm, cfg.compact, grid[0] * grid[1]), BLOCK_P=cfg.block_n, BLOCK_K=cfg.block_k,
         FP8=fp8, SPLIT_K=cfg.split_k, FP8_ROWS=fp8_scales is not None, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     return q, residual_out
-
-
-def _check_fp8_operands(x: torch.Tensor, weight: torch.Tensor, fp8_scales, out_dtype: torch.dtype | None,
-                        prologue: bool) -> None:
-    """Validate FP8 rows and an FP8 weight with their scales; raises ValueError naming what is wrong."""
-    from specserve.quantization.fp8 import FP8_DTYPE
-
-    x_scale, weight_scale = fp8_scales
-    m, n = x.shape[0], weight.shape[0]
-    if x.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE or x.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"fp8_scales go with {FP8_DTYPE} x [M, K] and weight [N, K], got {x.dtype} "
-                         f"{tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
-    if x_scale.shape != (m, 1) or weight_scale.shape != (n,) or {x_scale.dtype, weight_scale.dtype} != {torch.float32}:
-        raise ValueError(f"float32 x_scale [{m}, 1] and weight_scale [{n}] expected, got {x_scale.dtype} "
-                         f"{tuple(x_scale.shape)} and {weight_scale.dtype} {tuple(weight_scale.shape)}")
-    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"FP8 rows need out_dtype float32, bfloat16 or float16, got {out_dtype}")
-    if prologue:
-        raise ValueError("FP8 rows are normed already (the norm wrote them): no norm_weight or residual")
-    if m > MAX_ROWS or x.stride(1) != 1 or weight.stride(1) != 1 or x.device != weight.device:
-        raise ValueError(f"at most {MAX_ROWS} rows, unit stride along K and one device expected")

@@ -207,6 +207,9 @@ def check_prologue(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Ten
              "residual must match x in shape and dtype, with unit stride along K")
 
 
-def dot_in_float32(x: torch.Tensor) -> bool:
-    """Whether to multiply in float32: Triton's interpreter multiplies bfloat16 dot operands as raw integer bits."""
-    return x.device.type == "cpu" and x.dtype == torch.bfloat16
+def dot_in_float32(x: torch.Tensor, fp8_out: torch.dtype | None = None) -> bool:
+    """Whether to multiply in float32: Triton's interpreter multiplies bfloat16 dot operands as raw integer bits.
+    fp8_out, for a projection with an FP8 weight, is its output dtype: its operands widen to the output's dtype
+    or float16 on a GPU, but to float32 under the interpreter (which has no e4m3 dot) and for a float32 output."""
+    return (x.device.type == "cpu" and x.dtype == torch.bfloat16) or \
+        (fp8_out is not None and (x.device.type == "cpu" or fp8_out == torch.float32))
