@@ -1,8 +1,7 @@
 """The cost of grammar-constrained decoding: output tokens/s with every request under a JSON schema beside the same
 requests unconstrained, at each batch size, with and without speculation, and the host time spent building the
-steps' grammar masks: the target's (StepMasks.fill, on the runner's mask worker thread), how long the engine thread
-waited for them (MaskJob.masks, their copy queued too) and, with speculation, the drafter's (each draft depth's
-DraftMasks._build, once its drafts are back, on the engine thread).
+steps' grammar masks: the target's (StepMasks.build) and, with speculation, the drafter's (each draft depth's
+DraftMasks._build, once its drafts are back).
 
     python benchmarks/structured_output_cost.py --model smollm2-135m --dataset mt_bench.jsonl \
         [--spec '{"method": "eagle3", "model": "smollm2-135m-eagle3", "num_speculative_tokens": 3}'] \
@@ -38,7 +37,6 @@ from specserve.models.loader import load_tokenizer, open_model_source
 from specserve.sampling_params import SamplingParams
 from specserve.structured_output.spec import StructuredOutput, StructuredOutputKind
 from specserve.structured_output.draft_masks import DraftMasks
-from specserve.structured_output.mask_job import MaskJob
 from specserve.structured_output.step_masks import StepMasks
 
 SCHEMA_MIN_ITEMS = 200
@@ -61,7 +59,6 @@ class ArmResult:
     duration_s: float
     steps: int
     mask_build_s: float
-    mask_wait_s: float
     draft_mask_build_s: float
     mean_acceptance_length: float | None
 
@@ -71,9 +68,9 @@ class ArmResult:
 
 
 class MaskTimer:
-    """Accumulates the host time of one function of the masks (the part of a step that grammars add on the host):
-    StepMasks.fill (the target's, on the mask worker), MaskJob.masks (the engine thread's wait for them) or
-    DraftMasks._build (a draft depth's, after its drafts are back). Each is called from one thread only."""
+    """Accumulates the host time of one function that builds masks (the part of a step that grammars add on
+    the host): StepMasks.build (the target's) or DraftMasks._build (a draft depth's, after its drafts are
+    back)."""
 
     def __init__(self, owner: type, name: str) -> None:
         self.seconds = 0.0
@@ -102,9 +99,9 @@ class StepCounter:
 
 
 def run_arm(llm: LLM, inputs: list[list[int]], params: SamplingParams, repeats: int, masks: MaskTimer,
-            waits: MaskTimer, draft_masks: MaskTimer, counter: StepCounter) -> ArmResult:
+            draft_masks: MaskTimer, counter: StepCounter) -> ArmResult:
     stats = llm.engine.spec_stats
-    before = (stats.num_steps, stats.num_emitted, masks.seconds, counter.steps, draft_masks.seconds, waits.seconds)
+    before = (stats.num_steps, stats.num_emitted, masks.seconds, counter.steps, draft_masks.seconds)
     tokens, start = 0, time.perf_counter()
     for _ in range(repeats):
         outs = llm.generate(inputs, params, use_tqdm=False)
@@ -117,8 +114,7 @@ def run_arm(llm: LLM, inputs: list[list[int]], params: SamplingParams, repeats: 
     duration = time.perf_counter() - start
     spec_steps, emitted = stats.num_steps - before[0], stats.num_emitted - before[1]
     return ArmResult(tokens, duration, counter.steps - before[3], masks.seconds - before[2],
-                     waits.seconds - before[5], draft_masks.seconds - before[4],
-                     emitted / spec_steps if spec_steps else None)
+                     draft_masks.seconds - before[4], emitted / spec_steps if spec_steps else None)
 
 
 def median_round(results: list[ArmResult]) -> dict:
@@ -159,8 +155,7 @@ def main() -> None:
         raise SystemExit(f"--rounds must be at least 1, got {a.rounds}")
     sizes = [int(x) for x in a.batch_sizes.split(",")]
     prompts = load_prompts(a.dataset, max(sizes))
-    masks, waits = MaskTimer(StepMasks, "fill"), MaskTimer(MaskJob, "masks")
-    draft_masks = MaskTimer(DraftMasks, "_build")
+    masks, draft_masks = MaskTimer(StepMasks, "build"), MaskTimer(DraftMasks, "_build")
     constrained = SamplingParams(temperature=0.0, max_tokens=a.max_tokens,
                                  structured_output=StructuredOutput(StructuredOutputKind.JSON_SCHEMA, SCHEMA))
     free = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
@@ -177,7 +172,7 @@ def main() -> None:
             runs: dict[str, list[ArmResult]] = {"free": [], "json_schema": []}
             for _ in range(a.rounds):
                 for name, params in (("free", free), ("json_schema", constrained)):
-                    runs[name].append(run_arm(llm, inputs[:b], params, repeats, masks, waits, draft_masks, counter))
+                    runs[name].append(run_arm(llm, inputs[:b], params, repeats, masks, draft_masks, counter))
             row = dict(spec="none" if spec is None else f"{spec['method']} k={spec.get('num_speculative_tokens')}",
                        batch=b, **{name: median_round(r) for name, r in runs.items()})
             rows.append(row)
@@ -187,9 +182,8 @@ def main() -> None:
         del llm
     print(f"\n(median of {a.rounds} rounds, arms alternating)")
     print("| speculation | batch | free tok/s | json_schema tok/s | constrained / free | rounds' range free / json "
-          "| mask fill ms/step (worker) | engine's wait ms/step | drafter's mask build ms/step | steps free / json "
-          "| mean acceptance free / json |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| mask build ms/step | drafter's mask build ms/step | steps free / json | mean acceptance free / json |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         f, c = r["free"], r["json_schema"]
         acc = " / ".join("-" if a["mean_acceptance_length"] is None else f"{a['mean_acceptance_length']:.2f}"
@@ -198,7 +192,6 @@ def main() -> None:
         print(f"| {r['spec']} | {r['batch']} | {f['tok_s']:,.0f} | {c['tok_s']:,.0f} | {c['tok_s'] / f['tok_s']:.0%} "
               f"| {spread} "
               f"| {1e3 * c['mask_build_s'] / max(c['steps'], 1):.3f} "
-              f"| {1e3 * c['mask_wait_s'] / max(c['steps'], 1):.3f} "
               f"| {1e3 * c['draft_mask_build_s'] / max(c['steps'], 1):.3f} | {f['steps']} / {c['steps']} | {acc} |")
 
 

@@ -216,8 +216,8 @@ class EngineCore:
         if not self.config.async_scheduling:
             return [] if sched.is_empty else self._complete(self.runner.launch(sched))
         # The step in flight completes while this one runs: right after this one is launched, or, for a step
-        # with grammar masks, once its forward is enqueued, while the mask worker fills the masks from the
-        # tokens of the step in flight (ModelRunner.launch; docs/design.md, 'Structured output').
+        # with grammar masks, once its forward is enqueued, since its masks start from the tokens of the step
+        # in flight (ModelRunner.launch; docs/design.md, 'Structured output').
         done, self._inflight = self._inflight, None
         outputs: list[CoreOutput] = []
 
@@ -227,7 +227,7 @@ class EngineCore:
                 outputs.extend(self._complete(done))
                 done = None
 
-        self._inflight = None if sched.is_empty else self.runner.launch(sched, complete_previous, done)
+        self._inflight = None if sched.is_empty else self.runner.launch(sched, complete_previous)
         complete_previous()
         sched.seconds = time.perf_counter() - started
         return outputs

@@ -1,71 +1,35 @@
 """One request's grammar state: an xgrammar GrammarMatcher that has accepted exactly the request's output
 tokens so far (the request owns it; engine/request.py).
 
-What must hold: the matcher moves forward only with tokens the request keeps: in accept(), or ahead of the
-request in advance(), whose results accept() then hands out in order (the masks' worker thread advances a step's
-tokens while the engine thread appends them: structured_output/mask_job.py). Masks are built from it once it has
-accepted every token before the step (structured_output/step_masks.py for the target's, draft_masks.py for the
-drafter's); fill_masks walks drafts (and the step's new tokens, for the drafter's masks) and rolls back before it
-returns.
+What must hold: the matcher moves forward only in accept(), with tokens the request keeps. Masks are built
+from it once it has accepted every token before the step (structured_output/step_masks.py for the target's,
+draft_masks.py for the drafter's); fill_masks walks drafts (and the step's new tokens, for the drafter's masks)
+and rolls back before it returns.
 """
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
-
-
-@dataclass(frozen=True)
-class AdvancedToken:
-    """A token the matcher took (or refused) ahead of the request, and whether the grammar ended with it."""
-
-    token_id: int
-    allowed: bool
-    ends: bool
 
 
 class RequestGrammar:
     def __init__(self, matcher):
         self.matcher = matcher
-        self.accepted = 0  # the tokens the matcher took: which state it is in, for masks built ahead
-        self._advanced: deque[AdvancedToken] = deque()  # advance()'s results that accept() has not handed out
-        self._ended = False
-
-    def advance(self, tokens: Sequence[int]) -> None:
-        """Move the matcher past tokens the request is about to append (through accept(), in the same order), up
-        to the first the grammar refuses or that ends it. Tokens advanced but never appended (the request ended
-        before them) are never rolled back: the request is done."""
-        m = self.matcher
-        for token in tokens:
-            allowed = m.accept_token(token)
-            ends = allowed and m.is_terminated()
-            self.accepted += allowed
-            self._advanced.append(AdvancedToken(token, allowed, ends))
-            if ends or not allowed:
-                return
+        self.accepted = 0  # the tokens accept() took: which state the matcher is in, for masks built ahead
 
     def accept(self, token_id: int) -> bool:
         """Advance past a token the request keeps; False when the grammar does not allow it (a masked
-        step never yields one). A token advance() took is not taken again: its result is handed out."""
-        if self._advanced:
-            ahead = self._advanced.popleft()
-            if ahead.token_id != token_id:
-                raise RuntimeError(f"the grammar advanced past token {ahead.token_id} but the request appends "
-                                   f"{token_id}: a step's tokens reached the grammar and the request differently")
-            self._ended = ahead.ends
-            return ahead.allowed
+        step never yields one)."""
         if not self.matcher.accept_token(token_id):
             return False
         self.accepted += 1
-        self._ended = self.matcher.is_terminated()
         return True
 
     @property
     def terminated(self) -> bool:
-        """The grammar is complete and the last token accept() handed out was a stop token: the request ends."""
-        return self._ended
+        """The grammar is complete and a stop token was accepted: the request ends."""
+        return self.matcher.is_terminated()
 
     def walk(self, tokens: Sequence[int]) -> int:
         """Accept tokens on the matcher (not the request's: the caller rolls them back) up to the first the

@@ -1,11 +1,10 @@
-"""A step's grammar masks: one bitmask row per logits row the step samples or verifies, filled on the host by the
-runner's mask worker (structured_output/mask_job.py) while the engine thread enqueues the target's forward,
-straight into the runner's pinned bitmask buffer (InputBuffers.token_bitmask), then copied to the device in one
-copy by the engine thread (upload) and applied to the logits by one kernel per logits tensor
-(sample/token_bitmask.py), inside the greedy graphs or eagerly.
+"""A step's grammar masks: one bitmask row per logits row the step samples or verifies, built on the host in
+ModelRunner.launch right after the target's forward is enqueued (so while the device runs it), straight into the
+runner's pinned bitmask buffer (InputBuffers.token_bitmask), copied to the device in one copy, and applied to the
+logits by one kernel per logits tensor (sample/token_bitmask.py), inside the greedy graphs or eagerly.
 
 What must hold: when the masks are built, every request's matcher has accepted every token before the step
-(with asynchronous scheduling the mask worker first advances the grammars past the step in flight's tokens), and a
+(with asynchronous scheduling the runner first completes the step in flight, whose tokens these are), and a
 verifying row's drafts are the ones the device verifies (for a row whose drafts stay on the device, those the
 previous step proposed, which its resolve read back). Rows of requests without a grammar allow every token, so
 one kernel call covers the whole logits tensor; so do the rows of a request that the previous step ended (the
@@ -29,18 +28,6 @@ from specserve.worker.input_buffers import TokenBitmaskBuffer
 
 
 @dataclass
-class FilledMasks:
-    """A step's masks on the host (StepMasks.fill), for StepMasks.upload."""
-
-    num_sample: int  # rows 0.. of the host buffer: the rows that sample without drafts
-    num_verify: int  # the verifying requests' rows after them
-    sample_masked: bool  # some sampling row has a grammar
-    verify_masked: bool
-    taken: CarriedRows  # rows the drafter's carried masks give instead of a fill
-    carried: CarriedDraftMasks | None
-
-
-@dataclass
 class StepMasks:
     sample: TokenMask | None  # [len(sample_rows), words]: the rows that sample without drafts
     # [len(verify_rows) * (k + 1), words]: each verifying request's k + 1 rows, row j the position after its
@@ -51,42 +38,25 @@ class StepMasks:
     def build(cls, sched: SchedulerOutput, sample_rows: list[int], verify_rows: list[int],
               buffer: TokenBitmaskBuffer, drafts_of: Callable[[ScheduledRequest], list[int]],
               tree_parents: tuple[int, ...] | None = None, carried: CarriedDraftMasks | None = None) -> StepMasks:
-        """fill, then upload, on the caller's thread."""
-        return cls.upload(cls.fill(sched, sample_rows, verify_rows, buffer, drafts_of, tree_parents, carried), buffer)
-
-    @staticmethod
-    def fill(sched: SchedulerOutput, sample_rows: list[int], verify_rows: list[int], buffer: TokenBitmaskBuffer,
-             drafts_of: Callable[[ScheduledRequest], list[int]], tree_parents: tuple[int, ...] | None = None,
-             carried: CarriedDraftMasks | None = None,
-             live: Callable[[ScheduledRequest], bool] | None = None) -> FilledMasks:
-        """The host rows of a step in which at least one sampling request has a grammar. drafts_of: the drafts a
+        """The masks of a step in which at least one sampling request has a grammar. drafts_of: the drafts a
         scheduled request verifies; tree_parents: each tree index's parent when the drafts are trees
         (DraftTree.parents), None for chains; carried: the step before's drafter masks, whose rows a verifying
-        chain's positions take where they apply instead of a fill; live: whether a request's rows are masked
-        (default: it has a grammar and has not finished). Touches no device memory, so it may run on any
-        thread that alone uses the requests' matchers meanwhile."""
-        live = live or _live
+        chain's positions take where they apply instead of a fill. A group of rows without a grammar request
+        gets None."""
         sample = [sched.scheduled[i] for i in sample_rows]
         verify = [sched.scheduled[i] for i in verify_rows]
         host = buffer.fillable()
-        num_sample = _fill_sample(buffer, sample, live)
+        num_sample = _fill_sample(buffer, sample)
         taken = CarriedRows()
-        num_verify = _fill_verify(buffer, num_sample, verify, drafts_of, tree_parents, carried, taken, live)
-        if num_sample + num_verify > host.shape[0]:
-            raise RuntimeError(f"a step masks {num_sample + num_verify} logits rows but the bitmask buffer holds "
-                               f"{host.shape[0]}")
-        return FilledMasks(num_sample, num_verify, _any_grammar(sample), _any_grammar(verify), taken, carried)
-
-    @classmethod
-    def upload(cls, filled: FilledMasks, buffer: TokenBitmaskBuffer) -> StepMasks:
-        """Queue filled host rows to the device (on the thread whose stream runs the step); a group of rows
-        without a grammar request gets None."""
-        device = buffer.copy(filled.num_sample + filled.num_verify)
-        taken = filled.taken
+        num_verify = _fill_verify(buffer, num_sample, verify, drafts_of, tree_parents, carried, taken)
+        rows = num_sample + num_verify
+        if rows > host.shape[0]:
+            raise RuntimeError(f"a step masks {rows} logits rows but the bitmask buffer holds {host.shape[0]}")
+        device = buffer.copy(rows)
         if taken.rows:
-            buffer.take_rows(taken.rows, filled.carried.source, taken.source_rows)
-        return cls(TokenMask(device[:filled.num_sample]) if filled.sample_masked else None,
-                   TokenMask(device[filled.num_sample:]) if filled.verify_masked else None)
+            buffer.take_rows(taken.rows, carried.source, taken.source_rows)
+        return cls(TokenMask(device[:num_sample]) if _any_grammar(sample) else None,
+                   TokenMask(device[num_sample:]) if _any_grammar(verify) else None)
 
     @staticmethod
     def apply(logits: torch.Tensor, mask: TokenMask | None) -> None:
@@ -111,10 +81,9 @@ def _live(s: ScheduledRequest) -> bool:
     return s.request.grammar is not None and not s.request.is_finished
 
 
-def _fill_sample(buffer: TokenBitmaskBuffer, requests: list[ScheduledRequest],
-                 live: Callable[[ScheduledRequest], bool]) -> int:
+def _fill_sample(buffer: TokenBitmaskBuffer, requests: list[ScheduledRequest]) -> int:
     """Rows 0.. of the buffer's host rows: each request's mask after its tokens. Returns the rows written."""
-    live = [i for i, s in enumerate(requests) if live(s)]
+    live = [i for i, s in enumerate(requests) if _live(s)]
     if len(live) < len(requests) and _any_grammar(requests):
         buffer.allow_all(0, len(requests))
     batch_fill([requests[i].request.grammar.matcher for i in live], buffer.host, live)
@@ -123,7 +92,7 @@ def _fill_sample(buffer: TokenBitmaskBuffer, requests: list[ScheduledRequest],
 
 def _fill_verify(buffer: TokenBitmaskBuffer, first: int, requests: list[ScheduledRequest],
                  drafts_of: Callable[[ScheduledRequest], list[int]], tree_parents: tuple[int, ...] | None,
-                 carried: CarriedDraftMasks | None, taken: CarriedRows, live: Callable[[ScheduledRequest], bool]) -> int:
+                 carried: CarriedDraftMasks | None, taken: CarriedRows) -> int:
     """Rows first.. of the buffer's host rows: 1 + the most drafts rows per request, each from a walk of its
     drafts, or named in `taken` where the drafter's carried row applies. Returns the rows written."""
     if not requests:
@@ -134,22 +103,21 @@ def _fill_verify(buffer: TokenBitmaskBuffer, first: int, requests: list[Schedule
         return len(requests) * width
     buffer.allow_all(first, first + len(requests) * width)
     if tree_parents is None:
-        _fill_chains(buffer, first, width, requests, drafts, carried, taken, live)
+        _fill_chains(buffer, first, width, requests, drafts, carried, taken)
         return len(requests) * width
     for i, s in enumerate(requests):
-        if live(s):
+        if _live(s):
             s.request.grammar.fill_masks(buffer.host, first + i * width, drafts[i], tree_parents)
     return len(requests) * width
 
 
 def _fill_chains(buffer: TokenBitmaskBuffer, first: int, width: int, requests: list[ScheduledRequest],
-                 drafts: list[list[int]], carried: CarriedDraftMasks | None, taken: CarriedRows,
-                 live: Callable[[ScheduledRequest], bool]) -> None:
+                 drafts: list[list[int]], carried: CarriedDraftMasks | None, taken: CarriedRows) -> None:
     """Each live request's row first + i * width + j: its mask after its drafts 0..j-1, depth by depth, all the
     requests of a depth in one batched call, as RequestGrammar.fill_masks walks one chain: a request stops at
     the first draft its grammar refuses or that ends it (a stop token), and its matcher is rolled back by the
     drafts it took. A row the drafter already built for the same state (carried) goes into `taken`, not filled."""
-    walking = [(i, s.request.grammar.matcher) for i, s in enumerate(requests) if live(s)]
+    walking = [(i, s.request.grammar.matcher) for i, s in enumerate(requests) if _live(s)]
     walking = [(i, m) for i, m in walking if not m.is_terminated()]
     walked = [0] * len(requests)
     spans = {} if carried is None else {

@@ -30,7 +30,6 @@ from specserve.spec_decode.greedy_verify import UniformVerifyInputs
 from specserve.spec_decode.speculator import Speculator
 from specserve.spec_decode.tree_verify import TreeOutcome, TreeTables
 from specserve.structured_output.draft_masks import CarriedDraftMasks
-from specserve.structured_output.mask_job import MaskWorker
 from specserve.structured_output.step_masks import StepMasks
 from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager
 from specserve.worker.cudagraph_mode import CUDAGraphMode
@@ -118,7 +117,6 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         self._resolved_drafts: dict[str, list[int]] = {}
         # The last step's chain drafter masks, for this step's verification masks only (draft_masks.py).
         self._carried_masks: CarriedDraftMasks | None = None
-        self.mask_worker = MaskWorker()
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
@@ -264,13 +262,11 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         return self.resolve(self.launch(sched))
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, complete_previous: Callable[[], None] | None = None,
-               previous: StepHandle | None = None) -> StepHandle:
+    def launch(self, sched: SchedulerOutput, complete_previous: Callable[[], None] | None = None) -> StepHandle:
         """Enqueue the whole step on the device (inputs, forward, sampling, drafts, the copy of the results to
-        the host) without waiting for it; resolve() reads the results. previous: the step still in flight, if
-        any; complete_previous: completes it (resolves it and hands its tokens to the requests). A step with
-        grammar masks calls it once its forward is enqueued, while the mask worker, which read previous's
-        tokens, fills the masks (structured_output/mask_job.py)."""
+        the host) without waiting for it; resolve() reads the results. complete_previous: with a step still
+        in flight, completes it (resolves it and hands its tokens to the requests); a step with grammar masks
+        calls it once its forward is enqueued, as the masks start from every token before the step."""
         self.forget_requests(sched.finished + sched.preempted)
         carried, self._carried_masks = self._carried_masks, None  # the step before's drafts, or none
         ids, qlens, slens, rows, sampling = [], [], [], [], []
@@ -307,12 +303,6 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         tree_layout = self.tree_layout.stage(sched, offset) if self.tree_layout else (None, None)
         desc = self.dispatch(offset, qlens)
         path = self._choose_path(desc, sched)
-        mask_job = None
-        if path.masked:
-            tree_parents = self.tree.parents if self.tree is not None else None
-            mask_job = self.mask_worker.start(previous, self._read_results, sched, lambda live: StepMasks.fill(
-                sched, plan.sample_rows, plan.verify_rows, self.buffers.token_bitmask, self._verified_drafts,
-                tree_parents, carried, live))
         metadata = self.buffers.prepare(ids, qlens_np, slens, table, self.block_size, plan.extras, *tree_layout,
                                         masked=path.masked)
         b = self.buffers
@@ -338,10 +328,12 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         if not sampling:
             return handle
         masks = None
-        if mask_job is not None:
+        if path.masked:
             if complete_previous is not None:
                 complete_previous()
-            masks = mask_job.masks(b.token_bitmask)
+            masks = StepMasks.build(sched, plan.sample_rows, plan.verify_rows, b.token_bitmask,
+                                    self._verified_drafts, self.tree.parents if self.tree is not None else None,
+                                    carried)
         if path.sampling is not Sampling.NONE:
             self._sample(hidden, sched, plan.sample_rows, handle, desc, path.sampling, masks)
         if path.verifies_trees:
@@ -368,13 +360,6 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
 
     def resolve(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step and return its tokens (and drafts) on the host."""
-        if handle.resolved is not None:
-            return handle.resolved.result()
-        return self._read_results(handle)
-
-    def _read_results(self, handle: StepHandle) -> RunnerOutput:
-        """resolve()'s reading of a step's outputs, once a step: on the mask worker for the step before a grammar
-        step (structured_output/mask_job.py)."""
         out = RunnerOutput()
         if not handle.sampling:
             return out

@@ -1,7 +1,6 @@
 """A step launched on the device whose results the host has not read yet."""
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +65,3 @@ class StepHandle:
     host: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
     logprobs: list[PendingLogprobs] = field(default_factory=list)
-    # Set when the next step's mask worker reads this step's results (structured_output/mask_job.py): its
-    # RunnerOutput, which ModelRunner.resolve returns instead of reading them again.
-    resolved: Future | None = None
