@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.config import EngineConfig
 from specserve.distributed.parallel_state import TPGroup, tp_group
 from specserve.errors import ConfigError, ModelLoadError
 from specserve.models.arch_config import ArchConfig
@@ -49,30 +50,30 @@ def _check_fit(head: ArchConfig, target: ArchConfig, what: str) -> None:
         raise _bad("model", f"the {what}'s {why}; use a {what} trained for this target")
 
 
-def _shared_weight(runner, name: str) -> torch.nn.Parameter | None:
+def _shared_weight(target_model, engine: EngineConfig | None, name: str) -> torch.nn.Parameter | None:
     """The target's `name` (model.embed_tokens.weight or lm_head.weight), for a head without its own. Under
     tensor parallelism the target holds a shard of it and the head's embedding and lm_head are whole (on rank 0,
     or on every rank beside its sharded layer), so it is read whole from the target's checkpoint; with random
     weights (load_format dummy) there is none, and the head keeps
     its own random one."""
-    if runner.config.tensor_parallel_size == 1:
-        module = runner.model.model.embed_tokens if name == "model.embed_tokens.weight" else runner.model.lm_head
+    if engine is None or engine.tensor_parallel_size == 1:
+        module = target_model.model.embed_tokens if name == "model.embed_tokens.weight" else target_model.lm_head
         return module.weight
-    if runner.config.load_format == "dummy":
+    if engine.load_format == "dummy":
         return None
     from specserve.models.loader import open_model_source, whole_tensors
 
     embed = "model.embed_tokens.weight"
-    found = whole_tensors(open_model_source(runner.config.model, runner.config.revision), {name, embed})
+    found = whole_tensors(open_model_source(engine.model, engine.revision), {name, embed})
     # A target that ties lm_head to its embedding stores the embedding only.
     return torch.nn.Parameter(found.get(name, found[embed]), requires_grad=False)
 
 
-def _head_group(runner, arch: ArchConfig) -> TPGroup:
+def _head_group(engine: EngineConfig | None, arch: ArchConfig) -> TPGroup:
     """The group the head is sharded over: the target's where the drafter is sharded like it
     (draft_tensor_parallel_size N), else one rank. Raises ConfigError naming the fix for a head that N does not
     split."""
-    if not runner.config.drafter_sharded:
+    if engine is None or not engine.drafter_sharded:
         return SINGLE
     tp = tp_group()
     try:
@@ -84,7 +85,10 @@ def _head_group(runner, arch: ArchConfig) -> TPGroup:
     return tp
 
 
-def load_head(cfg: SpeculativeConfig, runner, target: ArchConfig, backend):
+def load_head(cfg: SpeculativeConfig, target_model, target: ArchConfig, backend, engine: EngineConfig | None = None):
+    """cfg's EAGLE or EAGLE-3 head for target_model (of architecture target). engine: the serving engine's config,
+    which says whether the head is sharded like the target and where the target's shared weights are whole;
+    None (a script beside a whole target) loads one whole head."""
     from specserve.models.eagle import EagleHead
     from specserve.models.eagle3 import Eagle3Head, default_aux_layers
     from specserve.models.loader import safetensors_weights
@@ -93,7 +97,7 @@ def load_head(cfg: SpeculativeConfig, runner, target: ArchConfig, backend):
     raw = _head_config(path)
     arch = _head_arch(raw)
     _check_fit(arch, target, "head")
-    tp = _head_group(runner, arch)
+    tp = _head_group(engine, arch)
     if cfg.method == "eagle":
         head = EagleHead(arch, backend, fc_bias=bool(raw.get("bias", False)), tp=tp)
     else:
@@ -109,7 +113,7 @@ def load_head(cfg: SpeculativeConfig, runner, target: ArchConfig, backend):
     if cfg.method == "eagle" and "lm_head.weight" not in loaded:
         missing.append("lm_head.weight")
     for name in missing:
-        weight = _shared_weight(runner, name)
+        weight = _shared_weight(target_model, engine, name)
         if weight is not None:
             (head.embed_tokens if name.startswith("model.") else head.lm_head).weight = weight
     return head
@@ -142,7 +146,7 @@ def build_speculator(cfg: SpeculativeConfig, runner, backend) -> Speculator:
         return DraftModelSpeculator(model, arch, **common)
     from specserve.spec_decode.eagle.speculator import EagleSpeculator
 
-    head = load_head(cfg, runner, target, backend).to(device=runner.device, dtype=runner.dtype)
+    head = load_head(cfg, runner.model, target, backend, runner.config).to(device=runner.device, dtype=runner.dtype)
     head = head.eval().requires_grad_(False)
     if cfg.quantization == "fp8":
         from specserve.quantization.fp8_model import quantize_projections
