@@ -1,0 +1,30 @@
+"""benchmarks/fp8_accuracy.py runs and prints its table: on the tiny model in float32, the unquantized row agrees
+with its own engine and its perplexities are the reference; the FP8 row's figures are shares and ratios of them."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_table_has_an_unquantized_and_an_fp8_row(tiny_llama, tmp_path):
+    path, _ = tiny_llama
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("Hello there", "Numbers: 1 2 3", "abc")))
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_accuracy.py"), "--model", str(path),
+                           "--prompts", str(prompts), "--max-tokens", "8", "--texts", str(text), "--device", "cpu",
+                           "--dtype", "float32", "--max-model-len", "256"], env=env, capture_output=True, text=True, timeout=600, check=True)
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]]
+            for r in done.stdout.splitlines() if r.startswith("| float32") or r.startswith("| fp8")}
+    assert set(rows) == {"float32", "fp8"}, done.stdout
+    reference, fp8 = rows["float32"], rows["fp8"]
+    assert float(reference[0]) >= 0.9 and reference[1] == "1.0000 / 1.0000" and reference[2].endswith("(+0.00%)")
+    assert 0 <= float(fp8[0]) <= 1 and all(0 <= float(x) <= 1 for x in fp8[1].split(" / "))
+    assert float(fp8[2].split()[0]) > 0
