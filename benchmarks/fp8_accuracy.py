@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 from pathlib import Path
 
 import torch
 
 from specserve import LLM, SamplingParams
+from specserve.bench.fidelity import perplexity, positionwise_agreement, prefix_agreement, teacher_forced_agreement
 from specserve.models.loader import build_model, load_tokenizer, open_model_source
 from specserve.prompt_files import load_prompt_file, prompt_token_ids
-from specserve.train.attention import CausalAttention, DenseBatch
+from specserve.train.attention import CausalAttention
 from specserve.train.features import attention_in_torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,38 +44,6 @@ def engine_greedy(model: str, conversations, max_tokens: int, device: str, dtype
         del llm
         gc.collect()
     return prompts, outputs
-
-
-def prefix_agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """The share of positions where two greedy outputs agree, each counted up to its first difference."""
-    agreed = sum(next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), len(x)) for x, y in zip(a, b))
-    return agreed / sum(len(x) for x in a)
-
-
-def positionwise_agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    return sum(s == t for x, y in zip(a, b) for s, t in zip(x, y)) / sum(len(x) for x in a)
-
-
-@torch.no_grad()
-def last_logits(model, arch, ids: list[int], device: str, first: int) -> torch.Tensor:
-    """The logits of positions first.. of one causal pass over ids."""
-    t = torch.tensor(ids, device=device)
-    hidden, _ = model(t, torch.arange(len(ids), device=device), [None] * arch.num_layers, DenseBatch(1, len(ids)))
-    return model.compute_logits(hidden[first:]).float()
-
-
-def teacher_forced(model, arch, prompts, outputs, device: str) -> float:
-    hits = total = 0
-    for prompt, out in zip(prompts, outputs):
-        logits = last_logits(model, arch, prompt + out[:-1], device, len(prompt) - 1)
-        hits += (logits.argmax(-1).cpu() == torch.tensor(out)).sum().item()
-        total += len(out)
-    return hits / total
-
-
-def perplexity(model, arch, ids: list[int], device: str) -> float:
-    logits = last_logits(model, arch, ids[:-1], device, 0)
-    return math.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:], device=device)).item())
 
 
 def main() -> None:
@@ -100,7 +68,7 @@ def main() -> None:
     for q in (None, "fp8"):
         model, arch = build_model(source, getattr(torch, a.dtype), a.device, CausalAttention(), quantization=q)
         attention_in_torch(model)
-        forced = teacher_forced(model, arch, prompts, greedy[None], a.device)
+        forced = teacher_forced_agreement(model, arch, prompts, greedy[None], a.device)
         ppl[q] = {name: perplexity(model, arch, ids, a.device) for name, ids in texts.items()}
         rows.append((q, forced))
         del model

@@ -8,7 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+from specserve.bench.fidelity import positionwise_agreement, prefix_agreement
+
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_agreement_up_to_the_first_difference_and_by_position():
+    reference = [[1, 2, 3, 4], [5, 6]]
+    changed = [[1, 9, 3, 4], [5, 6]]  # parts at the second token, then holds the same tokens again
+    assert prefix_agreement(reference, changed) == 3 / 6
+    assert positionwise_agreement(reference, changed) == 5 / 6
 
 
 def test_the_table_has_an_unquantized_and_an_fp8_row(tiny_llama, tmp_path):

@@ -16,6 +16,7 @@ import torch
 from heads import save_eagle_head
 from perplexity import perplexity
 from specserve import LLM, SamplingParams
+from specserve.bench.fidelity import positionwise_agreement, prefix_agreement
 from specserve.prompt_files import load_prompt_file
 
 pytestmark = [pytest.mark.gpu]
@@ -26,12 +27,6 @@ TOKENS = 64
 GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
 TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
 SMALL_KV = {"kv_cache_memory_bytes": 256 << 20}
-
-
-def prefix_agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """The share of positions where two greedy outputs agree, each counted up to its first difference."""
-    agreed = sum(next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), len(x)) for x, y in zip(a, b))
-    return agreed / sum(len(x) for x in a)
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +58,7 @@ def test_fp8_keeps_greedy_agreement_with_bfloat16_on_mt_bench(real_model):
         outputs[kv] = greedy(llm, chat_prompts(llm, conversations))
         del llm
     agree = prefix_agreement(outputs["auto"], outputs["fp8"])
-    positionwise = sum(a == b for x, y in zip(outputs["auto"], outputs["fp8"]) for a, b in zip(x, y)) / sum(
-        len(x) for x in outputs["auto"])
+    positionwise = positionwise_agreement(outputs["auto"], outputs["fp8"])
     print(f"FP8 vs bfloat16 KV, {len(conversations)} MT-bench first turns x {TOKENS} tokens: "
           f"{agree:.4f} agreed before the first difference, {positionwise:.4f} position by position")
     assert agree >= 0.95
