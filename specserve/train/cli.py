@@ -6,6 +6,7 @@ from dataclasses import MISSING, fields
 
 from specserve.entrypoints.cli import memory_size
 from specserve.train.config import TrainConfig
+from specserve.train.request_templates import CATEGORIES
 
 _HELP = {
     "target": "target model: built-in name (smollm2-135m), Hugging Face directory or .gguf file",
@@ -27,6 +28,8 @@ _HELP = {
                           "written by the target",
     "word_topic_fraction": "without --prompts: share of prompt topics drawn from the words of the target's "
                            "vocabulary rather than the curated list",
+    "template_categories": "without --prompts: the template categories the templated prompts take turns over "
+                           "(default: all; specserve/train/request_templates.py's CATEGORIES)",
     "follow_up_fraction": "share of greedy answers followed up in a second round (another turn, or the answer "
                           "as a passage to summarise or extract from)",
     "max_num_seqs": "concurrent requests while generating",
@@ -75,6 +78,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP[f.name])
         elif f.name == "aux_layers":
             p.add_argument(flag, type=int, nargs="+", default=default, help=_HELP[f.name])
+        elif f.name == "template_categories":
+            p.add_argument(flag, nargs="+", choices=list(CATEGORIES), default=default, help=_HELP[f.name])
         elif f.name == "kv_cache_memory":
             p.add_argument(flag, type=memory_size, metavar="SIZE", default=default, help=_HELP[f.name])
         else:

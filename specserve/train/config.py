@@ -18,6 +18,7 @@ import torch
 from specserve.errors import ConfigError
 from specserve.train.documents import MIN_PROMPT_TOKENS
 from specserve.train.initial_head import InitialHead
+from specserve.train.request_templates import CATEGORIES
 
 DEFAULT_DRAFT_VOCAB_SIZE = 8192
 
@@ -58,6 +59,10 @@ class TrainConfig:
     # the curated list (questions.py): MT-bench asks about subjects no curated list foresees, and a head drafts
     # poorly the content words its data never showed.
     word_topic_fraction: float = 0.6
+    # Without a prompt file: the template categories (request_templates.CATEGORIES) the templated prompts take
+    # turns over; None: all of them. A run can then weigh its data towards the kinds of request a head drafts
+    # worst.
+    template_categories: tuple[str, ...] | None = None
     # Share of the greedy first answers that get a follow-up request, answered in a second round.
     follow_up_fraction: float = 1.0
     max_num_seqs: int = 256
@@ -139,6 +144,14 @@ class TrainConfig:
         check(self.document_prompts == 0 or room >= MIN_PROMPT_TOKENS, "document_prompts",
               f"need prompts of {MIN_PROMPT_TOKENS} tokens or more, and max_seq_len {self.max_seq_len} leaves {room} "
               f"beside max_new_tokens {self.max_new_tokens}; raise --max-seq-len or give --document-prompts 0")
+        if self.template_categories is not None:
+            self.template_categories = tuple(self.template_categories)
+            unknown = sorted(set(self.template_categories) - set(CATEGORIES))
+            check(bool(self.template_categories) and not unknown, "template_categories",
+                  f"unknown {unknown}; give some of {', '.join(CATEGORIES)}" if unknown else "give at least one")
+            check(self.prompts is None and self.templated_fraction > 0, "template_categories",
+                  "choose the templated prompts, which a run builds only without --prompts and with "
+                  "--templated-fraction above 0")
         for name in ("sampled_fraction", "follow_up_fraction", "templated_fraction", "word_topic_fraction"):
             check(0.0 <= getattr(self, name) <= 1.0, name, f"must be in [0, 1], got {getattr(self, name)}")
         for name in ("sampled_temperature", "question_temperature", "lr", "grad_clip", "step_weight_decay",

@@ -172,8 +172,8 @@ def generate_data(cfg: TrainConfig, work: Path) -> tuple[list[Sequence], DataSta
         templated = round(cfg.templated_fraction * cfg.num_prompts)
         written = (write_questions(llm, cfg, cfg.num_prompts - templated, topics, question_deadline)
                    if templated < cfg.num_prompts else [])
-        conversations = written + [[{"role": "user", "content": r}]
-                                   for r in templated_requests(templated, cfg.seed, topics)]
+        requests = templated_requests(templated, cfg.seed, topics, cfg.template_categories)
+        conversations = written + [[{"role": "user", "content": r}] for r in requests]
         # Both kinds in every stretch of the queue, so a data budget that runs out cuts them alike.
         random.Random(f"{cfg.seed}:prompt-order").shuffle(conversations)
     documents = long_documents(llm, cfg)

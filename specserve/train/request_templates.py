@@ -196,10 +196,12 @@ CATEGORIES: dict[str, Callable[[random.Random, Sequence[str]], str]] = {
 }
 
 
-def templated_requests(n: int, seed: int, topics: Sequence[str] = TOPICS) -> list[str]:
-    """n distinct requests about topics (fewer only if the templates run out), the categories taking turns."""
+def templated_requests(n: int, seed: int, topics: Sequence[str] = TOPICS,
+                       categories: Sequence[str] | None = None) -> list[str]:
+    """n distinct requests about topics (fewer only if the templates run out), the categories (default: all of
+    CATEGORIES) taking turns."""
     rng = random.Random(f"{seed}:templates")
-    makers = list(CATEGORIES.values())
+    makers = [CATEGORIES[c] for c in (categories or CATEGORIES)]
     out: dict[str, None] = {}
     tries = 0
     while len(out) < n and tries < 20 * n:

@@ -8,6 +8,8 @@ import random
 
 import pytest
 
+from specserve.errors import ConfigError
+
 from specserve.train.batches import collate, epoch_batches, split
 from specserve.train.code_requests import completion_request, training_openings
 from specserve.train.config import TrainConfig
@@ -56,6 +58,26 @@ def test_templated_requests_are_distinct_seeded_and_take_turns_by_category():
     assert len(CATEGORIES) == 10
     about = templated_requests(40, seed=1, topics=["zeppelins"])
     assert sum("zeppelins" in r for r in about) >= 10
+
+
+def test_templated_requests_take_turns_over_the_chosen_categories_only():
+    chosen = templated_requests(60, seed=3, categories=("translation", "code_completion"))
+    assert len(set(chosen)) == 60
+    code = [r for r in chosen if "```python\n" in r]
+    # Turns alternate, so half are code and none comes from another category (every other category's requests
+    # hold no code block, and no translation request does).
+    assert len(code) == 30 and chosen[1::2] == code
+    everything = templated_requests(60, seed=3)
+    assert sum("```python\n" in r for r in everything) == 6
+
+
+def test_config_refuses_an_unknown_template_category():
+    with pytest.raises(ConfigError, match="poetry"):
+        TrainConfig(target="t", out="o", template_categories=("translation", "poetry"), device="cpu")
+    with pytest.raises(ConfigError, match="templated-fraction"):
+        TrainConfig(target="t", out="o", template_categories=("math",), templated_fraction=0.0, device="cpu")
+    cfg = TrainConfig(target="t", out="o", template_categories=["math"], device="cpu")
+    assert cfg.template_categories == ("math",)
 
 
 def test_translation_requests_go_both_ways_with_every_slot_filled():
