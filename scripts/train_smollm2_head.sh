@@ -11,15 +11,16 @@
 #      8,240 prompts people wrote, from PyPI packages; each answered greedily and sampled)
 #   B: --num-prompts 24000 --word-topic-fraction 0.6 --seed 1 --data-seconds 348 (prompts the target
 #      wrote, and templated ones)
-# each with --max-num-seqs 512 --kv-cache-memory-gb 16, their sequences.jsonl concatenated into one
-# work directory, then training there with --resume --draft-vocab-size 12288 --train-seconds 524. The
+# each with --max-num-seqs 512 --kv-cache-memory 16GiB, then training on both (--data-from A.work B.work)
+# with --draft-vocab-size 12288 --train-seconds 524. The
 # next two runs used new seeds for A and B (3 and 2, then 5 and 4; A's budget 230 s in the last) and
 # trained with --init-from smollm2-135m-eagle3 --lr 5e-4 --train-seconds 548, the head then shipped.
 # The last two ran three data-only jobs at once on the one GPU, for 517 s: A as above
 # (seeds 7, then 9 over 9,111 prompts), and two B-like jobs (--num-prompts 28000, seeds 6/10 and 8/11, the
-# second with --templated-fraction 0.8), each --kv-cache-memory-gb 14 (then 10); then trained on all three
+# second with --templated-fraction 0.8), each --kv-cache-memory 14GiB (then 10GiB); then trained on all three
 # with --init-from smollm2-135m-eagle3 --lr 5e-4 --train-seconds 505, the second also with
-# --head-intermediate-size 6144: the head shipped now.
+# --head-intermediate-size 6144: the head shipped now. All five trained against the data's tokens
+# (--no-soft-labels).
 # With the default budgets the training part takes about 7 minutes on an H100 (data <= 240 s,
 # training <= 150 s, plus model loads); the evaluation runs 7 engines (no speculation, k = 1..6) at
 # temperatures 0 and 1 over the evaluation prompts, a few minutes more. To split the two over

@@ -16,6 +16,8 @@ _HELP = {
     "work_dir": "data and checkpoints (default: OUT.work)",
     "resume": "reuse the work directory's data and continue from its checkpoint",
     "data_only": "stop once the data is in the work directory; a later --resume run trains on it",
+    "data_from": "train on the data of these work directories (--data-only runs, e.g. several at once on one "
+                 "GPU), joined into this run's, instead of generating it",
     "num_prompts": "prompts to answer (written by the target, or the first ones of --prompts)",
     "document_prompts": "long-document requests answered beside the other prompts: summaries, questions over "
                         "retrieved passages and extraction over the standard library's pydoc help (0: none)",
@@ -78,6 +80,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP[f.name])
         elif f.name == "aux_layers":
             p.add_argument(flag, type=int, nargs="+", default=default, help=_HELP[f.name])
+        elif f.name == "data_from":
+            p.add_argument(flag, nargs="+", metavar="WORK_DIR", default=default, help=_HELP[f.name])
         elif f.name == "template_categories":
             p.add_argument(flag, nargs="+", choices=list(CATEGORIES), default=default, help=_HELP[f.name])
         elif f.name == "kv_cache_memory":

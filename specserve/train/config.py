@@ -21,6 +21,8 @@ from specserve.train.initial_head import InitialHead
 from specserve.train.request_templates import CATEGORIES
 
 DEFAULT_DRAFT_VOCAB_SIZE = 8192
+# The answers a run trains on, in its work directory (train/data.py writes them).
+SEQUENCES_NAME = "sequences.jsonl"
 
 
 @dataclass
@@ -36,6 +38,9 @@ class TrainConfig:
     # Stop once the data is in the work directory; a later run with resume trains on it (the two phases
     # then fit in jobs of their own).
     data_only: bool = False
+    # Work directories of data-only runs (several may run at once on one GPU) whose answers, joined into this
+    # run's work directory, it trains on instead of generating its own.
+    data_from: tuple[str, ...] | None = None
 
     # ---- data ----
     num_prompts: int = 1024
@@ -139,6 +144,14 @@ class TrainConfig:
         check(self.steps is None or self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
         check(not (self.data_only and self.resume), "data_only",
               "makes new data and resume reuses the old: give one of --data-only and --resume")
+        if self.data_from is not None:
+            self.data_from = tuple(self.data_from)
+            check(bool(self.data_from), "data_from", "give at least one work directory of a --data-only run")
+            check(not (self.data_only or self.resume or self.prompts), "data_from",
+                  "trains a fresh run on data already made: leave out --data-only, --resume and --prompts")
+            missing = [d for d in self.data_from if not (Path(d).expanduser() / SEQUENCES_NAME).is_file()]
+            check(not missing, "data_from", f"{', '.join(missing)} hold no {SEQUENCES_NAME}; give work directories "
+                  "that --data-only runs wrote")
         check(self.max_seq_len >= 16, "max_seq_len", f"must be >= 16 tokens, got {self.max_seq_len}")
         check(isinstance(self.document_prompts, int) and self.document_prompts >= 0, "document_prompts",
               f"must be an integer >= 0, got {self.document_prompts!r}")

@@ -27,7 +27,7 @@ from specserve.errors import ConfigError
 from specserve.outputs import RequestOutput
 from specserve.prompt_files import load_prompt_file, prompt_token_ids
 from specserve.sampling_params import RequestOutputKind, SamplingParams
-from specserve.train.config import TrainConfig
+from specserve.train.config import SEQUENCES_NAME, TrainConfig
 from specserve.train.documents import document_requests
 from specserve.train.questions import STOP, follow_up_conversations, question_seeds, topic_mix, vocabulary_words
 from specserve.train.request_templates import templated_requests
@@ -195,7 +195,7 @@ def generate_data(cfg: TrainConfig, work: Path) -> tuple[list[Sequence], DataSta
     stats.prompts, stats.follow_ups, stats.sequences = len(conversations), len(follow_ups), len(sequences)
     stats.documents = len(documents)
     stats.tokens = sum(len(s.response_ids) for s in sequences)
-    save_sequences(work / "sequences.jsonl", sequences)
+    save_sequences(work / SEQUENCES_NAME, sequences)
     return sequences, stats
 
 

@@ -15,8 +15,8 @@ from specserve.models.loader import open_model_source
 from specserve.spec_decode.factory import head_mismatch
 from specserve.train.batches import split
 from specserve.train.checkpoint import CHECKPOINT_NAME
-from specserve.train.config import TrainConfig
-from specserve.train.data import DataStats, Sequence, generate_data, load_sequences
+from specserve.train.config import SEQUENCES_NAME, TrainConfig
+from specserve.train.data import DataStats, Sequence, generate_data, load_sequences, save_sequences
 from specserve.train.export import check_exportable, export_head, head_arch, head_config
 from specserve.train.features import TargetFeatures
 from specserve.train.trainer import Evaluation, Trainer, build_head
@@ -24,7 +24,6 @@ from specserve.train.vocab import DraftVocab, build_draft_vocab, given_draft_voc
 
 logger = logging.getLogger(__name__)
 
-SEQUENCES_NAME = "sequences.jsonl"
 # Settings that shape the training trajectory: a checkpoint only resumes a run that agrees on all of them.
 _IDENTITY_FIELDS = ("draft_vocab_size", "epochs", "steps", "batch_size", "lr", "warmup_steps", "weight_decay",
                     "grad_clip", "ttt_steps", "step_weight_decay", "soft_labels", "warm_start", "init_from",
@@ -87,6 +86,18 @@ def make_trainer(cfg: TrainConfig, target: ArchConfig, aux_layers: tuple[int, ..
     return Trainer(cfg, features, head, vocab, train, val, identity), config
 
 
+def joined_data(work_dirs: tuple[str, ...], out: Path) -> list[Sequence]:
+    """The answers of data-only runs' work directories, in order, saved as this run's data (a later --resume
+    reads them there)."""
+    sequences = []
+    for d in work_dirs:
+        part = load_sequences(Path(d).expanduser() / SEQUENCES_NAME)
+        logger.info("%d sequences from %s", len(part), d)
+        sequences += part
+    save_sequences(out, sequences)
+    return sequences
+
+
 def train_eagle3(cfg: TrainConfig) -> TrainSummary:
     seconds: dict[str, float] = {}
     clock = time.monotonic()
@@ -108,9 +119,12 @@ def train_eagle3(cfg: TrainConfig) -> TrainSummary:
     else:
         # A fresh run must not later resume from an older run's checkpoint.
         (work / CHECKPOINT_NAME).unlink(missing_ok=True)
-        sequences, data_stats = generate_data(cfg, work)
-        # The generating engine's KV cache and graphs are garbage now: free them before the target loads again.
-        gc.collect()
+        if cfg.data_from:
+            sequences = joined_data(cfg.data_from, sequences_path)
+        else:
+            sequences, data_stats = generate_data(cfg, work)
+            # The generating engine's KV cache and graphs are garbage now: free them before the target loads again.
+            gc.collect()
     if len(sequences) < 2:
         raise ConfigError("data_seconds", f"only {len(sequences)} answers finished; raise --data-seconds, or lower "
                           "--max-new-tokens")

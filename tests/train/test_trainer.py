@@ -20,10 +20,10 @@ from specserve.models.arch_config import ArchConfig
 from specserve.models.loader import load_tokenizer, open_model_source, safetensors_weights
 from specserve.prompt_files import load_prompt_file, prompt_token_ids
 from specserve.train.batches import collate
-from specserve.train.config import TrainConfig
+from specserve.train.config import SEQUENCES_NAME, TrainConfig
 from specserve.train.data import generate_data, load_sequences, run_requests
 from specserve.train.export import export_head, hf_tensors
-from specserve.train.pipeline import SEQUENCES_NAME, draft_vocab, make_trainer, train_eagle3
+from specserve.train.pipeline import draft_vocab, make_trainer, train_eagle3
 from specserve.train.questions import topic_mix, vocabulary_words
 from specserve.train.request_templates import templated_requests
 from specserve.train.ttt import unroll
@@ -187,6 +187,22 @@ def test_command_with_resume_reuses_the_data_and_the_finished_checkpoint(trained
     out = capsys.readouterr().out
     assert f"data: reused {summary.num_sequences} answers" in out and f"; {summary.steps} steps" in out
     assert (summary.out / "model.safetensors").read_bytes() == weights
+
+
+def test_a_run_trains_on_the_joined_data_of_data_only_runs(target, prompt_file, tmp_path):
+    parts = [train_eagle3(config(target, tmp_path / f"part{seed}", prompts=str(prompt_file), data_only=True,
+                                 seed=seed, num_prompts=6 + seed))
+             for seed in (1, 2)]
+    dirs = tuple(str(p.out) for p in parts)
+    head = train_eagle3(config(target, tmp_path / "head", data_from=dirs, steps=4))
+    assert head.data is None and head.steps == 4
+    joined = load_sequences(tmp_path / "head.work" / SEQUENCES_NAME)
+    assert joined == load_sequences(parts[0].out / SEQUENCES_NAME) + load_sequences(parts[1].out / SEQUENCES_NAME)
+    assert head.num_sequences == len(joined) == parts[0].num_sequences + parts[1].num_sequences
+    with pytest.raises(ConfigError, match="--resume"):
+        config(target, tmp_path / "head", data_from=dirs, resume=True)
+    with pytest.raises(ConfigError, match="hold no sequences.jsonl"):
+        config(target, tmp_path / "head", data_from=(str(tmp_path),))
 
 
 def test_data_only_then_resume_trains_on_that_data(target, prompt_file, tmp_path):
