@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Train the EAGLE-3 head for SmolLM2-135M-Instruct on one GPU, then measure its acceptance.
 #
-#   scripts/train_smollm2_head.sh HEAD_DIR EVAL_PROMPTS.jsonl [more train-eagle flags]
+#   scripts/train_smollm2_head.sh HEAD_DIR EVAL_PROMPTS.jsonl|SUITE_DIR [more train-eagle flags]
+#
+# A SUITE_DIR (benchmarks/acceptance_suite) is evaluated per category with chains of 5; a prompt file with k = 1..6.
 #
 # Training prompts are written by the target itself from built-in topics (never the evaluation set).
 # The shipped head (specserve/heads/smollm2_135m_eagle3) is five such runs, each continuing the last
@@ -34,7 +36,7 @@
 set -euo pipefail
 
 if [[ $# -lt 2 ]]; then
-    echo "usage: $0 HEAD_DIR EVAL_PROMPTS.jsonl [train-eagle flags]" >&2
+    echo "usage: $0 HEAD_DIR EVAL_PROMPTS.jsonl|SUITE_DIR [train-eagle flags]" >&2
     exit 2
 fi
 head_dir=${1%/}
@@ -51,10 +53,12 @@ if [[ -z ${SKIP_TRAIN:-} ]]; then
     echo "=== train-eagle: $((SECONDS - started)) s"
 fi
 if [[ -z ${SKIP_EVAL:-} ]]; then
+    # A directory is a suite (benchmarks/acceptance_suite): acceptance per category with chains of 5.
+    if [[ -d $eval_prompts ]]; then eval_set="--suite $eval_prompts --k 5"; else eval_set="--prompts $eval_prompts --k 1 2 3 4 5 6"; fi
     eval_started=$SECONDS
     python -m specserve.entrypoints.cli eval-acceptance --model smollm2-135m --device "$device" \
         --speculative-config "{\"method\": \"eagle3\", \"model\": \"$head_dir\"}" \
-        --prompts "$eval_prompts" --temperature 0 1 --k 1 2 3 4 5 6 \
+        $eval_set --temperature 0 1 \
         --max-tokens "${EVAL_MAX_TOKENS:-128}" --max-num-seqs 128 --json "$head_dir.acceptance.json" \
         2>&1 | tee "$head_dir.eval.log"
     echo "=== eval-acceptance: $((SECONDS - eval_started)) s"
