@@ -17,19 +17,16 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-from pathlib import Path
 
 import torch
 
+from specserve.bench.unrolled_head import head_beside_target
 from specserve.llm import LLM
 from specserve.prompt_files import load_prompt_file, prompt_token_ids
 from specserve.sampling_params import SamplingParams
-from specserve.spec_decode.config import SpeculativeConfig
-from specserve.spec_decode.factory import load_head
-from specserve.train.attention import UnrolledAttention
 from specserve.train.batches import collate
 from specserve.train.data import Sequence
-from specserve.train.features import TargetFeatures, plain_torch
+from specserve.train.features import TargetFeatures
 from specserve.train.request_templates import templated_requests
 from specserve.train.ttt import unroll
 
@@ -97,12 +94,7 @@ def main() -> None:
     seen = answer_pairs(a.data)[0] if a.data else set()
 
     llm = LLM(a.model, device="cpu", max_model_len=1024, max_num_seqs=32)
-    head_config = json.loads((Path(a.head) / "config.json").read_text())
-    aux_layers = tuple(head_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
-    features = TargetFeatures(a.model, aux_layers, torch.float32, "cpu")
-    spec = SpeculativeConfig.parse({"method": "eagle3", "model": a.head, "num_speculative_tokens": 1})
-    head = load_head(spec, features.model, features.arch, UnrolledAttention())
-    plain_torch(head)
+    features, head = head_beside_target(a.model, a.head)
     loaded = load_prompt_file(a.prompts)
     sets = {
         a.prompts: loaded[:: max(1, len(loaded) // a.num_prompts)][: a.num_prompts],

@@ -29,22 +29,17 @@ that many tokens after them.
 from __future__ import annotations
 
 import argparse
-import json
 from collections import Counter
-from pathlib import Path
 
 import torch
 
-from specserve.heads import resolve_head
+from specserve.bench.unrolled_head import head_beside_target
 from specserve.llm import LLM
 from specserve.prompt_files import load_prompt_file, prompt_token_ids
 from specserve.sampling_params import SamplingParams
-from specserve.spec_decode.config import SpeculativeConfig
-from specserve.spec_decode.factory import load_head
-from specserve.train.attention import UnrolledAttention
 from specserve.train.batches import collate
 from specserve.train.data import Sequence
-from specserve.train.features import TargetFeatures, plain_torch
+from specserve.train.features import TargetFeatures
 from specserve.train.ttt import unroll
 
 
@@ -127,14 +122,8 @@ def main() -> None:
     ap.add_argument("--tree-depths", type=int, nargs="+", help="deepest tree levels to build (default: --depth)")
     ap.add_argument("--nodes", type=int, nargs="+", default=[5, 8, 12, 16, 24, 32, 48, 64])
     a = ap.parse_args()
-    head_dir = resolve_head(a.head)
     llm = LLM(a.model, device="cpu", max_model_len=1024, max_num_seqs=32)
-    head_config = json.loads((Path(head_dir) / "config.json").read_text())
-    features = TargetFeatures(a.model, tuple(head_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
-                              torch.float32, "cpu")
-    spec = SpeculativeConfig.parse({"method": "eagle3", "model": head_dir, "num_speculative_tokens": 1})
-    head = load_head(spec, features.model, features.arch, UnrolledAttention())
-    plain_torch(head)
+    features, head = head_beside_target(a.model, a.head)
     num_prompts = a.num_prompts or (None if a.score_prompts else 40)
 
     def greedy_answers(path: str) -> list[Sequence]:
