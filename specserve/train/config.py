@@ -108,7 +108,7 @@ class TrainConfig:
     # Score each draft against the target's whole next-token distribution (as EAGLE-3 trains) rather than
     # the one token the data holds; accuracy is then agreement with the target's greedy choice. On the same
     # data and steps it accepted at least as much in every suite category, at temperature 0 and more at 1
-    # (BENCHMARKS.md, 'The shipped head').
+    # (BENCHMARKS.md, 'Acceptance per category (the suite)').
     soft_labels: bool = True
     # Start the head's lm_head, final norm and fc from the target (trainer.start_from_target) rather than
     # noise. Off by default: no evaluation has shown it to help.
