@@ -22,6 +22,7 @@ from specserve.sample.sampler import filtered_probs, sample_from_probs
 from specserve.spec_decode.eagle_inputs import DraftStepBuffers, prepare_draft_step
 from specserve.spec_decode.drafter_graphs import DrafterGraphs
 from specserve.spec_decode.speculator import DraftInput, Speculator
+from specserve.spec_decode.sampled_tree import NODE_PROBS_DTYPE, TreeSampling
 from specserve.spec_decode.tree_drafting import draft_tree
 from specserve.spec_decode.tree_verify import TreeTables
 from specserve.structured_output.draft_masks import DraftMasks, mask_draft_logits
@@ -45,7 +46,13 @@ class ModelDrafter(DrafterGraphs, Speculator):
         self.max_position = max_position
         self.device = device
         self.generator = generator
-        self.draft_probs = torch.zeros(max_num_reqs, k, vocab_size, dtype=torch.float32, device=device)
+        # The distributions sampled drafts came from, one row per running request, for the next step's
+        # verification: a chain's at each draft (float32, rejection_sampler.py), a tree's at each node that has
+        # children (sampled_tree.py).
+        self.draft_probs = (torch.zeros(max_num_reqs, k, vocab_size, dtype=torch.float32, device=device)
+                            if tree_tables is None else None)
+        self.node_probs = (torch.zeros(max_num_reqs, tree_tables.num_prob_slots, vocab_size, dtype=NODE_PROBS_DTYPE,
+                                       device=device) if tree_tables is not None else None)
         self.step_buffers = DraftStepBuffers.allocate(max_num_reqs, device)
         # Persistent inputs: the target's own buffers, the token after each target position, the
         # tokens and fed-back hidden states of a decode step.
@@ -118,7 +125,9 @@ class ModelDrafter(DrafterGraphs, Speculator):
     def reset(self) -> None:
         for rows in self._request_rows:
             rows.zero_()
-        self.draft_probs.zero_()
+        for probs in (self.draft_probs, self.node_probs):
+            if probs is not None:
+                probs.zero_()
         self._rows_in_use = -1
 
     @property
@@ -173,7 +182,7 @@ class ModelDrafter(DrafterGraphs, Speculator):
             self._rows_in_use = n
         if inp.drafting in (Drafting.TREE_PASSES, Drafting.MASKED_TREE_PASSES):
             return self._draft_tree(for_logits, fed_back, last, inp.kv_moves, inp.base_positions, inp.block_table,
-                                    masks=inp.masks, shared_picks=inp.shared_picks)
+                                    masks=inp.masks, shared_picks=inp.shared_picks, sampling=self._tree_sampling(inp))
         if inp.drafting is Drafting.TREE_GRAPH:
             if inp.kv_moves is not None:
                 self.move_kv(*inp.kv_moves)
@@ -236,14 +245,22 @@ class ModelDrafter(DrafterGraphs, Speculator):
                     kv_moves: tuple[torch.Tensor, torch.Tensor] | None, base_positions: torch.Tensor,
                     block_table: torch.Tensor, num_reqs: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, masks: DraftMasks | None = None,
-                    shared_picks: bool = False) -> torch.Tensor:
+                    shared_picks: bool = False, sampling: TreeSampling | None = None) -> torch.Tensor:
         """After the prefill: the verified trees' cache moves in the drafter's cache (its prefill wrote the tree
         slots), then the next tree from the prefill's states at each last accepted token (masked by the
-        grammars along its paths where masks are given; each depth's guesses rank 0's with shared_picks)."""
+        grammars along its paths where masks are given; each depth's guesses rank 0's with shared_picks; a
+        sampling request's children drawn with sampling)."""
         if kv_moves is not None:
             self.move_kv(*kv_moves)
         return draft_tree(self, self.tree_tables, for_logits.index_select(0, last), fed_back.index_select(0, last),
-                          base_positions, block_table, num_reqs, out, masks, shared_picks)
+                          base_positions, block_table, num_reqs, out, masks, shared_picks, sampling)
+
+    def _tree_sampling(self, inp: DraftInput) -> TreeSampling | None:
+        """How a batch with a request that samples draws its trees' children; None where every request drafts
+        its top guesses (a greedy batch, or a rank > 0 of a sharded drafter, which takes rank 0's)."""
+        if inp.sampling is None or inp.sampling.all_greedy:
+            return None
+        return TreeSampling(inp.sampling, inp.rows, self.node_probs, self.tree_tables, self.generator)
 
     def _keep_feedback(self, n: int, fed_back: torch.Tensor | None, last: torch.Tensor) -> None:
         """The prefill's state to feed back at each request's last accepted token, into the decode steps' rows."""

@@ -12,10 +12,11 @@ target emitted) and 1..N for the drafts, so that:
 - a node's ancestors have smaller indices than it, so one bit per index says which
   keys of the tree a node may see (`ancestor_bits`).
 
-Verification reads the target's token at every node and walks down from the root
-while a child carries that token: the drafts are deterministic, so taking the
-target's own (argmax or sampled) token at each node is exactly the target's
-distribution, and a tree never changes the output.
+For a greedy request verification reads the target's argmax at every node and
+walks down from the root while a child carries it, so a tree never changes the
+output. A sampling request's node of rank r is instead the head's r-th draw
+there, and its tree is verified by recursive rejection sampling
+(sampled_tree.py), which keeps each token distributed as the target's.
 """
 from __future__ import annotations
 

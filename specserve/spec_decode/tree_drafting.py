@@ -23,6 +23,7 @@ import torch
 from specserve.attention.metadata import PAD_SLOT_ID, AttentionMetadata
 from specserve.distributed.communication import broadcast_from_rank0
 from specserve.spec_decode.pick_scatter import PickScatter
+from specserve.spec_decode.sampled_tree import TreeSampling
 from specserve.spec_decode.tree_verify import TreeTables
 from specserve.structured_output.draft_masks import DraftMasks, mask_draft_logits
 
@@ -105,14 +106,15 @@ def level_scatter(tables: TreeTables, d: int, n: int, drafts: torch.Tensor) -> P
 def draft_tree(drafter, tables: TreeTables, first_hidden: torch.Tensor, first_feedback: torch.Tensor,
                base_positions: torch.Tensor, block_table: torch.Tensor, num_reqs: torch.Tensor | None = None,
                out: torch.Tensor | None = None, masks: DraftMasks | None = None,
-               shared_picks: bool = False) -> torch.Tensor:
+               shared_picks: bool = False, sampling: TreeSampling | None = None) -> torch.Tensor:
     """The drafts in tree order, [n, N] (into out where given). first_hidden, first_feedback [n, H]: the
     prefill's hidden state for the logits and its fed-back state, at each request's last accepted token.
     drafter: a ModelDrafter (top_tokens, tree_pass). num_reqs: see tree_pass_metadata. masks: a grammar
     step's (draft_masks.py): each node's guesses are ranked on its logits masked with its path's grammar
     state, each depth's drafts read back for the next depth's masks. shared_picks: a sharded drafter's step
     whose guesses rank 0 alone ranks (it alone has the masks): each depth's are rank 0's, broadcast before
-    they are placed, and every rank drafts on from them (DraftInput.shared_picks).
+    they are placed, and every rank drafts on from them (DraftInput.shared_picks). sampling: a batch with a
+    request that samples, whose children are drawn from the head (sampled_tree.py) instead of its top guesses.
 
     Each depth's drafts are one request-major tensor, and their fed-back states another; the next pass reads
     its parents' rows of them, so no tree-wide buffer is copied into."""
@@ -120,33 +122,34 @@ def draft_tree(drafter, tables: TreeTables, first_hidden: torch.Tensor, first_fe
     n = first_hidden.shape[0]
     drafts = out if out is not None else torch.empty(n, tree.num_nodes, dtype=torch.int64, device=first_hidden.device)
     tokens = _guesses(drafter, first_hidden, tree.top_k(1), level_scatter(tables, 1, n, drafts), masks, tree.level(0),
-                      shared_picks)
+                      shared_picks, sampling)
     fed_back = first_feedback
     for d in range(1, tree.depth):
         metadata, inputs = tree_pass_metadata(tables, d, n, base_positions, block_table, drafter.block_size,
                                               drafter.max_position, num_reqs)
         scatter = level_scatter(tables, d + 1, n, drafts)
-        if masks is None and not shared_picks:
+        if masks is None and not shared_picks and sampling is None:
             tokens, fed_back = drafter.tree_pass(tokens.view(-1), fed_back, inputs.parent_rows, inputs.positions,
                                                  metadata, tree.top_k(d + 1), scatter)
             continue
         for_logits, fed_back = drafter.decode_hidden(tokens.view(-1), fed_back.index_select(0, inputs.parent_rows),
                                                      inputs.positions, metadata)
-        tokens = _guesses(drafter, for_logits, tree.top_k(d + 1), scatter, masks, tree.level(d), shared_picks)
+        tokens = _guesses(drafter, for_logits, tree.top_k(d + 1), scatter, masks, tree.level(d), shared_picks,
+                          sampling)
     return drafts
 
 
 def _guesses(drafter, hidden: torch.Tensor, k: int, scatter: PickScatter, masks: DraftMasks | None,
-             nodes: range, shared_picks: bool) -> torch.Tensor:
-    """The k likeliest guesses after each of the nodes whose states hidden holds, sent where scatter says;
-    with masks, among the tokens the grammar allows after each node, and read back for the next masks; with
-    shared_picks, rank 0's guesses."""
-    if masks is None and not shared_picks:
+             nodes: range, shared_picks: bool, sampling: TreeSampling | None) -> torch.Tensor:
+    """The k likeliest guesses after each of the nodes whose states hidden holds (with sampling, a sampling
+    request's k draws), sent where scatter says; with masks, among the tokens the grammar allows after each
+    node, and read back for the next masks; with shared_picks, rank 0's guesses."""
+    if masks is None and not shared_picks and sampling is None:
         return drafter.top_tokens(hidden, k, scatter)
     logits = drafter.compute_logits(hidden)
     if masks is not None:
         logits = mask_draft_logits(logits, masks.masks(nodes))
-    top = logits.topk(k, dim=-1).indices
+    top = logits.topk(k, dim=-1).indices if sampling is None else sampling.guesses(logits, k, nodes)
     tokens = scatter.apply(broadcast_from_rank0(top) if shared_picks else top)
     if masks is not None:
         masks.follow(tokens)

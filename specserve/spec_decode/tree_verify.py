@@ -1,11 +1,12 @@
 """Verification of trees of drafts, and the cache moves that follow it.
 
 The target ran every node of each request's tree (tree.py); `target[i, j]` is
-its token at tree index j of request i: the argmax, or a sample from the
-request's distribution there. From the root, the walk moves to the child that
-carries the target's token, while there is one. The drafts are deterministic,
-so each emitted token is the target's own token at the previous one: output
-is exactly what the target alone would produce, greedy or sampled.
+its token at tree index j of request i. From the root, the walk moves to the
+child that carries the target's token, while there is one. For a greedy request
+the token is the argmax, so output is exactly what the target alone would
+produce; for a sampling request it is the token recursive rejection sampling
+emits after the node (sampled_tree.walked_targets), so the walk takes that
+sampling's path.
 
 The accepted nodes' keys and values sit at their tree slots (root slot + tree
 index); the next step expects them at root slot + depth. `kv_moves` says which
@@ -35,6 +36,14 @@ class TreeTables:
     guess_nodes: tuple[torch.Tensor | None, ...]
     # [N + 1] int64: each node's parent's index among the nodes of the parent's depth (0 for the root).
     level_parents: torch.Tensor
+    # Each index's row among the nodes that have children, -1 for a leaf: where a sampling request's drafter
+    # keeps the distribution its children were drawn from (sampled_tree.py); on the host and on the device.
+    prob_slots: tuple[int, ...]
+    prob_slots_device: torch.Tensor
+
+    @property
+    def num_prob_slots(self) -> int:
+        return max(self.prob_slots) + 1
 
     @classmethod
     def build(cls, tree: DraftTree, device: torch.device) -> TreeTables:
@@ -56,8 +65,10 @@ class TreeTables:
                 nodes[column] = j
             guess_nodes.append(table(nodes))
         level_parents = [0] + [tree.parents[i] - levels[tree.depths[i] - 1].start for i in range(1, tree.num_nodes + 1)]
+        with_children = sorted(set(tree.parents[1:]))
+        prob_slots = tuple(with_children.index(i) if i in with_children else -1 for i in range(tree.num_nodes + 1))
         return cls(tree, children, table(tree.ancestor_bits), table(tree.depths), tuple(guess_columns),
-                   tuple(guess_nodes), table(level_parents))
+                   tuple(guess_nodes), table(level_parents), prob_slots, table(prob_slots))
 
 
 def walk_tree(target: torch.Tensor, node_tokens: torch.Tensor, num_drafts: torch.Tensor,

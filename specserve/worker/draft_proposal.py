@@ -46,10 +46,8 @@ class DraftProposal:
         step's graph holds its drafting); None where they draft nothing."""
         if not self.config.drafter_sharded or not path.drafts_on_device or path.whole is not WholeStep.NONE:
             return None
-        # A tree's drafts are its top guesses whatever the requests' sampling; a chain's are the argmax for
-        # greedy requests only.
-        argmax = not path.drafting.masked and (
-            self.tree is not None or all(sched.scheduled[i].request.params.greedy for i in sampling))
+        # A greedy request's drafts are the argmax (a tree's: its top guesses), a sampling request's are drawn.
+        argmax = not path.drafting.masked and all(sched.scheduled[i].request.params.greedy for i in sampling)
         return DraftFollow(len(sampling), _max_base_position(sched, sampling), not argmax)
 
     def _propose(self, sched: SchedulerOutput, sampling: list[int], desc: BatchDescriptor, target_out: tuple,

@@ -14,9 +14,10 @@ from specserve.distributed.communication import broadcast_from_rank0
 from specserve.engine.scheduler import SchedulerOutput
 from specserve.sample.argmax import greedy_argmax
 from specserve.sample.logit_bias import apply_logit_bias
-from specserve.sample.sampler import SamplerOutput, SamplingBatch, filtered_probs, sample_from_probs, token_logprobs
+from specserve.sample.sampler import SamplerOutput, SamplingBatch, filtered_probs, token_logprobs
 from specserve.spec_decode.greedy_verify import greedy_verify
 from specserve.spec_decode.rejection_sampler import draw_randomness, rejection_sample
+from specserve.spec_decode.sampled_tree import walk_sampled_trees, walked_targets
 from specserve.spec_decode.tree_verify import TreeOutcome, move_kv, retrace_tree, verify_tree
 from specserve.structured_output.step_masks import StepMasks
 from specserve.worker.cudagraph import BatchDescriptor
@@ -124,8 +125,9 @@ class SampleAndVerify:
 
     def _verify_tree(self, hidden, sched: SchedulerOutput, batch_rows: list[int], handle: StepHandle,
                      how: Verification, masks: StepMasks | None, broadcast_moves: bool) -> None:
-        """Verify each request's tree of drafts (tree_verify.py): the target's token at every node, argmax or
-        sampled, then the walk from the root; then move the accepted nodes' keys and values to their
+        """Verify each request's tree of drafts (tree_verify.py): a greedy request's walk from the root on the
+        target's argmax at every node, a sampling request's by recursive rejection sampling of the children drawn
+        for it (sampled_tree.py); then move the accepted nodes' keys and values to their
         positions' slots, and with broadcast_moves send the moves to the other ranks, which move their shards
         of the same slots (distributed/step_following.py says when). Keeps the accepted paths and the moves for
         the drafter (self._tree_step). A request with a grammar has its logits at each node masked with the
@@ -145,13 +147,11 @@ class SampleAndVerify:
             if masks is not None:
                 StepMasks.apply(logits, masks.verify)
             apply_logit_bias(logits, reqs, width)
-            target = greedy_argmax(logits)
+            target = greedy_argmax(logits).view(n, width)
             if not batch.all_greedy:
                 expanded = SamplingBatch.build([r for r in reqs for _ in range(width)], self.device)
-                sampled = sample_from_probs(filtered_probs(logits, expanded), expanded.generators,
-                                            self.sampler.default_generator)
-                target = torch.where(expanded.greedy, target, sampled)
-            target = target.view(n, width)
+                target = self._sampled_tree_targets(filtered_probs(logits, expanded).view(n, width, -1), target,
+                                                    index, num, batch)
         outcome = verify_tree(target, b.input_ids, index, num, tables, b.slot_mapping, self.kv.spare_slot,
                               where, self.outputs.accepted, self.outputs.tokens)
         move_kv(self.kv.stack, *outcome.moves)
@@ -167,6 +167,20 @@ class SampleAndVerify:
             result = token_logprobs(raw.flatten(0, 1).log_softmax(dim=-1), outcome.tokens.flatten().clamp(min=0),
                                     batch.max_logprobs)
             handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=path_tokens.shape[1]))
+
+    def _sampled_tree_targets(self, probs: torch.Tensor, argmax: torch.Tensor, index: torch.Tensor,
+                              num_drafts: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The target tokens per tree index (sampled_tree.walked_targets) of a batch with a request that samples:
+        its trees' children were drawn from the head, whose distributions the drafter kept, and are verified by
+        recursive rejection sampling against the target's probs [n, W, V]."""
+        b, tables = self.buffers, self.tree_tables
+        n, full_width = index.shape[0], tables.tree.num_nodes + 1
+        padded = torch.cat([index, index[:, -1:].expand(n, full_width - index.shape[1])], dim=1)
+        uniform, noise = draw_randomness(n, full_width, probs.shape[-1], batch.generators, self.device,
+                                         self.sampler.default_generator)
+        node_probs = self.speculator.node_probs.index_select(0, b.staged_extra(StagedExtra.VERIFY_DRAFT_ROWS))
+        walk = walk_sampled_trees(probs, b.input_ids[padded], num_drafts, node_probs, tables, uniform, noise)
+        return walked_targets(walk, argmax, batch.greedy)
 
     def retrace_trees(self, index: torch.Tensor, num_drafts: torch.Tensor, rows: torch.Tensor) -> TreeOutcome:
         """A rank > 0's _verify_tree of a sharded drafter's step, after rank 0 shared its outputs: the same walk

@@ -56,8 +56,8 @@ class Drafting(Enum):
     IN_WHOLE_STEP = "in the whole step"
     GREEDY_LOOP_GRAPH = "greedy loop graph"  # every draft of a greedy batch, in the drafter's loop graph
     STEPS = "steps"  # one decode step per draft, each replaying its own graph where it has one
-    TREE_GRAPH = "tree graph"  # a tree's passes, in the drafter's tree graph
-    TREE_PASSES = "tree passes"  # a tree's passes, eagerly
+    TREE_GRAPH = "tree graph"  # a greedy batch's tree passes, in the drafter's tree graph
+    TREE_PASSES = "tree passes"  # a tree's passes, eagerly: a sampling request's children drawn from the head
     # A step with a grammar request: the drafter's logits are masked by each draft path's grammar state,
     # which the host builds from each depth's drafts, read back as they are picked (structured_output/
     # draft_masks.py): one decode step per draft, or a tree's passes, eagerly.
@@ -229,7 +229,8 @@ def _drafting(rows: StepRows, graphs: GraphsReady, speculator: SpeculatorKind, t
         return Drafting.IN_WHOLE_STEP
     if (rows.sample | rows.verify).grammar:
         return Drafting.MASKED_TREE_PASSES if trees else Drafting.MASKED_STEPS
-    if trees:
-        return Drafting.TREE_GRAPH if graphs.drafting else Drafting.TREE_PASSES
     greedy = rows.sample.all_greedy and rows.verify.all_greedy
+    if trees:
+        # The tree graph drafts top guesses; a sampling request's children are drawn (spec_decode/sampled_tree.py).
+        return Drafting.TREE_GRAPH if greedy and graphs.drafting else Drafting.TREE_PASSES
     return Drafting.GREEDY_LOOP_GRAPH if greedy and graphs.drafting else Drafting.STEPS

@@ -8,7 +8,7 @@ from heads import save_eagle_head
 from step_drafts import recorded_drafts
 from test_speculative_e2e import GREEDY, target  # noqa: F401 (the target's fixture, with its reference outputs)
 from conftest import TEST_KV
-from specserve import LLM
+from specserve import LLM, SamplingParams
 from specserve.worker.cudagraph_mode import CUDAGraphMode as M
 from specserve.worker.graph_recorder import EagerRecorder
 
@@ -93,3 +93,28 @@ def test_a_cached_prompts_tail_runs_as_a_full_graph(target, heads):
              and d.query_len in runner.graphs.single_request_query_lens]
     assert len(tails) == 4  # each prompt's tail: the target's graph and the drafter's prefill graph
     assert all(o.metrics.num_cached_tokens > 0 for o in outs)
+
+
+def test_a_sampled_tree_beside_greedy_ones(target, heads):
+    """One request samples (its tree's children drawn from the head and verified by recursive rejection sampling,
+    spec_decode/sampled_tree.py) beside greedy ones, with graphs recorded (the CPU stand-in): the greedy outputs
+    equal no speculation, the sampled one repeats under its seed, and such steps draft pass by pass, never in the
+    tree graph (which drafts top guesses)."""
+    path, _, ps, ref = target
+    llm = LLM(str(path), max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+              cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64],
+              speculative_config={"method": "eagle3", "model": str(heads["eagle3"]), "speculative_token_tree": TREE},
+              **TEST_KV)
+    runner = llm.engine.runner
+    runner.capture_graphs(M.FULL_AND_PIECEWISE, EagerRecorder(), llm.engine.attention_backend)
+    trees = runner.speculator.tree_graphs
+    tree_replays = []
+    original_tree = trees.run
+    trees.run = lambda desc, fn, md: tree_replays.append(desc.num_reqs) or original_tree(desc, fn, md)
+    sampled = SamplingParams(temperature=1.0, top_k=50, max_tokens=16, ignore_eos=True, seed=7)
+    params = [sampled, GREEDY, GREEDY]
+    first = llm.generate(ps[:3], params, use_tqdm=False)
+    again = llm.generate(ps[:3], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first[1:]] == ref[1:3]
+    assert first[0].outputs[0].token_ids == again[0].outputs[0].token_ids != ref[0]
+    assert not tree_replays and llm.engine.spec_stats.num_drafted > 0

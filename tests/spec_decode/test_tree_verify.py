@@ -155,39 +155,6 @@ def test_tree_config_errors_say_what_to_fix():
     assert cfg.num_speculative_tokens == 2 and cfg.num_draft_tokens == 3 and cfg.tree.paths == ((0,), (1,), (0, 0))
 
 
-def test_sampled_trees_emit_the_targets_distribution():
-    """Invariant 2 for trees, on a vocabulary of 4: with the target's token at each node sampled from its own
-    distribution (as the runner samples them), the first two tokens a step emits are distributed as the target
-    alone would produce them, whether or not the first lands on a draft (chi-square over all 16 pairs)."""
-    from scipy.stats import chisquare
-
-    from specserve.sample.sampler import sample_from_probs
-
-    tree = DraftTree.build([(0,), (1,), (0, 0)])
-    tables = TreeTables.build(tree, torch.device("cpu"))
-    nodes = torch.tensor([[0, 2, 1, 3]])  # drafts: 2 and 1 after the root, 3 after 2
-    root = torch.tensor([0.1, 0.2, 0.3, 0.4])
-    after = torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.1, 0.6, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25],
-                          [0.05, 0.05, 0.1, 0.8]])  # the target's next distribution after each token
-    n = 40_000
-    gen = torch.Generator().manual_seed(0)
-    # The target's distribution at each tree index: the root's, then after each draft's token.
-    probs = torch.stack([root] + [after[t] for t in nodes[0, 1:].tolist()])
-    target = sample_from_probs(probs.repeat(n, 1), [None] * (4 * n), gen).view(n, 4)
-    index = torch.arange(4 * n).view(n, 4)
-    outcome, accepted, tokens = run_verify(target, nodes.expand(n, 4), torch.full((n,), 3), index, tables,
-                                           torch.arange(4 * n), 0, use_triton=False)
-    first = tokens[:, 0]
-    # A step that accepts no draft emits one token; the second comes from the next step, sampled from the target.
-    second = torch.where(accepted >= 1, tokens[:, 1],
-                         sample_from_probs(after[first], [None] * n, gen))
-    counts = torch.bincount(first * 4 + second, minlength=16).double()
-    joint = (root[:, None] * after).flatten().double()
-    expected = joint / joint.sum() * counts.sum()
-    assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3
-    assert 0 < accepted.float().mean() < 2  # both kinds of step occur
-
-
 @pytest.mark.parametrize("padded", [False, True], ids=["all real", "graph padding"])
 def test_the_pass_metadata_kernel_builds_what_the_torch_ops_build(padded):
     """Each depth's attention inputs for the head's pass over its drafts: positions, slots, lengths, tree bits."""

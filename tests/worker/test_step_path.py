@@ -129,9 +129,11 @@ def test_a_greedy_chain_drafts_in_the_loop_graph_where_it_has_one():
     assert path(full(4, 1), decode(4, LOGPROBS), parts).drafting is Drafting.GREEDY_LOOP_GRAPH
 
 
-def test_a_tree_drafts_in_the_tree_graph_where_it_has_one_sampled_or_not():
+def test_a_greedy_tree_drafts_in_the_tree_graph_and_a_sampled_one_pass_by_pass():
+    """The tree graph drafts top guesses; a sampling request's children are drawn (spec_decode/sampled_tree.py)."""
     desc = BatchDescriptor(M.PIECEWISE, 16, 2)
-    assert path(desc, verify(2, 5, SAMPLED), trees=True).drafting is Drafting.TREE_GRAPH
+    assert path(desc, verify(2, 5), trees=True).drafting is Drafting.TREE_GRAPH
+    assert path(desc, verify(2, 5, SAMPLED), trees=True).drafting is Drafting.TREE_PASSES
     no_graph = GraphsReady(greedy=True)
     assert path(desc, verify(2, 5), no_graph, trees=True).drafting is Drafting.TREE_PASSES
 

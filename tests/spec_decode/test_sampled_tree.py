@@ -1,0 +1,142 @@
+"""Trees of drafts at temperature > 0 (spec_decode/sampled_tree.py): children drawn from the head without
+replacement, verified by recursive rejection sampling. Speculative decoding is run whole on a Markov target and
+drafter over a vocabulary of 5, many requests at once, and the first three tokens each request emits are tested
+against the target's own joint distribution (chi-square over all 125 outcomes)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from distribution import P_MIN, p_value
+from specserve.engine.request import Request
+from specserve.sample.sampler import SamplingBatch
+from specserve.sampling_params import SamplingParams
+from specserve.spec_decode.sampled_tree import NODE_PROBS_DTYPE, TreeSampling, walk_sampled_trees, walked_targets
+from specserve.spec_decode.tree import DraftTree
+from specserve.spec_decode.tree_drafting import level_scatter
+from specserve.spec_decode.tree_verify import TreeTables, emitted_tokens, walk_tree
+
+V = 5
+TREE = DraftTree.build([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)])
+START = 3
+
+
+def markov(seed: int, zeros: int = 0) -> torch.Tensor:
+    """[V, V]: the next token's distribution after each token; `zeros` tokens of each row without mass."""
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.rand(V, V, generator=g) ** 2 + 0.02
+    for row in probs:
+        row[torch.randperm(V, generator=g)[:zeros]] = 0
+    return probs / probs.sum(dim=1, keepdim=True)
+
+
+def requests(n: int, greedy_every: int = 0) -> list[Request]:
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(temperature=0 if greedy_every and i % greedy_every == 0 else 1.0)
+
+    return [Request(str(i), [1], params(i), set(), 64) for i in range(n)]
+
+
+def draft_trees(reqs, draft: torch.Tensor, last: torch.Tensor, tables: TreeTables, node_probs: torch.Tensor,
+                gen: torch.Generator) -> torch.Tensor:
+    """[n, N + 1]: each request's tree after its last token (column 0), depth by depth as tree_drafting does,
+    the drafter's logits after a node being log draft[its token]."""
+    n, tree = len(reqs), tables.tree
+    drafts = torch.empty(n, tree.num_nodes, dtype=torch.int64)
+    sampling = TreeSampling(SamplingBatch.build(reqs, torch.device("cpu")), torch.arange(n), node_probs, tables, gen)
+    parents = last[:, None]
+    for d in range(1, tree.depth + 1):
+        logits = draft[parents.flatten()].log()
+        parents = level_scatter(tables, d, n, drafts).apply(sampling.guesses(logits, tree.top_k(d), tree.level(d - 1)))
+    return torch.cat([last[:, None], drafts], dim=1)
+
+
+def speculate(reqs, target: torch.Tensor, draft: torch.Tensor, tokens: int, seed: int):
+    """Speculative decoding from START until every request has `tokens` tokens: (each request's first `tokens`
+    tokens, the mean drafts accepted a step)."""
+    n = len(reqs)
+    tables = TreeTables.build(TREE, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(seed)
+    node_probs = torch.zeros(n, tables.num_prob_slots, V, dtype=NODE_PROBS_DTYPE)
+    greedy = SamplingBatch.build(reqs, torch.device("cpu")).greedy
+    out = [[] for _ in range(n)]
+    last = torch.full((n,), START)
+    accepted_steps = []
+    while min(map(len, out)) < tokens:
+        nodes = draft_trees(reqs, draft, last, tables, node_probs, gen)
+        probs = target[nodes]  # [n, N + 1, V]: the target's distribution after each node
+        num = torch.full((n,), TREE.num_nodes)
+        walk = walk_sampled_trees(probs, nodes, num, node_probs, tables, torch.rand(n, TREE.num_nodes + 1, generator=gen),
+                                  torch.empty(n, V).exponential_(generator=gen))
+        # The table walked_targets makes walks tree_verify's way to the same path and tokens.
+        table = walked_targets(walk, probs.argmax(dim=-1), greedy)
+        accepted, path = walk_tree(table, nodes, num, tables)
+        sampled = ~greedy
+        assert torch.equal(accepted[sampled], walk.accepted[sampled])
+        assert torch.equal(path[sampled], walk.path[sampled])
+        assert torch.equal(emitted_tokens(table, path, accepted)[sampled], walk.tokens[sampled])
+        emitted = emitted_tokens(table, path, accepted)
+        for i, row in enumerate(emitted.tolist()):
+            out[i].extend(t for t in row if t >= 0)
+        last = emitted.gather(1, accepted[:, None]).squeeze(1)
+        accepted_steps.append(accepted.float().mean().item())
+    return [o[:tokens] for o in out], sum(accepted_steps) / len(accepted_steps)
+
+
+def joint(target: torch.Tensor, length: int) -> dict[tuple, float]:
+    """P(the first `length` tokens after START), in float64, over the sequences that can occur."""
+    target = target.double() / target.double().sum(dim=1, keepdim=True)
+    probs = {(): 1.0}
+    for _ in range(length):
+        probs = {seq + (t,): p * float(target[seq[-1] if seq else START, t]) for seq, p in probs.items()
+                 for t in range(V)}
+    return {seq: p for seq, p in probs.items() if p > 0}
+
+
+@pytest.mark.parametrize("draft_zeros", [0, 3], ids=["full support", "drafter's support smaller than the tree"])
+def test_emitted_tokens_are_distributed_as_the_targets(draft_zeros):
+    """Where the drafter gives two tokens no mass (three with mass for three children), the drafts past its
+    support repeat the first, and the walk skips them."""
+    target, draft = markov(0), markov(1, zeros=draft_zeros)
+    out, accepted = speculate(requests(20_000), target, draft, tokens=3, seed=2)
+    counts = Counter(map(tuple, out))
+    assert p_value(counts, joint(target, 3)) > P_MIN
+    assert p_value(counts, joint(draft, 3)) < P_MIN  # the test tells the drafter's distribution from the target's
+    assert 0.3 < accepted < TREE.depth
+
+
+def test_a_drafter_equal_to_the_target_has_its_first_children_accepted():
+    """With q = p the first child is accepted (but for q's rounding to bfloat16): every step walks the tree's
+    deepest line of first children, (0,), (0, 0), (0, 0, 0)."""
+    target = markov(0)
+    _, accepted = speculate(requests(2_000), target, target, tokens=6, seed=3)
+    assert 2.98 < accepted <= 3.0
+
+
+def test_greedy_rows_beside_sampled_ones_take_the_argmax_walk():
+    """In a batch where every third request is greedy, those take the top guesses and the target's argmax at
+    every node (the greedy sequence), the others are still distributed as the target's."""
+    target, draft = markov(0), markov(1)
+    reqs = requests(9_000, greedy_every=3)
+    out, _ = speculate(reqs, target, draft, tokens=3, seed=4)
+    argmax_path = [START]
+    for _ in range(3):
+        argmax_path.append(int(target[argmax_path[-1]].argmax()))
+    assert all(out[i] == argmax_path[1:] for i in range(0, len(reqs), 3))
+    counts = Counter(tuple(o) for i, o in enumerate(out) if i % 3)
+    assert p_value(counts, joint(target, 3)) > P_MIN
+
+
+def test_children_past_the_drafters_support_repeat_the_first():
+    tables = TreeTables.build(TREE, torch.device("cpu"))
+    draft = torch.zeros(V, V)
+    draft[:, 1], draft[:, 4] = 0.5, 0.5  # two tokens with mass, three children after the root
+    reqs = requests(50)
+    node_probs = torch.zeros(50, tables.num_prob_slots, V, dtype=NODE_PROBS_DTYPE)
+    nodes = draft_trees(reqs, draft, torch.full((50,), START), tables, node_probs, torch.Generator().manual_seed(0))
+    first, second, third = nodes[:, 1], nodes[:, 2], nodes[:, 3]
+    assert set(first.tolist()) == {1, 4} and torch.equal(third, first) and torch.equal(second, 5 - first)
+    # q is kept for the nodes with children, in their slots: the root's in slot 0.
+    assert torch.equal(node_probs[:, 0].float(), draft[START].expand(50, V))
