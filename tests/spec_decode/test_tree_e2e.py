@@ -22,6 +22,16 @@ def heads(tmp_path_factory, tiny_llama):
     return {m: save_eagle_head(root / m, hf.config, m, seed=s) for m, s in (("eagle", 1), ("eagle3", 2))}
 
 
+def graphed_tree_llm(path, heads, max_num_seqs: int, mode: M) -> LLM:
+    """An EAGLE-3 tree engine with graphs recorded in `mode` by the CPU stand-in (which re-runs each recording)."""
+    llm = LLM(str(path), max_model_len=256, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+              cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64],
+              speculative_config={"method": "eagle3", "model": str(heads["eagle3"]), "speculative_token_tree": TREE},
+              **TEST_KV)
+    llm.engine.runner.capture_graphs(mode, EagerRecorder(), llm.engine.attention_backend)
+    return llm
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_tree_greedy_equals_no_speculation(target, heads, method):
     path, _, ps, ref = target
@@ -39,12 +49,8 @@ def test_tree_under_graphs_with_the_cpu_stand_in(target, heads, mode):
     that verify whole trees run as the whole tree step, padded rows included (3 requests in graphs of 4), and
     the other steps (the prefills) draft their trees in the tree graph where full graphs are recorded."""
     path, _, ps, ref = target
-    llm = LLM(str(path), max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
-              cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64],
-              speculative_config={"method": "eagle3", "model": str(heads["eagle3"]), "speculative_token_tree": TREE},
-              **TEST_KV)
+    llm = graphed_tree_llm(path, heads, 4, mode)
     runner = llm.engine.runner
-    runner.capture_graphs(mode, EagerRecorder(), llm.engine.attention_backend)
     whole = runner.whole_step_graphs
     replays = []
     original = whole.run
@@ -76,12 +82,8 @@ def test_a_cached_prompts_tail_runs_as_a_full_graph(target, heads):
     """A prompt the prefix cache holds prefills its uncached tail (at most a block) as a single-request full graph,
     the drafter's prefill with it, and the output is unchanged (the CPU stand-in re-runs each recording)."""
     path, _, ps, ref = target
-    llm = LLM(str(path), max_model_len=256, max_num_seqs=1, max_num_batched_tokens=64,
-              cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64],
-              speculative_config={"method": "eagle3", "model": str(heads["eagle3"]), "speculative_token_tree": TREE},
-              **TEST_KV)
+    llm = graphed_tree_llm(path, heads, 1, M.FULL_AND_PIECEWISE)
     runner = llm.engine.runner
-    runner.capture_graphs(M.FULL_AND_PIECEWISE, EagerRecorder(), llm.engine.attention_backend)
     assert [o.outputs[0].token_ids for o in llm.generate(ps[:2], GREEDY, use_tqdm=False)] == ref[:2]
     ran = []
     for graphs in (runner.graphs, runner.speculator.prefill_graphs):
@@ -101,12 +103,8 @@ def test_a_sampled_tree_beside_greedy_ones(target, heads):
     equal no speculation, the sampled one repeats under its seed, and such steps draft pass by pass, never in the
     tree graph (which drafts top guesses)."""
     path, _, ps, ref = target
-    llm = LLM(str(path), max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
-              cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64],
-              speculative_config={"method": "eagle3", "model": str(heads["eagle3"]), "speculative_token_tree": TREE},
-              **TEST_KV)
+    llm = graphed_tree_llm(path, heads, 4, M.FULL_AND_PIECEWISE)
     runner = llm.engine.runner
-    runner.capture_graphs(M.FULL_AND_PIECEWISE, EagerRecorder(), llm.engine.attention_backend)
     trees = runner.speculator.tree_graphs
     tree_replays = []
     original_tree = trees.run
