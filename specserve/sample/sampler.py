@@ -17,6 +17,13 @@ from specserve.sample.argmax import greedy_argmax
 from specserve.transfer import to_device
 
 
+def draws_with_temperature_only(request: Request) -> bool:
+    """A greedy request, or one whose draws need only softmax(logits / T) and the engine's generator: no top-k,
+    top-p or min-p, no seed of its own. Such draws can be recorded in a CUDA graph (spec_decode/sampled_tree.py)."""
+    p = request.params
+    return p.greedy or (request.generator is None and p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0)
+
+
 class SamplingBatch:
     """The sampling parameters of the rows of a logits tensor.
 
@@ -36,6 +43,7 @@ class SamplingBatch:
         self.needs_top_k = any(p.top_k > 0 and not g for p, g in zip(ps, self._greedy))
         self.needs_top_p = any(p.top_p < 1.0 and not g for p, g in zip(ps, self._greedy))
         self.needs_min_p = any(p.min_p > 0.0 and not g for p, g in zip(ps, self._greedy))
+        self.temperature_only = all(draws_with_temperature_only(r) for r in requests)
         # Largest logprobs asked for in the batch, None when none asked.
         self.max_logprobs: int | None = max(asked) if asked else None
 

@@ -7,7 +7,9 @@
 - The decode steps', FULL_DECODE_ONLY or NONE, never piecewise (docs/invariants.md, 'Draft decode is never
   piecewise'); a decode graph writes its float32 draft logits during replay.
 - For a chain, the greedy loop's: every draft of a greedy batch in one graph per padded batch size. For a
-  tree, the tree's: all its passes in one graph per padded batch size.
+  tree, the tree's: all its passes in one graph per padded batch size; and, unless the drafter is sharded (whose
+  sampled children rank 0 alone draws), the sampled tree's, whose children a request that samples draws from
+  the head with the engine's generator (spec_decode/sampled_tree.py).
 
 All of them read only the drafter's persistent buffers. Which one a step replays is its StepPath's
 decision (worker/step_path.py, DraftInput.drafting).
@@ -29,7 +31,7 @@ class DrafterGraphs:
 
     def capture_graphs(self, target_graphs: CUDAGraphManager, splitter, recorder, sizes: Sequence[int], debug: bool,
                        target_prepare: Callable[[BatchDescriptor], AttentionMetadata],
-                       base_positions: torch.Tensor, block_table: torch.Tensor) -> None:
+                       base_positions: torch.Tensor, block_table: torch.Tensor, sharded: bool = False) -> None:
         for model in self.models():
             splitter.install(model)
         max_reqs = self.step_buffers.max_num_reqs
@@ -69,6 +71,10 @@ class DrafterGraphs:
             self.tree_graphs = CUDAGraphManager("draft tree", decode_mode, sizes, max_reqs, max_reqs, (1,),
                                                 recorder, debug)
             self.tree_graphs.capture(self._tree_in_graph, loop_prepare)
+            if not sharded:
+                self.sampled_tree_graphs = CUDAGraphManager("draft sampled tree", decode_mode, sizes, max_reqs,
+                                                            max_reqs, (1,), recorder, debug, generator=self.generator)
+                self.sampled_tree_graphs.capture(self._sampled_tree_in_graph, loop_prepare)
             self._rows_in_use = -1
             return
         self.decode_graphs = CUDAGraphManager("draft decode", decode_mode, sizes, max_reqs, max_reqs, (1,), recorder,
@@ -85,8 +91,13 @@ class DrafterGraphs:
         graphs = self.greedy_loop_graphs if self.tree_tables is None else self.tree_graphs
         return graphs is not None and graphs.has_graph(graphs.dispatch(num_reqs, num_reqs, 1))
 
+    def has_sampled_tree_graph(self, num_reqs: int) -> bool:
+        graphs = self.sampled_tree_graphs
+        return graphs is not None and graphs.has_graph(graphs.dispatch(num_reqs, num_reqs, 1))
+
     def release_graphs(self) -> None:
         self.prefill_graphs = self.decode_graphs = self.greedy_loop_graphs = self.tree_graphs = None
+        self.sampled_tree_graphs = None
         self._loop_inputs = None
 
     def _replay_for(self, graphs: CUDAGraphManager, n: int, forward) -> torch.Tensor:
@@ -126,3 +137,10 @@ class DrafterGraphs:
         base_positions, block_table = self._loop_inputs
         return draft_tree(self, self.tree_tables, self.first_hidden[:n], self.feedback[:n], base_positions,
                           block_table, self.step_buffers.num_reqs)
+
+    def _sampled_tree_in_graph(self, desc: BatchDescriptor, metadata: AttentionMetadata) -> torch.Tensor:
+        """_tree_in_graph for a batch with a request that samples, whose sampling TreeDraws.stage wrote."""
+        n = desc.num_reqs
+        base_positions, block_table = self._loop_inputs
+        return draft_tree(self, self.tree_tables, self.first_hidden[:n], self.feedback[:n], base_positions,
+                          block_table, self.step_buffers.num_reqs, sampling=self.tree_draws.in_graph(n))

@@ -22,7 +22,7 @@ from specserve.sample.sampler import filtered_probs, sample_from_probs
 from specserve.spec_decode.eagle_inputs import DraftStepBuffers, prepare_draft_step
 from specserve.spec_decode.drafter_graphs import DrafterGraphs
 from specserve.spec_decode.speculator import DraftInput, Speculator
-from specserve.spec_decode.sampled_tree import NODE_PROBS_DTYPE, TreeSampling
+from specserve.spec_decode.sampled_tree import TreeDraws, TreeSampling
 from specserve.spec_decode.tree_drafting import draft_tree
 from specserve.spec_decode.tree_verify import TreeTables
 from specserve.structured_output.draft_masks import DraftMasks, mask_draft_logits
@@ -51,8 +51,8 @@ class ModelDrafter(DrafterGraphs, Speculator):
         # children (sampled_tree.py).
         self.draft_probs = (torch.zeros(max_num_reqs, k, vocab_size, dtype=torch.float32, device=device)
                             if tree_tables is None else None)
-        self.node_probs = (torch.zeros(max_num_reqs, tree_tables.num_prob_slots, vocab_size, dtype=NODE_PROBS_DTYPE,
-                                       device=device) if tree_tables is not None else None)
+        self.tree_draws = (TreeDraws(max_num_reqs, tree_tables, vocab_size, device, generator)
+                           if tree_tables is not None else None)
         self.step_buffers = DraftStepBuffers.allocate(max_num_reqs, device)
         # Persistent inputs: the target's own buffers, the token after each target position, the
         # tokens and fed-back hidden states of a decode step.
@@ -74,6 +74,9 @@ class ModelDrafter(DrafterGraphs, Speculator):
         self.greedy_loop_graphs: CUDAGraphManager | None = None
         # A tree's passes in one graph per padded batch size (steps that do not run the runner's whole step).
         self.tree_graphs: CUDAGraphManager | None = None
+        # The same for batches with a request that samples its children (sampled_tree.TreeDraws), where the
+        # draws can be recorded.
+        self.sampled_tree_graphs: CUDAGraphManager | None = None
         self._loop_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # (base positions, block table)
         # Requests of the last propose(): rows at or past it of _request_rows hold zeros.
         self._rows_in_use = -1
@@ -125,7 +128,7 @@ class ModelDrafter(DrafterGraphs, Speculator):
     def reset(self) -> None:
         for rows in self._request_rows:
             rows.zero_()
-        for probs in (self.draft_probs, self.node_probs):
+        for probs in (self.draft_probs, self.tree_draws and self.tree_draws.node_probs):
             if probs is not None:
                 probs.zero_()
         self._rows_in_use = -1
@@ -183,12 +186,15 @@ class ModelDrafter(DrafterGraphs, Speculator):
         if inp.drafting in (Drafting.TREE_PASSES, Drafting.MASKED_TREE_PASSES):
             return self._draft_tree(for_logits, fed_back, last, inp.kv_moves, inp.base_positions, inp.block_table,
                                     masks=inp.masks, shared_picks=inp.shared_picks, sampling=self._tree_sampling(inp))
-        if inp.drafting is Drafting.TREE_GRAPH:
+        if inp.drafting in (Drafting.TREE_GRAPH, Drafting.SAMPLED_TREE_GRAPH):
             if inp.kv_moves is not None:
                 self.move_kv(*inp.kv_moves)
             self._keep_feedback(n, fed_back, last)
             self._seed_greedy_loop(n, for_logits, last, inp.last_tokens)
-            return self._replay_for(self.tree_graphs, n, self._tree_in_graph)
+            if inp.drafting is Drafting.TREE_GRAPH:
+                return self._replay_for(self.tree_graphs, n, self._tree_in_graph)
+            self.tree_draws.stage(inp.sampling, inp.rows)
+            return self._replay_for(self.sampled_tree_graphs, n, self._sampled_tree_in_graph)
         drafts: list[torch.Tensor] = []
         current = inp.last_tokens
         self._keep_feedback(n, fed_back, last)
@@ -260,7 +266,7 @@ class ModelDrafter(DrafterGraphs, Speculator):
         its top guesses (a greedy batch, or a rank > 0 of a sharded drafter, which takes rank 0's)."""
         if inp.sampling is None or inp.sampling.all_greedy:
             return None
-        return TreeSampling(inp.sampling, inp.rows, self.node_probs, self.tree_tables, self.generator)
+        return self.tree_draws.eager(inp.sampling, inp.rows)
 
     def _keep_feedback(self, n: int, fed_back: torch.Tensor | None, last: torch.Tensor) -> None:
         """The prefill's state to feed back at each request's last accepted token, into the decode steps' rows."""

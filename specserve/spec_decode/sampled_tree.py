@@ -13,7 +13,7 @@ the last p_i and the request stops. Each emitted token is then distributed as th
 
 What must hold:
 - The q a child was drawn from is the q verification reads: q is kept in bfloat16 (a row per node that has
-  children, per request: ModelDrafter.node_probs), and the draws are made from that rounded copy too.
+  children, per request: TreeDraws.node_probs), and the draws are made from that rounded copy too.
 - A draw exists only while q has mass left: a node's children past its support repeat its first child's token,
   which verification skips (q without the first child has no mass there), and a rejected token has no mass in
   the p it leaves (p_i(x) < q_i(x) for a rejected x): so the token a request stops with is never one of its
@@ -34,34 +34,79 @@ NODE_PROBS_DTYPE = torch.bfloat16
 
 @dataclass
 class TreeSampling:
-    """The drafting side: what a sampling batch's guesses are drawn with, for each depth's parents."""
+    """The drafting side: what a batch's guesses are drawn with, for each depth's parents. [n] tensors each."""
 
-    batch: SamplingBatch  # the n drafting requests
-    rows: torch.Tensor  # [n] each request's row of node_probs
-    node_probs: torch.Tensor  # [max requests, tables.num_prob_slots, V] NODE_PROBS_DTYPE
+    greedy: torch.Tensor  # bool: the request drafts its top guesses
+    temperature: torch.Tensor  # float32, 1 on greedy rows
+    rows: torch.Tensor  # int64: each request's row of node_probs
+    node_probs: torch.Tensor  # [max requests + 1, tables.num_prob_slots, V] NODE_PROBS_DTYPE (TreeDraws)
     tables: TreeTables
     generator: torch.Generator | None  # for the requests without a seed of their own
+    # The batch, where some request draws with more than its temperature and the engine's generator (top-k,
+    # top-p, min-p, a seed: SamplingBatch.temperature_only), whose filters and generators q and the noise then
+    # take, eagerly; None for draws a CUDA graph can record.
+    filtered: SamplingBatch | None = None
 
     def guesses(self, logits: torch.Tensor, k: int, nodes: range) -> torch.Tensor:
         """[n * m, k]: after each of the m nodes of one depth (logits [n * m, V], request-major), the k children
         of a greedy request's node (the top guesses) or k draws without replacement from a sampling request's
         q, which is kept for the nodes that have children."""
-        m = len(nodes)
-        per_node = SamplingBatch.build([r for r in self.batch.requests for _ in range(m)], logits.device)
+        n = self.rows.shape[0]
+        m = logits.shape[0] // n
         top = logits.topk(k, dim=-1).indices
-        if per_node.all_greedy:
-            return top
-        q = filtered_probs(logits, per_node).to(NODE_PROBS_DTYPE)
-        scores = q.float() / exponential_noise(tuple(q.shape), per_node.generators, self.generator, q.device)
+        if self.filtered is None:
+            q, generators = (logits / self.temperature.repeat_interleave(m)[:, None]).softmax(dim=-1), []
+        else:
+            per_node = SamplingBatch.build([r for r in self.filtered.requests for _ in range(m)], logits.device)
+            q, generators = filtered_probs(logits, per_node), per_node.generators
+        q = q.to(NODE_PROBS_DTYPE)
+        scores = q.float() / exponential_noise(tuple(q.shape), generators, self.generator, q.device)
         drawn_scores, drawn = scores.topk(k, dim=-1)
         # Past q's support a draw scores 0: it repeats the first draw, which verification then skips.
         drawn = torch.where(drawn_scores > 0, drawn, drawn[:, :1])
-        kept = [i for i, node in enumerate(nodes) if self.tables.prob_slots[node] >= 0]
-        if kept:
-            slots = torch.tensor([self.tables.prob_slots[nodes[i]] for i in kept], device=q.device)
-            columns = torch.tensor(kept, device=q.device)
-            self.node_probs[self.rows[:, None], slots[None, :]] = q.view(-1, m, q.shape[1]).index_select(1, columns)
-        return torch.where(per_node.greedy[:, None], top, drawn)
+        kept = self.tables.level_prob_slots[self.tables.tree.depths[nodes.start]]
+        if kept is not None:
+            self.node_probs[self.rows[:, None], kept.slots[None, :]] = q.view(n, m, -1).index_select(1, kept.columns)
+        return torch.where(self.greedy.repeat_interleave(m)[:, None], top, drawn)
+
+
+class TreeDraws:
+    """The kept distributions, and the persistent inputs of the drafter's sampled tree graphs, which draw the
+    children of a batch whose requests draw with their temperature alone (TreeSampling.filtered None). The
+    draws come from the engine's generator, registered with each graph (worker/graph_recorder.py), so every
+    replay draws new numbers as the eager passes would."""
+
+    def __init__(self, max_num_reqs: int, tables: TreeTables, vocab_size: int, device: torch.device,
+                 generator: torch.Generator | None):
+        self.tables = tables
+        self.generator = generator
+        # One row per running request, and a spare one that a padded graph's rows write into.
+        self.node_probs = torch.zeros(max_num_reqs + 1, tables.num_prob_slots, vocab_size, dtype=NODE_PROBS_DTYPE,
+                                      device=device)
+        self.spare_row = max_num_reqs
+        self.greedy = torch.ones(max_num_reqs, dtype=torch.bool, device=device)
+        self.temperature = torch.ones(max_num_reqs, dtype=torch.float32, device=device)
+        self.rows = torch.full((max_num_reqs,), self.spare_row, dtype=torch.int64, device=device)
+
+    def eager(self, batch: SamplingBatch, rows: torch.Tensor) -> TreeSampling:
+        """The sampling of the n requests of batch (rows [n]) drafted pass by pass."""
+        return TreeSampling(batch.greedy, batch.temperature, rows, self.node_probs, self.tables, self.generator,
+                            None if batch.temperature_only else batch)
+
+    def stage(self, batch: SamplingBatch, rows: torch.Tensor) -> None:
+        """A graph's inputs for the n requests of batch; the rows past them draft their top guesses into the
+        spare row."""
+        n = rows.shape[0]
+        self.greedy[:n].copy_(batch.greedy)
+        self.temperature[:n].copy_(batch.temperature)
+        self.rows[:n].copy_(rows)
+        self.greedy[n:].fill_(True)
+        self.rows[n:].fill_(self.spare_row)
+
+    def in_graph(self, n: int) -> TreeSampling:
+        """The sampling a graph padded to n requests records, reading the staged inputs."""
+        return TreeSampling(self.greedy[:n], self.temperature[:n], self.rows[:n], self.node_probs, self.tables,
+                            self.generator)
 
 
 @dataclass
@@ -92,7 +137,7 @@ def walk_sampled_trees(target_probs: torch.Tensor, node_tokens: torch.Tensor, nu
     # A node of the last depth has no children: its round only draws the bonus token.
     for d in range(1, depth + 2):
         p = target_probs[rows, current]
-        slot = tables.prob_slots_device[current]
+        slot = tables.prob_slots[current]
         q = node_probs[rows, slot.clamp(min=0)].float() * (slot >= 0)[:, None]
         q = _normalised(q)
         found = torch.zeros(n, dtype=torch.bool, device=device)

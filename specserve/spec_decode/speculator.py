@@ -90,6 +90,10 @@ class Speculator:
         """Whether a device speculator drafts for num_reqs requests in one recorded graph."""
         return False
 
+    def has_sampled_tree_graph(self, num_reqs: int) -> bool:
+        """Whether a tree drafter draws the children of num_reqs requests that sample in one recorded graph."""
+        return False
+
     def release_graphs(self) -> None:
         """Drop any recorded CUDA graphs (ModelRunner.release_graphs)."""
 

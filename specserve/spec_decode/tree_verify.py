@@ -36,14 +36,13 @@ class TreeTables:
     guess_nodes: tuple[torch.Tensor | None, ...]
     # [N + 1] int64: each node's parent's index among the nodes of the parent's depth (0 for the root).
     level_parents: torch.Tensor
-    # Each index's row among the nodes that have children, -1 for a leaf: where a sampling request's drafter
-    # keeps the distribution its children were drawn from (sampled_tree.py); on the host and on the device.
-    prob_slots: tuple[int, ...]
-    prob_slots_device: torch.Tensor
-
-    @property
-    def num_prob_slots(self) -> int:
-        return max(self.prob_slots) + 1
+    # [N + 1] int64: each index's row among the nodes that have children, -1 for a leaf: where a sampling
+    # request's drafter keeps the distribution its children were drawn from (sampled_tree.py).
+    prob_slots: torch.Tensor
+    num_prob_slots: int
+    # Per depth d: the nodes of depth d that have children, as their columns among the depth's nodes and their
+    # rows among prob_slots (None past the last depth with children).
+    level_prob_slots: tuple[LevelProbSlots | None, ...]
 
     @classmethod
     def build(cls, tree: DraftTree, device: torch.device) -> TreeTables:
@@ -66,9 +65,20 @@ class TreeTables:
             guess_nodes.append(table(nodes))
         level_parents = [0] + [tree.parents[i] - levels[tree.depths[i] - 1].start for i in range(1, tree.num_nodes + 1)]
         with_children = sorted(set(tree.parents[1:]))
-        prob_slots = tuple(with_children.index(i) if i in with_children else -1 for i in range(tree.num_nodes + 1))
+        level_prob_slots = tuple(
+            LevelProbSlots(table([i - level.start for i in kept]), table([with_children.index(i) for i in kept]))
+            if (kept := [i for i in level if i in with_children]) else None for level in levels)
+        prob_slots = [with_children.index(i) if i in with_children else -1 for i in range(tree.num_nodes + 1)]
         return cls(tree, children, table(tree.ancestor_bits), table(tree.depths), tuple(guess_columns),
-                   tuple(guess_nodes), table(level_parents), prob_slots, table(prob_slots))
+                   tuple(guess_nodes), table(level_parents), table(prob_slots), len(with_children), level_prob_slots)
+
+
+@dataclass(frozen=True)
+class LevelProbSlots:
+    """The nodes of one depth that have children: where their distributions are kept (TreeTables.prob_slots)."""
+
+    columns: torch.Tensor  # [m'] int64: each one's index among the depth's nodes
+    slots: torch.Tensor  # [m'] int64: its row among the kept distributions
 
 
 def walk_tree(target: torch.Tensor, node_tokens: torch.Tensor, num_drafts: torch.Tensor,

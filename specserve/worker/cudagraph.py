@@ -76,6 +76,7 @@ class CUDAGraphManager:
         debug: bool = False,
         splitter: AttentionSplitter | None = None,
         single_request_query_lens: Sequence[int] = (),
+        generator: torch.Generator | None = None,
     ):
         self.name = name
         self.mode = mode
@@ -85,6 +86,11 @@ class CUDAGraphManager:
         self.recorder = recorder
         self.debug = debug
         self.splitter = splitter
+        # The generator the graphs draw from, registered with each full graph so that a replay draws new numbers
+        # (a piecewise graph's draws would repeat the recording's).
+        self.generator = generator
+        if generator is not None and mode.has_piecewise:
+            raise ValueError(f"{name}: graphs that draw random numbers must be full graphs, not {mode.name}")
         if mode.has_piecewise and splitter is None:
             raise ValueError(f"{name}: mode {mode.name} records piecewise graphs and needs an AttentionSplitter")
         # Piecewise and mixed full graphs: sizes are token counts; uniform full graphs: request counts.
@@ -160,7 +166,7 @@ class CUDAGraphManager:
                 return forward(desc, metadata)
 
             if desc.mode is CUDAGraphMode.FULL:
-                self.graphs[desc.key] = self.recorder.full(run)
+                self.graphs[desc.key] = self.recorder.full(run, self.generator)
                 self.metadata[desc.key] = metadata
             else:
                 self.graphs[desc.key] = self.recorder.piecewise(run, self.splitter)
@@ -182,8 +188,12 @@ class CUDAGraphManager:
         if recorded is not None:
             # What a backend derived from the recorded metadata belongs to an earlier step.
             recorded.backend_state.clear()
+        drawn_from = self.generator.get_state() if self.debug and self.generator is not None else None
         outputs = graph.replay(metadata)
         if self.debug:
+            if drawn_from is not None:
+                # The eager run draws the numbers the replay drew.
+                self.generator.set_state(drawn_from)
             self._check_against_eager(desc, outputs, forward, metadata)
         return outputs
 

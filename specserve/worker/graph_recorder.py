@@ -107,8 +107,11 @@ class CudaGraphRecorder:
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device)
 
-    def full(self, fn: Callable[[], Any]) -> RecordedGraph:
+    def full(self, fn: Callable[[], Any], generator: torch.Generator | None = None) -> RecordedGraph:
+        """fn recorded; a generator it draws from is registered, so that each replay advances it as fn does."""
         graph = torch.cuda.CUDAGraph()
+        if generator is not None:
+            graph.register_generator_state(generator)
         with _no_collection(), torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             outputs = fn()
         return RecordedGraph(lambda _md: graph.replay(), outputs, 1)
@@ -175,7 +178,7 @@ class EagerRecorder:
     def __init__(self):
         self.recorded: list[str] = []
 
-    def full(self, fn: Callable[[], Any]) -> RecordedGraph:
+    def full(self, fn: Callable[[], Any], generator: torch.Generator | None = None) -> RecordedGraph:
         self.recorded.append("full")
         outputs = fn()
 

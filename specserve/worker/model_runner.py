@@ -220,7 +220,8 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
             # Greedy verification graphs read the uniform batch's fixed inputs.
             greedy=greedy is not None and greedy.has_graph(desc) and (
                 desc.query_len == 1 or self.uniform_verify is not None),
-            drafting=kind is SpeculatorKind.ON_DEVICE and spec.has_drafting_graph(rows.num_sampling))
+            drafting=kind is SpeculatorKind.ON_DEVICE and spec.has_drafting_graph(rows.num_sampling),
+            sampled_tree=kind is SpeculatorKind.ON_DEVICE and spec.has_sampled_tree_graph(rows.num_sampling))
         return choose_step_path(desc, rows, graphs, kind, self.tree is not None)
 
     def dispatch(self, num_tokens: int, query_lens: list[int]) -> BatchDescriptor:

@@ -178,7 +178,7 @@ class SampleAndVerify:
         padded = torch.cat([index, index[:, -1:].expand(n, full_width - index.shape[1])], dim=1)
         uniform, noise = draw_randomness(n, full_width, probs.shape[-1], batch.generators, self.device,
                                          self.sampler.default_generator)
-        node_probs = self.speculator.node_probs.index_select(0, b.staged_extra(StagedExtra.VERIFY_DRAFT_ROWS))
+        node_probs = self.speculator.tree_draws.node_probs.index_select(0, b.staged_extra(StagedExtra.VERIFY_DRAFT_ROWS))
         walk = walk_sampled_trees(probs, b.input_ids[padded], num_drafts, node_probs, tables, uniform, noise)
         return walked_targets(walk, argmax, batch.greedy)
 

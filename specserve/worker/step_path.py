@@ -15,6 +15,7 @@ from enum import Enum
 
 from specserve.engine.request import Request
 from specserve.engine.scheduler import SchedulerOutput
+from specserve.sample.sampler import draws_with_temperature_only
 from specserve.worker.cudagraph import BatchDescriptor
 from specserve.worker.cudagraph_mode import CUDAGraphMode
 
@@ -57,7 +58,10 @@ class Drafting(Enum):
     GREEDY_LOOP_GRAPH = "greedy loop graph"  # every draft of a greedy batch, in the drafter's loop graph
     STEPS = "steps"  # one decode step per draft, each replaying its own graph where it has one
     TREE_GRAPH = "tree graph"  # a greedy batch's tree passes, in the drafter's tree graph
-    TREE_PASSES = "tree passes"  # a tree's passes, eagerly: a sampling request's children drawn from the head
+    # A batch with a request that samples: its children are drawn from the head (spec_decode/sampled_tree.py),
+    # in the drafter's sampled tree graph where every request draws with its temperature alone, else eagerly.
+    SAMPLED_TREE_GRAPH = "sampled tree graph"
+    TREE_PASSES = "tree passes"
     # A step with a grammar request: the drafter's logits are masked by each draft path's grammar state,
     # which the host builds from each depth's drafts, read back as they are picked (structured_output/
     # draft_masks.py): one decode step per draft, or a tree's passes, eagerly.
@@ -89,12 +93,15 @@ class RowsSampling:
     grammar: bool = False
     # Some request has a logit_bias (sample/logit_bias.py), which only the logits paths apply.
     logit_bias: bool = False
+    # Every request draws with its temperature alone (sample/sampler.draws_with_temperature_only).
+    temperature_only: bool = True
 
     @classmethod
     def of(cls, requests: Sequence[Request]) -> RowsSampling:
         return cls(all(r.params.greedy for r in requests), any(r.params.logprobs is not None for r in requests),
                    any(r.needs_host_tokens for r in requests), any(r.grammar is not None for r in requests),
-                   any(r.params.logit_bias is not None for r in requests))
+                   any(r.params.logit_bias is not None for r in requests),
+                   all(draws_with_temperature_only(r) for r in requests))
 
     @property
     def argmax_only(self) -> bool:
@@ -112,7 +119,7 @@ class RowsSampling:
         """The parameters of both groups of rows together."""
         return RowsSampling(self.all_greedy and other.all_greedy, self.logprobs or other.logprobs,
                             self.needs_host_tokens or other.needs_host_tokens, self.grammar or other.grammar,
-                            self.logit_bias or other.logit_bias)
+                            self.logit_bias or other.logit_bias, self.temperature_only and other.temperature_only)
 
 
 @dataclass(frozen=True)
@@ -150,6 +157,7 @@ class GraphsReady:
     whole_step: bool = False  # a whole-step graph for the descriptor (never under debug_cudagraph)
     greedy: bool = False  # a greedy sampling or verification graph for the descriptor
     drafting: bool = False  # the drafter's loop graph (chains) or tree graph for the requests that draft
+    sampled_tree: bool = False  # the drafter's sampled tree graph for them
 
 
 @dataclass(frozen=True)
@@ -227,10 +235,13 @@ def _drafting(rows: StepRows, graphs: GraphsReady, speculator: SpeculatorKind, t
         return Drafting.ON_HOST
     if in_whole_step:
         return Drafting.IN_WHOLE_STEP
-    if (rows.sample | rows.verify).grammar:
+    both = rows.sample | rows.verify
+    if both.grammar:
         return Drafting.MASKED_TREE_PASSES if trees else Drafting.MASKED_STEPS
-    greedy = rows.sample.all_greedy and rows.verify.all_greedy
+    greedy = both.all_greedy
     if trees:
-        # The tree graph drafts top guesses; a sampling request's children are drawn (spec_decode/sampled_tree.py).
-        return Drafting.TREE_GRAPH if greedy and graphs.drafting else Drafting.TREE_PASSES
+        if greedy and graphs.drafting:
+            return Drafting.TREE_GRAPH
+        return (Drafting.SAMPLED_TREE_GRAPH if not greedy and both.temperature_only and graphs.sampled_tree
+                else Drafting.TREE_PASSES)
     return Drafting.GREEDY_LOOP_GRAPH if greedy and graphs.drafting else Drafting.STEPS

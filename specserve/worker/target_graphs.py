@@ -63,7 +63,7 @@ class TargetGraphs:
             if self.config.drafter_sharded:
                 self._tell_workers(GraphPart.DRAFTER, self.graphs, [], recorder, sizes=sizes)
             drafter.capture_graphs(self.graphs, splitter, recorder, sizes, cfg.debug_cudagraph, self._prepare_capture,
-                                   self.draft_base_positions, self.draft_block_table)
+                                   self.draft_base_positions, self.draft_block_table, self.config.drafter_sharded)
         # The debug check re-runs a graph's forward after its replay, but a whole step reads the outputs of the
         # step before, which its replay overwrote: under debug each part runs (and is checked) in its own graph.
         if self.tree is not None and not cfg.debug_cudagraph:

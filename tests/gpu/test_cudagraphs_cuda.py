@@ -47,7 +47,8 @@ def count_replays(llm: LLM) -> dict[str, int]:
     managers = {"target": runner.graphs, "greedy": runner.greedy_graphs, "whole": runner.whole_step_graphs}
     if runner.speculator is not None:
         spec = runner.speculator
-        managers.update(prefill=spec.prefill_graphs, decode=spec.decode_graphs, loop=spec.greedy_loop_graphs)
+        managers.update(prefill=spec.prefill_graphs, decode=spec.decode_graphs, loop=spec.greedy_loop_graphs,
+                        tree=spec.tree_graphs, sampled_tree=spec.sampled_tree_graphs)
     counts = dict.fromkeys(managers, 0)
     for name, mgr in managers.items():
         if mgr is None:
@@ -166,5 +167,24 @@ def test_trees_of_drafts_are_lossless_under_graphs(case, mode, debug):
     if mode != "NONE":
         assert counts["target"] > 0 and counts["prefill"] > 0
         assert (counts["whole"] > 0) == (mode == "FULL_AND_PIECEWISE" and not debug)
-    sampled = SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
-    assert all(len(o.outputs[0].token_ids) == 12 for o in llm.generate(prompts[:4], sampled, use_tqdm=False))
+    # Sampled trees: a seeded request's children drawn pass by pass (repeating under its seed), an unseeded one's
+    # in the sampled tree graph (its draws from the engine's generator, registered with the graph; under debug
+    # each replay is checked against an eager run from the same generator state).
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], seeded, use_tqdm=False)]
+    assert all(len(t) == 12 for t in first)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:4], seeded, use_tqdm=False)] == first
+    before = counts.get("sampled_tree", 0)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], unseeded, use_tqdm=False)]
+    assert all(len(t) == 12 for t in outs) and len(set(map(tuple, outs))) > 1
+    full = M[mode].has_full  # the drafter's tree graphs are full graphs
+    assert (counts.get("sampled_tree", 0) > before) == full
+    if full:
+        # Each replay of the sampled tree graph draws new numbers (the generator's offset advances).
+        drafter = llm.engine.runner.speculator
+        drafter.tree_draws.greedy[:4] = False
+        drafter.tree_draws.rows[:4] = torch.arange(4)
+        one, two = (drafter._replay_for(drafter.sampled_tree_graphs, 4, drafter._sampled_tree_in_graph).clone()
+                    for _ in range(2))
+        assert not torch.equal(one, two)

@@ -13,7 +13,7 @@ from distribution import P_MIN, p_value
 from specserve.engine.request import Request
 from specserve.sample.sampler import SamplingBatch
 from specserve.sampling_params import SamplingParams
-from specserve.spec_decode.sampled_tree import NODE_PROBS_DTYPE, TreeSampling, walk_sampled_trees, walked_targets
+from specserve.spec_decode.sampled_tree import TreeDraws, walk_sampled_trees, walked_targets
 from specserve.spec_decode.tree import DraftTree
 from specserve.spec_decode.tree_drafting import level_scatter
 from specserve.spec_decode.tree_verify import TreeTables, emitted_tokens, walk_tree
@@ -39,36 +39,45 @@ def requests(n: int, greedy_every: int = 0) -> list[Request]:
     return [Request(str(i), [1], params(i), set(), 64) for i in range(n)]
 
 
-def draft_trees(reqs, draft: torch.Tensor, last: torch.Tensor, tables: TreeTables, node_probs: torch.Tensor,
-                gen: torch.Generator) -> torch.Tensor:
+def draft_trees(reqs, draft: torch.Tensor, last: torch.Tensor, draws: TreeDraws, padded_to: int | None = None
+                ) -> torch.Tensor:
     """[n, N + 1]: each request's tree after its last token (column 0), depth by depth as tree_drafting does,
-    the drafter's logits after a node being log draft[its token]."""
-    n, tree = len(reqs), tables.tree
-    drafts = torch.empty(n, tree.num_nodes, dtype=torch.int64)
-    sampling = TreeSampling(SamplingBatch.build(reqs, torch.device("cpu")), torch.arange(n), node_probs, tables, gen)
+    the drafter's logits after a node being log draft[its token]. padded_to: drawn as the sampled tree graph
+    padded to that many requests draws (the rows past n after token 0), else as the eager passes do."""
+    n, tables = len(reqs), draws.tables
+    tree = tables.tree
+    batch, rows = SamplingBatch.build(reqs, torch.device("cpu")), torch.arange(n)
+    if padded_to is None:
+        sampling, width = draws.eager(batch, rows), n
+    else:
+        draws.stage(batch, rows)
+        sampling, width = draws.in_graph(padded_to), padded_to
+        last = torch.cat([last, torch.zeros(padded_to - n, dtype=torch.int64)])
+    drafts = torch.empty(width, tree.num_nodes, dtype=torch.int64)
     parents = last[:, None]
     for d in range(1, tree.depth + 1):
         logits = draft[parents.flatten()].log()
-        parents = level_scatter(tables, d, n, drafts).apply(sampling.guesses(logits, tree.top_k(d), tree.level(d - 1)))
-    return torch.cat([last[:, None], drafts], dim=1)
+        parents = level_scatter(tables, d, width, drafts).apply(sampling.guesses(logits, tree.top_k(d), tree.level(d - 1)))
+    return torch.cat([last[:, None], drafts], dim=1)[:n]
 
 
-def speculate(reqs, target: torch.Tensor, draft: torch.Tensor, tokens: int, seed: int):
+def speculate(reqs, target: torch.Tensor, draft: torch.Tensor, tokens: int, seed: int, padded_to: int | None = None):
     """Speculative decoding from START until every request has `tokens` tokens: (each request's first `tokens`
     tokens, the mean drafts accepted a step)."""
     n = len(reqs)
     tables = TreeTables.build(TREE, torch.device("cpu"))
     gen = torch.Generator().manual_seed(seed)
-    node_probs = torch.zeros(n, tables.num_prob_slots, V, dtype=NODE_PROBS_DTYPE)
+    draws = TreeDraws(padded_to or n, tables, V, torch.device("cpu"), gen)
     greedy = SamplingBatch.build(reqs, torch.device("cpu")).greedy
     out = [[] for _ in range(n)]
     last = torch.full((n,), START)
     accepted_steps = []
     while min(map(len, out)) < tokens:
-        nodes = draft_trees(reqs, draft, last, tables, node_probs, gen)
+        nodes = draft_trees(reqs, draft, last, draws, padded_to)
         probs = target[nodes]  # [n, N + 1, V]: the target's distribution after each node
         num = torch.full((n,), TREE.num_nodes)
-        walk = walk_sampled_trees(probs, nodes, num, node_probs, tables, torch.rand(n, TREE.num_nodes + 1, generator=gen),
+        walk = walk_sampled_trees(probs, nodes, num, draws.node_probs[:n], tables,
+                                  torch.rand(n, TREE.num_nodes + 1, generator=gen),
                                   torch.empty(n, V).exponential_(generator=gen))
         # The table walked_targets makes walks tree_verify's way to the same path and tokens.
         table = walked_targets(walk, probs.argmax(dim=-1), greedy)
@@ -95,12 +104,14 @@ def joint(target: torch.Tensor, length: int) -> dict[tuple, float]:
     return {seq: p for seq, p in probs.items() if p > 0}
 
 
+@pytest.mark.parametrize("padded_to", [None, 20_003], ids=["eager passes", "graph padded"])
 @pytest.mark.parametrize("draft_zeros", [0, 3], ids=["full support", "drafter's support smaller than the tree"])
-def test_emitted_tokens_are_distributed_as_the_targets(draft_zeros):
+def test_emitted_tokens_are_distributed_as_the_targets(draft_zeros, padded_to):
     """Where the drafter gives two tokens no mass (three with mass for three children), the drafts past its
-    support repeat the first, and the walk skips them."""
+    support repeat the first, and the walk skips them. Drawn as the sampled tree graph draws, padded rows
+    included (which write their distributions into the spare row, not a request's)."""
     target, draft = markov(0), markov(1, zeros=draft_zeros)
-    out, accepted = speculate(requests(20_000), target, draft, tokens=3, seed=2)
+    out, accepted = speculate(requests(20_000), target, draft, tokens=3, seed=2, padded_to=padded_to)
     counts = Counter(map(tuple, out))
     assert p_value(counts, joint(target, 3)) > P_MIN
     assert p_value(counts, joint(draft, 3)) < P_MIN  # the test tells the drafter's distribution from the target's
@@ -134,9 +145,24 @@ def test_children_past_the_drafters_support_repeat_the_first():
     draft = torch.zeros(V, V)
     draft[:, 1], draft[:, 4] = 0.5, 0.5  # two tokens with mass, three children after the root
     reqs = requests(50)
-    node_probs = torch.zeros(50, tables.num_prob_slots, V, dtype=NODE_PROBS_DTYPE)
-    nodes = draft_trees(reqs, draft, torch.full((50,), START), tables, node_probs, torch.Generator().manual_seed(0))
+    draws = TreeDraws(50, tables, V, torch.device("cpu"), torch.Generator().manual_seed(0))
+    nodes = draft_trees(reqs, draft, torch.full((50,), START), draws)
     first, second, third = nodes[:, 1], nodes[:, 2], nodes[:, 3]
     assert set(first.tolist()) == {1, 4} and torch.equal(third, first) and torch.equal(second, 5 - first)
     # q is kept for the nodes with children, in their slots: the root's in slot 0.
-    assert torch.equal(node_probs[:, 0].float(), draft[START].expand(50, V))
+    assert torch.equal(draws.node_probs[:50, 0].float(), draft[START].expand(50, V))
+
+
+def test_a_padded_graph_writes_the_padding_into_the_spare_row():
+    """Two requests in the drafter's rows 2 and 3, drawn as a graph padded to four requests: each request's q
+    lands in its own row, the padding's in the spare row, and rows 0 and 1 (other requests') are untouched."""
+    tables = TreeTables.build(TREE, torch.device("cpu"))
+    draft = markov(1)
+    draws = TreeDraws(4, tables, V, torch.device("cpu"), torch.Generator().manual_seed(0))
+    draws.stage(SamplingBatch.build(requests(2), torch.device("cpu")), torch.tensor([2, 3]))
+    logits = draft[torch.tensor([START, START, 0, 0])].log()
+    draws.in_graph(4).guesses(logits, TREE.top_k(1), TREE.level(0))
+    kept = draws.node_probs[:, 0].float()
+    rounded = draft.to(draws.node_probs.dtype).float()
+    assert torch.equal(kept[2], rounded[START]) and torch.equal(kept[3], rounded[START])
+    assert torch.equal(kept[draws.spare_row], rounded[0]) and not kept[:2].any()

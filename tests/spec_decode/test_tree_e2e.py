@@ -97,22 +97,32 @@ def test_a_cached_prompts_tail_runs_as_a_full_graph(target, heads):
     assert all(o.metrics.num_cached_tokens > 0 for o in outs)
 
 
-def test_a_sampled_tree_beside_greedy_ones(target, heads):
+def replays_of(graphs) -> list[int]:
+    """The batch sizes graphs replays from now on."""
+    replays = []
+    original = graphs.run
+    graphs.run = lambda desc, fn, md: replays.append(desc.num_reqs) or original(desc, fn, md)
+    return replays
+
+
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded, top-k", "temperature alone"])
+def test_a_sampled_tree_beside_greedy_ones(target, heads, seeded):
     """One request samples (its tree's children drawn from the head and verified by recursive rejection sampling,
     spec_decode/sampled_tree.py) beside greedy ones, with graphs recorded (the CPU stand-in): the greedy outputs
-    equal no speculation, the sampled one repeats under its seed, and such steps draft pass by pass, never in the
-    tree graph (which drafts top guesses)."""
+    equal no speculation. Such steps never draft in the tree graph (which drafts top guesses): a request with a
+    seed or top-k drafts pass by pass, and repeats under its seed; one that draws with its temperature alone
+    drafts in the sampled tree graph, padded (3 requests in the graph of 4)."""
     path, _, ps, ref = target
     llm = graphed_tree_llm(path, heads, 4, M.FULL_AND_PIECEWISE)
-    runner = llm.engine.runner
-    trees = runner.speculator.tree_graphs
-    tree_replays = []
-    original_tree = trees.run
-    trees.run = lambda desc, fn, md: tree_replays.append(desc.num_reqs) or original_tree(desc, fn, md)
-    sampled = SamplingParams(temperature=1.0, top_k=50, max_tokens=16, ignore_eos=True, seed=7)
+    drafter = llm.engine.runner.speculator
+    tree_replays, sampled_replays = replays_of(drafter.tree_graphs), replays_of(drafter.sampled_tree_graphs)
+    sampled = (SamplingParams(temperature=1.0, top_k=50, max_tokens=16, ignore_eos=True, seed=7) if seeded else
+               SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True))
     params = [sampled, GREEDY, GREEDY]
     first = llm.generate(ps[:3], params, use_tqdm=False)
-    again = llm.generate(ps[:3], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in first[1:]] == ref[1:3]
-    assert first[0].outputs[0].token_ids == again[0].outputs[0].token_ids != ref[0]
+    assert first[0].outputs[0].token_ids != ref[0] and len(first[0].outputs[0].token_ids) == 16
     assert not tree_replays and llm.engine.spec_stats.num_drafted > 0
+    if seeded:
+        assert llm.generate(ps[:3], params, use_tqdm=False)[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    assert (4 in sampled_replays) != seeded and (not sampled_replays) == seeded

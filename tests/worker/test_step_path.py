@@ -129,11 +129,16 @@ def test_a_greedy_chain_drafts_in_the_loop_graph_where_it_has_one():
     assert path(full(4, 1), decode(4, LOGPROBS), parts).drafting is Drafting.GREEDY_LOOP_GRAPH
 
 
-def test_a_greedy_tree_drafts_in_the_tree_graph_and_a_sampled_one_pass_by_pass():
-    """The tree graph drafts top guesses; a sampling request's children are drawn (spec_decode/sampled_tree.py)."""
+def test_a_greedy_tree_drafts_in_the_tree_graph_and_a_sampled_one_in_its_own():
+    """The tree graph drafts top guesses; a sampling request's children are drawn (spec_decode/sampled_tree.py),
+    in the sampled tree graph where every request draws with its temperature alone, else pass by pass."""
     desc = BatchDescriptor(M.PIECEWISE, 16, 2)
-    assert path(desc, verify(2, 5), trees=True).drafting is Drafting.TREE_GRAPH
-    assert path(desc, verify(2, 5, SAMPLED), trees=True).drafting is Drafting.TREE_PASSES
+    both = GraphsReady(whole_step=True, greedy=True, drafting=True, sampled_tree=True)
+    assert path(desc, verify(2, 5), both, trees=True).drafting is Drafting.TREE_GRAPH
+    assert path(desc, verify(2, 5, SAMPLED), both, trees=True).drafting is Drafting.SAMPLED_TREE_GRAPH
+    filtered = RowsSampling(all_greedy=False, temperature_only=False)
+    assert path(desc, verify(2, 5, filtered), both, trees=True).drafting is Drafting.TREE_PASSES
+    assert path(desc, verify(2, 5, SAMPLED), trees=True).drafting is Drafting.TREE_PASSES  # no sampled tree graph
     no_graph = GraphsReady(greedy=True)
     assert path(desc, verify(2, 5), no_graph, trees=True).drafting is Drafting.TREE_PASSES
 
