@@ -86,7 +86,8 @@ class GraphFollower:
         elif msg.part is GraphPart.DRAFTER:
             # The same call as rank 0's (TargetGraphs.capture_graphs): the same graphs in the same order.
             r.speculator.capture_graphs(r.graphs, self.splitter, self.recorder, msg.sizes, r.config.debug_cudagraph,
-                                        r._prepare_capture, r.draft_base_positions, r.draft_block_table)
+                                        r._prepare_capture, r.draft_base_positions, r.draft_block_table,
+                                        r.config.drafter_sharded)
         else:
             self.tree_depth = msg.tree_depth
             if r.tree is not None and r.speculator is not None:

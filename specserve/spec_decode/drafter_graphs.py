@@ -31,7 +31,7 @@ class DrafterGraphs:
 
     def capture_graphs(self, target_graphs: CUDAGraphManager, splitter, recorder, sizes: Sequence[int], debug: bool,
                        target_prepare: Callable[[BatchDescriptor], AttentionMetadata],
-                       base_positions: torch.Tensor, block_table: torch.Tensor, sharded: bool = False) -> None:
+                       base_positions: torch.Tensor, block_table: torch.Tensor, sharded: bool) -> None:
         for model in self.models():
             splitter.install(model)
         max_reqs = self.step_buffers.max_num_reqs

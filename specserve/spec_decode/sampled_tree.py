@@ -53,21 +53,21 @@ class TreeSampling:
         q, which is kept for the nodes that have children."""
         n = self.rows.shape[0]
         m = logits.shape[0] // n
-        top = logits.topk(k, dim=-1).indices
         if self.filtered is None:
             q, generators = (logits / self.temperature.repeat_interleave(m)[:, None]).softmax(dim=-1), []
         else:
             per_node = SamplingBatch.build([r for r in self.filtered.requests for _ in range(m)], logits.device)
             q, generators = filtered_probs(logits, per_node), per_node.generators
-        q = q.to(NODE_PROBS_DTYPE)
-        scores = q.float() / exponential_noise(tuple(q.shape), generators, self.generator, q.device)
-        drawn_scores, drawn = scores.topk(k, dim=-1)
+        kept = q.to(NODE_PROBS_DTYPE)
+        # One top-k for both kinds of rows: a greedy row's q is softmax(logits), whose top is the logits' top.
+        drawn = kept.float() / exponential_noise(tuple(q.shape), generators, self.generator, q.device)
+        top_scores, top = torch.where(self.greedy.repeat_interleave(m)[:, None], q, drawn).topk(k, dim=-1)
+        slots = self.tables.level_prob_slots[self.tables.tree.depths[nodes.start]]
+        if slots is not None:
+            self.node_probs[self.rows[:, None], slots.slots[None, :]] = (
+                kept.view(n, m, -1).index_select(1, slots.columns))
         # Past q's support a draw scores 0: it repeats the first draw, which verification then skips.
-        drawn = torch.where(drawn_scores > 0, drawn, drawn[:, :1])
-        kept = self.tables.level_prob_slots[self.tables.tree.depths[nodes.start]]
-        if kept is not None:
-            self.node_probs[self.rows[:, None], kept.slots[None, :]] = q.view(n, m, -1).index_select(1, kept.columns)
-        return torch.where(self.greedy.repeat_interleave(m)[:, None], top, drawn)
+        return torch.where(top_scores > 0, top, top[:, :1])
 
 
 class TreeDraws:
@@ -120,12 +120,17 @@ class SampledWalk:
 
 def walk_sampled_trees(target_probs: torch.Tensor, node_tokens: torch.Tensor, num_drafts: torch.Tensor,
                        node_probs: torch.Tensor, tables: TreeTables, uniform: torch.Tensor,
-                       noise: torch.Tensor) -> SampledWalk:
-    """Recursive rejection sampling (module docstring) of n trees. target_probs [n, N + 1, V]: the target's
-    distribution after each tree index; node_tokens [n, N + 1]: each index's token (column 0 not read);
-    num_drafts [n]: a tree cut to its first num_drafts drafts; node_probs [n, num_prob_slots, V]: q at each node
-    with children; uniform [n, N + 1]: one draw in [0, 1) per tree index, read by the test of that child;
-    noise [n, V]: Exponential(1), for the token drawn where the request stops."""
+                       noise: torch.Tensor, *, use_triton: bool | None = None) -> SampledWalk:
+    """Recursive rejection sampling (module docstring) of n trees. target_probs [n, W, V]: the target's
+    distribution after each tree index up to the last one verified; node_tokens [n, N + 1]: each index's token
+    (column 0 not read); num_drafts [n]: a tree cut to its first num_drafts drafts; node_probs
+    [n, num_prob_slots, V]: q at each node with children; uniform [n, N + 1]: one draw in [0, 1) per tree index,
+    read by the test of that child; noise [n, V]: Exponential(1), for the token drawn where the request stops.
+    One Triton launch on CUDA (kernels/sampled_tree.py), torch ops elsewhere (use_triton forces either)."""
+    if target_probs.is_cuda if use_triton is None else use_triton:
+        from specserve.kernels.sampled_tree import walk_sampled_trees_triton
+        return SampledWalk(*walk_sampled_trees_triton(target_probs, node_tokens, num_drafts, node_probs, tables,
+                                                      uniform, noise))
     n, depth = node_tokens.shape[0], tables.tree.depth
     device = node_tokens.device
     rows = torch.arange(n, device=device)

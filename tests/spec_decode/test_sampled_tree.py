@@ -166,3 +166,40 @@ def test_a_padded_graph_writes_the_padding_into_the_spare_row():
     rounded = draft.to(draws.node_probs.dtype).float()
     assert torch.equal(kept[2], rounded[START]) and torch.equal(kept[3], rounded[START])
     assert torch.equal(kept[draws.spare_row], rounded[0]) and not kept[:2].any()
+
+
+def kernel_against_torch_ops(seed: int, n: int, vocab: int, device: str) -> None:
+    """The kernel's walk (kernels/sampled_tree.py) against the torch ops' on random distributions (some tokens
+    without mass, so that residuals and q run out), trees cut short and columns past them."""
+    gen = torch.Generator().manual_seed(seed)
+    tables = TreeTables.build(TREE, torch.device(device))
+    width = TREE.num_nodes + 1
+
+    def distributions(*shape):
+        x = torch.rand(*shape, vocab, generator=gen) ** 3 * (torch.rand(*shape, vocab, generator=gen) > 0.3)
+        return x / x.sum(-1, keepdim=True).clamp_min(1e-9)
+
+    # Drafted tokens among each node's likeliest under q, so that some are accepted.
+    node_probs = distributions(n, tables.num_prob_slots).to(torch.bfloat16)
+    target_probs = (distributions(n, width) + node_probs[:, :1].float()) / 2
+    node_tokens = torch.randint(0, min(vocab, 4), (n, width), generator=gen)
+    order = node_probs[:, 0].float().argsort(dim=-1, descending=True)
+    node_tokens = order.gather(1, node_tokens)
+    cpu = (target_probs, node_tokens, torch.randint(0, TREE.num_nodes + 1, (n,), generator=gen), node_probs, tables,
+           torch.rand(n, width, generator=gen), torch.empty(n, vocab).exponential_(generator=gen))
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in cpu)
+    want = walk_sampled_trees(*args, use_triton=False)
+    got = walk_sampled_trees(*args, use_triton=True)
+    assert torch.equal(got.accepted, want.accepted) and want.accepted.sum() > n // 4
+    assert torch.equal(got.path, want.path)
+    assert torch.equal(got.tokens, want.tokens)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_walks_kernel_walks_as_the_torch_ops_do(seed):
+    kernel_against_torch_ops(seed, n=300, vocab=11, device="cpu")
+
+
+@pytest.mark.gpu
+def test_the_walks_kernel_on_cuda_at_the_default_models_vocabulary():
+    kernel_against_torch_ops(0, n=64, vocab=49_152, device="cuda")
