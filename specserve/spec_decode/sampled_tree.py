@@ -120,17 +120,12 @@ class SampledWalk:
 
 def walk_sampled_trees(target_probs: torch.Tensor, node_tokens: torch.Tensor, num_drafts: torch.Tensor,
                        node_probs: torch.Tensor, tables: TreeTables, uniform: torch.Tensor,
-                       noise: torch.Tensor, *, use_triton: bool | None = None) -> SampledWalk:
+                       noise: torch.Tensor) -> SampledWalk:
     """Recursive rejection sampling (module docstring) of n trees. target_probs [n, W, V]: the target's
     distribution after each tree index up to the last one verified; node_tokens [n, N + 1]: each index's token
     (column 0 not read); num_drafts [n]: a tree cut to its first num_drafts drafts; node_probs
     [n, num_prob_slots, V]: q at each node with children; uniform [n, N + 1]: one draw in [0, 1) per tree index,
-    read by the test of that child; noise [n, V]: Exponential(1), for the token drawn where the request stops.
-    One Triton launch on CUDA (kernels/sampled_tree.py), torch ops elsewhere (use_triton forces either)."""
-    if target_probs.is_cuda if use_triton is None else use_triton:
-        from specserve.kernels.sampled_tree import walk_sampled_trees_triton
-        return SampledWalk(*walk_sampled_trees_triton(target_probs, node_tokens, num_drafts, node_probs, tables,
-                                                      uniform, noise))
+    read by the test of that child; noise [n, V]: Exponential(1), for the token drawn where the request stops."""
     n, depth = node_tokens.shape[0], tables.tree.depth
     device = node_tokens.device
     rows = torch.arange(n, device=device)
@@ -198,3 +193,19 @@ def walked_targets(walk: SampledWalk, argmax: torch.Tensor, greedy: torch.Tensor
         mine = ~greedy & (d <= walk.accepted)
         table.scatter_(1, at, torch.where(mine, walk.tokens[:, d], table.gather(1, at).squeeze(1))[:, None])
     return table
+
+
+def sampled_tree_targets(target_probs: torch.Tensor, argmax: torch.Tensor, greedy: torch.Tensor,
+                         node_tokens: torch.Tensor, num_drafts: torch.Tensor, node_probs: torch.Tensor,
+                         rows: torch.Tensor, tables: TreeTables, uniform: torch.Tensor, noise: torch.Tensor, *,
+                         use_triton: bool | None = None) -> torch.Tensor:
+    """[n, W]: walked_targets of walk_sampled_trees (their arguments), each request's q read from its row of
+    node_probs (rows [n]); greedy [n] bool. One Triton launch on CUDA (kernels/sampled_tree.py), torch ops
+    elsewhere (use_triton forces either)."""
+    if target_probs.is_cuda if use_triton is None else use_triton:
+        from specserve.kernels.sampled_tree import sampled_tree_targets_triton
+        return sampled_tree_targets_triton(target_probs, argmax, greedy, node_tokens, num_drafts, node_probs, rows,
+                                           tables, uniform, noise)
+    walk = walk_sampled_trees(target_probs, node_tokens, num_drafts, node_probs.index_select(0, rows), tables,
+                              uniform, noise)
+    return walked_targets(walk, argmax, greedy)

@@ -17,7 +17,7 @@ from specserve.sample.logit_bias import apply_logit_bias
 from specserve.sample.sampler import SamplerOutput, SamplingBatch, filtered_probs, token_logprobs
 from specserve.spec_decode.greedy_verify import greedy_verify
 from specserve.spec_decode.rejection_sampler import draw_randomness, rejection_sample
-from specserve.spec_decode.sampled_tree import walk_sampled_trees, walked_targets
+from specserve.spec_decode.sampled_tree import sampled_tree_targets
 from specserve.spec_decode.tree_verify import TreeOutcome, move_kv, retrace_tree, verify_tree
 from specserve.structured_output.step_masks import StepMasks
 from specserve.worker.cudagraph import BatchDescriptor
@@ -170,17 +170,17 @@ class SampleAndVerify:
 
     def _sampled_tree_targets(self, probs: torch.Tensor, argmax: torch.Tensor, index: torch.Tensor,
                               num_drafts: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """The target tokens per tree index (sampled_tree.walked_targets) of a batch with a request that samples:
-        its trees' children were drawn from the head, whose distributions the drafter kept, and are verified by
-        recursive rejection sampling against the target's probs [n, W, V]."""
+        """The target tokens per tree index (sampled_tree.sampled_tree_targets) of a batch with a request that
+        samples: its trees' children were drawn from the head, whose distributions the drafter kept, and are
+        verified by recursive rejection sampling against the target's probs [n, W, V]."""
         b, tables = self.buffers, self.tree_tables
         n, full_width = index.shape[0], tables.tree.num_nodes + 1
         padded = torch.cat([index, index[:, -1:].expand(n, full_width - index.shape[1])], dim=1)
         uniform, noise = draw_randomness(n, full_width, probs.shape[-1], batch.generators, self.device,
                                          self.sampler.default_generator)
-        node_probs = self.speculator.tree_draws.node_probs.index_select(0, b.staged_extra(StagedExtra.VERIFY_DRAFT_ROWS))
-        walk = walk_sampled_trees(probs, b.input_ids[padded], num_drafts, node_probs, tables, uniform, noise)
-        return walked_targets(walk, argmax, batch.greedy)
+        return sampled_tree_targets(probs, argmax, batch.greedy, b.input_ids[padded], num_drafts,
+                                    self.speculator.tree_draws.node_probs,
+                                    b.staged_extra(StagedExtra.VERIFY_DRAFT_ROWS), tables, uniform, noise)
 
     def retrace_trees(self, index: torch.Tensor, num_drafts: torch.Tensor, rows: torch.Tensor) -> TreeOutcome:
         """A rank > 0's _verify_tree of a sharded drafter's step, after rank 0 shared its outputs: the same walk

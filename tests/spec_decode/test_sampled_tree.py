@@ -13,7 +13,7 @@ from distribution import P_MIN, p_value
 from specserve.engine.request import Request
 from specserve.sample.sampler import SamplingBatch
 from specserve.sampling_params import SamplingParams
-from specserve.spec_decode.sampled_tree import TreeDraws, walk_sampled_trees, walked_targets
+from specserve.spec_decode.sampled_tree import TreeDraws, sampled_tree_targets, walk_sampled_trees, walked_targets
 from specserve.spec_decode.tree import DraftTree
 from specserve.spec_decode.tree_drafting import level_scatter
 from specserve.spec_decode.tree_verify import TreeTables, emitted_tokens, walk_tree
@@ -57,7 +57,8 @@ def draft_trees(reqs, draft: torch.Tensor, last: torch.Tensor, draws: TreeDraws,
     parents = last[:, None]
     for d in range(1, tree.depth + 1):
         logits = draft[parents.flatten()].log()
-        parents = level_scatter(tables, d, width, drafts).apply(sampling.guesses(logits, tree.top_k(d), tree.level(d - 1)))
+        guesses = sampling.guesses(logits, tree.top_k(d), tree.level(d - 1))
+        parents = level_scatter(tables, d, width, drafts).apply(guesses)
     return torch.cat([last[:, None], drafts], dim=1)[:n]
 
 
@@ -169,8 +170,9 @@ def test_a_padded_graph_writes_the_padding_into_the_spare_row():
 
 
 def kernel_against_torch_ops(seed: int, n: int, vocab: int, device: str) -> None:
-    """The kernel's walk (kernels/sampled_tree.py) against the torch ops' on random distributions (some tokens
-    without mass, so that residuals and q run out), trees cut short and columns past them."""
+    """The kernel's table (kernels/sampled_tree.py) against the torch ops' on random distributions (some tokens
+    without mass, so that residuals and q run out), trees cut short (and the target's columns with them), q kept
+    in shuffled rows, and greedy requests (whose table is the argmax)."""
     gen = torch.Generator().manual_seed(seed)
     tables = TreeTables.build(TREE, torch.device(device))
     width = TREE.num_nodes + 1
@@ -183,23 +185,25 @@ def kernel_against_torch_ops(seed: int, n: int, vocab: int, device: str) -> None
     node_probs = distributions(n, tables.num_prob_slots).to(torch.bfloat16)
     target_probs = (distributions(n, width) + node_probs[:, :1].float()) / 2
     node_tokens = torch.randint(0, min(vocab, 4), (n, width), generator=gen)
-    order = node_probs[:, 0].float().argsort(dim=-1, descending=True)
-    node_tokens = order.gather(1, node_tokens)
-    cpu = (target_probs, node_tokens, torch.randint(0, TREE.num_nodes + 1, (n,), generator=gen), node_probs, tables,
+    node_tokens = node_probs[:, 0].float().argsort(dim=-1, descending=True).gather(1, node_tokens)
+    cut = 12  # the verified columns: trees cut to at most 11 drafts
+    rows = torch.randperm(n, generator=gen)
+    cpu = (target_probs[:, :cut], target_probs[:, :cut].argmax(-1), torch.rand(n, generator=gen) < 0.2, node_tokens,
+           torch.randint(0, cut, (n,), generator=gen), node_probs[rows.argsort()], rows, tables,
            torch.rand(n, width, generator=gen), torch.empty(n, vocab).exponential_(generator=gen))
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in cpu)
-    want = walk_sampled_trees(*args, use_triton=False)
-    got = walk_sampled_trees(*args, use_triton=True)
-    assert torch.equal(got.accepted, want.accepted) and want.accepted.sum() > n // 4
-    assert torch.equal(got.path, want.path)
-    assert torch.equal(got.tokens, want.tokens)
+    want = sampled_tree_targets(*args, use_triton=False)
+    got = sampled_tree_targets(*args, use_triton=True)
+    assert torch.equal(got, want)
+    accepted, _ = walk_tree(want, args[3], args[4], tables)
+    assert accepted.sum() > n // 4 and torch.equal(want[args[2]], args[1][args[2]])
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_the_walks_kernel_walks_as_the_torch_ops_do(seed):
+def test_the_kernel_writes_the_table_the_torch_ops_write(seed):
     kernel_against_torch_ops(seed, n=300, vocab=11, device="cpu")
 
 
 @pytest.mark.gpu
-def test_the_walks_kernel_on_cuda_at_the_default_models_vocabulary():
+def test_the_kernel_on_cuda_at_the_default_models_vocabulary():
     kernel_against_torch_ops(0, n=64, vocab=49_152, device="cuda")
