@@ -29,7 +29,7 @@ def _q_at(q_row, v, mask, tried, has_q):
 
 @triton.jit
 def _sampled_tree_targets_kernel(
-    p_ptr, p_stride_req, p_stride_node, argmax_ptr, argmax_stride, greedy_ptr, tokens_in_ptr, tokens_in_stride,
+    p_ptr, p_stride_req, p_stride_node, argmax_ptr, argmax_stride, greedy_ptr, input_ids_ptr, index_ptr, index_stride,
     num_drafts_ptr, q_ptr, q_stride_row, q_stride_slot, rows_ptr, children_ptr, slots_ptr, uniform_ptr,
     uniform_stride, noise_ptr, noise_stride, scratch_ptr, table_ptr, table_stride, V, W,
     DEPTH: tl.constexpr, CHILDREN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -66,8 +66,9 @@ def _sampled_tree_targets_kernel(
             chosen = cur
             for r in tl.static_range(CHILDREN):
                 child = tl.load(children_ptr + cur * CHILDREN + r)
-                at = tl.maximum(child, 0)
-                x = tl.load(tokens_in_ptr + i * tokens_in_stride + at)
+                # The verified columns end at the tree's cut: a child past it is read at column 0 and not tested.
+                at = tl.where((child >= 0) & (child <= num), child, 0)
+                x = tl.load(input_ids_ptr + tl.load(index_ptr + i * index_stride + at))
                 q_left = q_total - tried_mass
                 already = tl.sum((tried == x).to(tl.int32), axis=0) > 0
                 qx_kept = tl.where(has_q, tl.load(q_row + x).to(tl.float32), 0.0)
@@ -104,7 +105,8 @@ def _sampled_tree_targets_kernel(
             # The round's token, the target's at the current node in the table: the accepted child's, or the stop
             # token, the argmax of p / Exponential(1) noise (a draw from p; scale > 0 does not move it).
             if found:
-                tl.store(table_ptr + i * table_stride + cur, tl.load(tokens_in_ptr + i * tokens_in_stride + chosen))
+                tl.store(table_ptr + i * table_stride + cur,
+                         tl.load(input_ids_ptr + tl.load(index_ptr + i * index_stride + chosen)))
                 cur = chosen
             else:
                 best = tl.full([BLOCK], -1.0, tl.float32)
@@ -124,13 +126,13 @@ def _sampled_tree_targets_kernel(
 
 
 def sampled_tree_targets_triton(target_probs: torch.Tensor, argmax: torch.Tensor, greedy: torch.Tensor,
-                                node_tokens: torch.Tensor, num_drafts: torch.Tensor, node_probs: torch.Tensor,
-                                rows: torch.Tensor, tables: TreeTables, uniform: torch.Tensor,
-                                noise: torch.Tensor) -> torch.Tensor:
+                                input_ids: torch.Tensor, index: torch.Tensor, num_drafts: torch.Tensor,
+                                node_probs: torch.Tensor, rows: torch.Tensor, tables: TreeTables,
+                                uniform: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """sampled_tree.sampled_tree_targets as one launch."""
     n, vocab = noise.shape
     width = argmax.shape[1]
-    assert target_probs.stride(2) == 1 and node_probs.stride(2) == 1 and node_tokens.stride(1) == 1
+    assert target_probs.stride(2) == 1 and node_probs.stride(2) == 1 and index.stride(1) == 1
     assert uniform.stride(1) == 1 and noise.stride(1) == 1 and argmax.stride(1) == 1
     table = torch.empty_like(argmax)
     if n:
@@ -138,7 +140,7 @@ def sampled_tree_targets_triton(target_probs: torch.Tensor, argmax: torch.Tensor
         scratch = torch.empty(n, vocab, dtype=torch.float32, device=noise.device)
         _sampled_tree_targets_kernel[(n,)](
             target_probs, target_probs.stride(0), target_probs.stride(1), argmax, argmax.stride(0), greedy,
-            node_tokens, node_tokens.stride(0), num_drafts, node_probs, node_probs.stride(0), node_probs.stride(1),
+            input_ids, index, index.stride(0), num_drafts, node_probs, node_probs.stride(0), node_probs.stride(1),
             rows, tables.children, tables.prob_slots, uniform, uniform.stride(0), noise, noise.stride(0), scratch,
             table, table.stride(0), vocab, width,
             DEPTH=tables.tree.depth, CHILDREN=children, BLOCK_C=triton.next_power_of_2(children),

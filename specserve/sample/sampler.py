@@ -146,6 +146,16 @@ def filtered_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return probs
 
 
+def repeated_rows_probs(logits: torch.Tensor, b: SamplingBatch, per_request: int) -> torch.Tensor:
+    """filtered_probs of logits whose rows are each request of b, per_request rows in a row (the positions of a
+    verification, the nodes of a tree's depth). A batch that draws with its temperatures alone builds no
+    batch of the repeated requests: its temperatures are repeated on the device."""
+    if b.temperature_only:
+        return (logits / b.temperature.repeat_interleave(per_request).unsqueeze(1)).softmax(dim=-1)
+    return filtered_probs(logits, SamplingBatch.build([r for r in b.requests for _ in range(per_request)],
+                                                      logits.device))
+
+
 def exponential_noise(
     shape: tuple[int, int], generators: list[torch.Generator | None], default: torch.Generator | None, device
 ) -> torch.Tensor:

@@ -143,4 +143,5 @@ class DrafterGraphs:
         n = desc.num_reqs
         base_positions, block_table = self._loop_inputs
         return draft_tree(self, self.tree_tables, self.first_hidden[:n], self.feedback[:n], base_positions,
-                          block_table, self.step_buffers.num_reqs, sampling=self.tree_draws.in_graph(n))
+                          block_table, self.step_buffers.num_reqs,
+                          sampling=self.tree_draws.in_graph(n, self.step_buffers.num_reqs))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.sample.sampler import SamplingBatch, exponential_noise, filtered_probs
+from specserve.sample.sampler import SamplingBatch, exponential_noise, repeated_rows_probs
 from specserve.spec_decode.tree_verify import TreeTables
 
 # q is kept in this type; the draws and the verification both read the rounded values (module docstring).
@@ -56,8 +56,8 @@ class TreeSampling:
         if self.filtered is None:
             q, generators = (logits / self.temperature.repeat_interleave(m)[:, None]).softmax(dim=-1), []
         else:
-            per_node = SamplingBatch.build([r for r in self.filtered.requests for _ in range(m)], logits.device)
-            q, generators = filtered_probs(logits, per_node), per_node.generators
+            q = repeated_rows_probs(logits, self.filtered, m)
+            generators = [g for g in self.filtered.generators for _ in range(m)]
         kept = q.to(NODE_PROBS_DTYPE)
         # One top-k for both kinds of rows: a greedy row's q is softmax(logits), whose top is the logits' top.
         drawn = kept.float() / exponential_noise(tuple(q.shape), generators, self.generator, q.device)
@@ -94,19 +94,18 @@ class TreeDraws:
                             None if batch.temperature_only else batch)
 
     def stage(self, batch: SamplingBatch, rows: torch.Tensor) -> None:
-        """A graph's inputs for the n requests of batch; the rows past them draft their top guesses into the
-        spare row."""
+        """A graph's inputs for the n requests of batch (the rows past them are left as they are)."""
         n = rows.shape[0]
         self.greedy[:n].copy_(batch.greedy)
         self.temperature[:n].copy_(batch.temperature)
         self.rows[:n].copy_(rows)
-        self.greedy[n:].fill_(True)
-        self.rows[n:].fill_(self.spare_row)
 
-    def in_graph(self, n: int) -> TreeSampling:
-        """The sampling a graph padded to n requests records, reading the staged inputs."""
-        return TreeSampling(self.greedy[:n], self.temperature[:n], self.rows[:n], self.node_probs, self.tables,
-                            self.generator)
+    def in_graph(self, n: int, num_reqs: torch.Tensor) -> TreeSampling:
+        """The sampling a graph padded to n requests records, reading the staged inputs; num_reqs ([1] on the
+        device) holds how many are real: the padded rows, whatever they hold, keep their q in the spare row."""
+        real = torch.arange(n, device=num_reqs.device) < num_reqs
+        return TreeSampling(self.greedy[:n], self.temperature[:n], torch.where(real, self.rows[:n], self.spare_row),
+                            self.node_probs, self.tables, self.generator)
 
 
 @dataclass
@@ -196,16 +195,20 @@ def walked_targets(walk: SampledWalk, argmax: torch.Tensor, greedy: torch.Tensor
 
 
 def sampled_tree_targets(target_probs: torch.Tensor, argmax: torch.Tensor, greedy: torch.Tensor,
-                         node_tokens: torch.Tensor, num_drafts: torch.Tensor, node_probs: torch.Tensor,
-                         rows: torch.Tensor, tables: TreeTables, uniform: torch.Tensor, noise: torch.Tensor, *,
-                         use_triton: bool | None = None) -> torch.Tensor:
-    """[n, W]: walked_targets of walk_sampled_trees (their arguments), each request's q read from its row of
-    node_probs (rows [n]); greedy [n] bool. One Triton launch on CUDA (kernels/sampled_tree.py), torch ops
-    elsewhere (use_triton forces either)."""
+                         input_ids: torch.Tensor, index: torch.Tensor, num_drafts: torch.Tensor,
+                         node_probs: torch.Tensor, rows: torch.Tensor, tables: TreeTables, uniform: torch.Tensor,
+                         noise: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
+    """[n, W]: walked_targets of walk_sampled_trees for n requests whose trees' first W indices were verified
+    (target_probs [n, W, V], argmax [n, W]; greedy [n] bool): each index's token is input_ids[index[:, j]]
+    (index [n, W]), each request's q is its row of node_probs (rows [n]), and uniform is [n, W]. One Triton
+    launch on CUDA (kernels/sampled_tree.py), torch ops elsewhere (use_triton forces either)."""
     if target_probs.is_cuda if use_triton is None else use_triton:
         from specserve.kernels.sampled_tree import sampled_tree_targets_triton
-        return sampled_tree_targets_triton(target_probs, argmax, greedy, node_tokens, num_drafts, node_probs, rows,
-                                           tables, uniform, noise)
+        return sampled_tree_targets_triton(target_probs, argmax, greedy, input_ids, index, num_drafts, node_probs,
+                                           rows, tables, uniform, noise)
+    # The walk reads every child's column; those past the verified ones are never tested.
+    past = tables.tree.num_nodes + 1 - index.shape[1]
+    node_tokens = input_ids[torch.cat([index, index[:, -1:].expand(-1, past)], dim=1)]
     walk = walk_sampled_trees(target_probs, node_tokens, num_drafts, node_probs.index_select(0, rows), tables,
-                              uniform, noise)
+                              torch.cat([uniform, uniform.new_ones(uniform.shape[0], past)], dim=1), noise)
     return walked_targets(walk, argmax, greedy)

@@ -14,7 +14,7 @@ from specserve.distributed.communication import broadcast_from_rank0
 from specserve.engine.scheduler import SchedulerOutput
 from specserve.sample.argmax import greedy_argmax
 from specserve.sample.logit_bias import apply_logit_bias
-from specserve.sample.sampler import SamplerOutput, SamplingBatch, filtered_probs, token_logprobs
+from specserve.sample.sampler import SamplerOutput, SamplingBatch, repeated_rows_probs, token_logprobs
 from specserve.spec_decode.greedy_verify import greedy_verify
 from specserve.spec_decode.rejection_sampler import draw_randomness, rejection_sample
 from specserve.spec_decode.sampled_tree import sampled_tree_targets
@@ -99,8 +99,7 @@ class SampleAndVerify:
         if batch.all_greedy:
             target_probs = logits
         else:
-            expanded = SamplingBatch.build([r for r in reqs for _ in range(k + 1)], self.device)
-            target_probs = filtered_probs(logits.flatten(0, 1), expanded).view_as(logits)
+            target_probs = repeated_rows_probs(logits.flatten(0, 1), batch, k + 1).view_as(logits)
         slots = torch.arange(k, device=self.device)
         drafts = torch.where(slots < num[:, None], b.input_ids[index[:, 1:]], -1)
         draft_probs = None
@@ -149,9 +148,8 @@ class SampleAndVerify:
             apply_logit_bias(logits, reqs, width)
             target = greedy_argmax(logits).view(n, width)
             if not batch.all_greedy:
-                expanded = SamplingBatch.build([r for r in reqs for _ in range(width)], self.device)
-                target = self._sampled_tree_targets(filtered_probs(logits, expanded).view(n, width, -1), target,
-                                                    index, num, batch)
+                target = self._sampled_tree_targets(repeated_rows_probs(logits, batch, width).view(n, width, -1),
+                                                    target, index, num, batch)
         outcome = verify_tree(target, b.input_ids, index, num, tables, b.slot_mapping, self.kv.spare_slot,
                               where, self.outputs.accepted, self.outputs.tokens)
         move_kv(self.kv.stack, *outcome.moves)
@@ -173,14 +171,13 @@ class SampleAndVerify:
         """The target tokens per tree index (sampled_tree.sampled_tree_targets) of a batch with a request that
         samples: its trees' children were drawn from the head, whose distributions the drafter kept, and are
         verified by recursive rejection sampling against the target's probs [n, W, V]."""
-        b, tables = self.buffers, self.tree_tables
-        n, full_width = index.shape[0], tables.tree.num_nodes + 1
-        padded = torch.cat([index, index[:, -1:].expand(n, full_width - index.shape[1])], dim=1)
-        uniform, noise = draw_randomness(n, full_width, probs.shape[-1], batch.generators, self.device,
+        n, width = index.shape
+        uniform, noise = draw_randomness(n, width, probs.shape[-1], batch.generators, self.device,
                                          self.sampler.default_generator)
-        return sampled_tree_targets(probs, argmax, batch.greedy, b.input_ids[padded], num_drafts,
+        return sampled_tree_targets(probs, argmax, batch.greedy, self.buffers.input_ids, index, num_drafts,
                                     self.speculator.tree_draws.node_probs,
-                                    b.staged_extra(StagedExtra.VERIFY_DRAFT_ROWS), tables, uniform, noise)
+                                    self.buffers.staged_extra(StagedExtra.VERIFY_DRAFT_ROWS), self.tree_tables,
+                                    uniform, noise)
 
     def retrace_trees(self, index: torch.Tensor, num_drafts: torch.Tensor, rows: torch.Tensor) -> TreeOutcome:
         """A rank > 0's _verify_tree of a sharded drafter's step, after rank 0 shared its outputs: the same walk

@@ -180,8 +180,9 @@ def test_trees_of_drafts_are_lossless_under_graphs(case, mode, debug):
     assert all(len(t) == 12 for t in outs) and len(set(map(tuple, outs))) > 1
     full = M[mode].has_full  # the drafter's tree graphs are full graphs
     assert (counts.get("sampled_tree", 0) > before) == full
-    if full:
-        # Each replay of the sampled tree graph draws new numbers (the generator's offset advances).
+    if full and not debug:
+        # Each replay of the sampled tree graph draws new numbers (the generator's offset advances). Replayed for
+        # requests that have finished, whose trees' cache writes may share slots: not for the debug check.
         drafter = llm.engine.runner.speculator
         drafter.tree_draws.greedy[:4] = False
         drafter.tree_draws.rows[:4] = torch.arange(4)

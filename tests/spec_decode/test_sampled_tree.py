@@ -51,7 +51,7 @@ def draft_trees(reqs, draft: torch.Tensor, last: torch.Tensor, draws: TreeDraws,
         sampling, width = draws.eager(batch, rows), n
     else:
         draws.stage(batch, rows)
-        sampling, width = draws.in_graph(padded_to), padded_to
+        sampling, width = draws.in_graph(padded_to, torch.tensor([n])), padded_to
         last = torch.cat([last, torch.zeros(padded_to - n, dtype=torch.int64)])
     drafts = torch.empty(width, tree.num_nodes, dtype=torch.int64)
     parents = last[:, None]
@@ -155,14 +155,16 @@ def test_children_past_the_drafters_support_repeat_the_first():
 
 
 def test_a_padded_graph_writes_the_padding_into_the_spare_row():
-    """Two requests in the drafter's rows 2 and 3, drawn as a graph padded to four requests: each request's q
-    lands in its own row, the padding's in the spare row, and rows 0 and 1 (other requests') are untouched."""
+    """Two requests in the drafter's rows 2 and 3, drawn as a graph padded to four requests whose padded rows
+    still name row 0 (staged by an earlier step): each request's q lands in its own row, the padding's in the
+    spare row, and rows 0 and 1 (other requests') are untouched."""
     tables = TreeTables.build(TREE, torch.device("cpu"))
     draft = markov(1)
     draws = TreeDraws(4, tables, V, torch.device("cpu"), torch.Generator().manual_seed(0))
+    draws.rows[2:] = 0
     draws.stage(SamplingBatch.build(requests(2), torch.device("cpu")), torch.tensor([2, 3]))
     logits = draft[torch.tensor([START, START, 0, 0])].log()
-    draws.in_graph(4).guesses(logits, TREE.top_k(1), TREE.level(0))
+    draws.in_graph(4, torch.tensor([2])).guesses(logits, TREE.top_k(1), TREE.level(0))
     kept = draws.node_probs[:, 0].float()
     rounded = draft.to(draws.node_probs.dtype).float()
     assert torch.equal(kept[2], rounded[START]) and torch.equal(kept[3], rounded[START])
@@ -184,19 +186,28 @@ def kernel_against_torch_ops(seed: int, n: int, vocab: int, device: str) -> None
     # Drafted tokens among each node's likeliest under q, so that some are accepted.
     node_probs = distributions(n, tables.num_prob_slots).to(torch.bfloat16)
     target_probs = (distributions(n, width) + node_probs[:, :1].float()) / 2
-    node_tokens = torch.randint(0, min(vocab, 4), (n, width), generator=gen)
+    cut = width - 2  # the verified columns: trees cut to at most N - 2 drafts
+    node_tokens = torch.randint(0, min(vocab, 4), (n, cut), generator=gen)
     node_tokens = node_probs[:, 0].float().argsort(dim=-1, descending=True).gather(1, node_tokens)
-    cut = 12  # the verified columns: trees cut to at most 11 drafts
+    # The verified tokens are the step's input ids, in shuffled positions.
+    index = torch.randperm(n * cut, generator=gen).view(n, cut)
+    input_ids = torch.empty(n * cut, dtype=torch.int64)
+    input_ids[index.flatten()] = node_tokens.flatten()
     rows = torch.randperm(n, generator=gen)
-    cpu = (target_probs[:, :cut], target_probs[:, :cut].argmax(-1), torch.rand(n, generator=gen) < 0.2, node_tokens,
-           torch.randint(0, cut, (n,), generator=gen), node_probs[rows.argsort()], rows, tables,
-           torch.rand(n, width, generator=gen), torch.empty(n, vocab).exponential_(generator=gen))
+    greedy = torch.rand(n, generator=gen) < 0.2
+    num_drafts = torch.randint(0, cut, (n,), generator=gen)
+    cpu = (target_probs[:, :cut], target_probs[:, :cut].argmax(-1), greedy, input_ids, index, num_drafts,
+           node_probs[rows.argsort()], rows, tables, torch.rand(n, cut, generator=gen),
+           torch.empty(n, vocab).exponential_(generator=gen))
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in cpu)
     want = sampled_tree_targets(*args, use_triton=False)
     got = sampled_tree_targets(*args, use_triton=True)
     assert torch.equal(got, want)
-    accepted, _ = walk_tree(want, args[3], args[4], tables)
-    assert accepted.sum() > n // 4 and torch.equal(want[args[2]], args[1][args[2]])
+    def padded(x):  # to the tree's every index, as walk_tree reads them
+        return torch.cat([x, x[:, -1:].expand(-1, width - cut)], dim=1)
+
+    accepted, _ = walk_tree(padded(want.cpu()), padded(node_tokens), num_drafts, TreeTables.build(TREE, "cpu"))
+    assert accepted.sum() > n // 4 and torch.equal(want.cpu()[greedy], target_probs[:, :cut].argmax(-1)[greedy])
 
 
 @pytest.mark.parametrize("seed", [0, 1])
