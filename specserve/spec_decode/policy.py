@@ -12,16 +12,17 @@ per second, p_i an exponential moving average of each step's acceptance per posi
   a row, so acceptance noise near the break-even does not make it flap.
 - While it does not draft it measures nothing, so after `probe_interval` such decisions in a row it drafts for one
   step, if drafting could pay at all at that batch size: acceptance that recovered is seen again.
-- A step with a grammar request is decided from the tokens per second such steps were measured to yield with
-  drafts and without (grammar_steps.py), since the table does not time a grammar's masks.
+- A step the table does not time (OffTable: a grammar request's, or a sampling request's) is decided from the
+  tokens per second such steps were measured to yield with drafts and without (measured_steps.py).
 - `disable_by_batch_size` (vLLM's field) overrides it: no drafts from that many requests on.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from specserve.errors import ConfigError
-from specserve.spec_decode.grammar_steps import GrammarSteps
+from specserve.spec_decode.measured_steps import MeasuredSteps
 from specserve.spec_decode.metrics import SpecDecodeStats
 from specserve.spec_decode.step_costs import StepCosts
 
@@ -41,6 +42,18 @@ class PolicySettings:
         if self.patience < 1 or self.probe_interval < 1:
             raise ConfigError("policy.patience", f"patience ({self.patience}) and probe_interval "
                               f"({self.probe_interval}) must be >= 1")
+
+
+class OffTable(Enum):
+    """A step the start-up table does not time (it times greedy steps without grammars), by what takes it off."""
+
+    GRAMMAR = "grammar"  # a request that yields tokens has a grammar: masks on the host, masked drafting
+    SAMPLING = "sampling"  # a request that yields tokens samples: verification and drafting outside the whole step
+
+    @classmethod
+    def of(cls, grammar: bool, greedy: bool) -> OffTable | None:
+        """The kind of a step whose requests that yield tokens have a grammar (some) and are greedy (all)."""
+        return cls.GRAMMAR if grammar else None if greedy else cls.SAMPLING
 
 
 class SpeculationPolicy:
@@ -68,8 +81,9 @@ class SpeculationPolicy:
         self.steps_drafting = 0
         self.steps_without_drafts = 0
         s = self.settings
-        # Steps with a grammar request decide from their own measured rates (grammar_steps.py).
-        self.grammar_steps = GrammarSteps(self.max_drafts, s.acceptance_weight, s.switch_margin, s.probe_interval)
+        # Steps the table does not time decide from their own measured rates, each kind apart (measured_steps.py).
+        self.measured_steps = {kind: MeasuredSteps(self.max_drafts, s.acceptance_weight, s.switch_margin,
+                                                   s.probe_interval) for kind in OffTable}
 
     def set_costs(self, costs: StepCosts) -> None:
         if costs.draft_counts != (0, self.max_drafts):
@@ -100,31 +114,31 @@ class SpeculationPolicy:
 
     # ---- the decision ---------------------------------------------------------------------------
 
-    def observe_grammar_step(self, drafts: int, previous_drafts: int, batch: int, tokens: int,
-                             seconds: float) -> None:
-        """A finished step with a grammar request (GrammarSteps.observe), for a dynamic policy."""
+    def observe_off_table_step(self, kind: OffTable, drafts: int, previous_drafts: int, batch: int, tokens: int,
+                               seconds: float) -> None:
+        """A finished step the table does not time (MeasuredSteps.observe), for a dynamic policy."""
         if self.dynamic:
-            self.grammar_steps.observe(drafts, previous_drafts, batch, tokens, seconds)
+            self.measured_steps[kind].observe(drafts, previous_drafts, batch, tokens, seconds)
 
-    def choose(self, batch: int, grammar: bool = False) -> int:
-        """The drafts per request of a step of `batch` requests that yield tokens; grammar: one of them is
-        constrained by a grammar."""
-        drafts = self._decide(batch, grammar)
+    def choose(self, batch: int, off_table: OffTable | None = None) -> int:
+        """The drafts per request of a step of `batch` requests that yield tokens; off_table: the kind of step it
+        is where the table does not time it."""
+        drafts = self._decide(batch, off_table)
         if drafts:
             self.steps_drafting += 1
         else:
             self.steps_without_drafts += 1
         return drafts
 
-    def _decide(self, batch: int, grammar: bool) -> int:
+    def _decide(self, batch: int, off_table: OffTable | None) -> int:
         if self.forced is not None:
             return self.forced
         if self.disable_by_batch_size is not None and batch >= self.disable_by_batch_size:
             return 0
         if not self.dynamic or self.costs is None:
             return self.max_drafts
-        if grammar:
-            return self.grammar_steps.choose(batch)
+        if off_table is not None:
+            return self.measured_steps[off_table].choose(batch)
         s = self.settings
         best = self.best(batch)
         gain = self.tokens_per_second(best, batch) / self.tokens_per_second(self.current, batch)

@@ -3,6 +3,7 @@ where they do, and greedy output is the target's own whatever the policy decides
 trees, with asynchronous scheduling on and off."""
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -11,6 +12,8 @@ from conftest import TEST_KV, repetitive_prompts as prompts
 from heads import save_eagle_head
 from specserve import LLM, SamplingParams
 from specserve.entrypoints.openai.metrics import PREFIX, EngineStatsCollector
+from specserve.spec_decode.measured_steps import MIN_MEASURED
+from specserve.spec_decode.policy import OffTable
 from specserve.spec_decode.step_costs import StepCosts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -78,7 +81,7 @@ def scripted(llm: LLM, pattern: list[int]) -> None:
     """Replace the policy's decisions by a pattern repeated; the scheduler and runner follow them as they would the
     policy's own."""
     decisions = itertools.cycle(pattern)
-    llm.engine.core.scheduler.policy._decide = lambda batch, grammar: next(decisions)
+    llm.engine.core.scheduler.policy._decide = lambda batch, off_table: next(decisions)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -167,6 +170,24 @@ def test_grammar_steps_stop_drafting_where_their_measured_drafts_do_not_pay(mode
     llm = dynamic_llm(models, table, forced_acceptance_prob=0.0)
     assert tokens(llm.generate(ps, params, use_tqdm=False)) == want
     policy = llm.engine.core.scheduler.policy
-    state = policy.grammar_steps.buckets[2]
+    state = policy.measured_steps[OffTable.GRAMMAR].buckets[2]
     assert state.current == 0 and state.rates[0].tokens_per_second > state.rates[3].tokens_per_second
-    assert policy.choose(2, grammar=True) == 0 and policy.choose(2) == 3
+    assert policy.choose(2, OffTable.GRAMMAR) == 0 and policy.choose(2) == 3
+
+
+def test_sampling_steps_are_decided_from_their_own_measurements(models):
+    """Requests at temperature 1: the table, timed on greedy steps, does not time a sampling step (verification
+    and drafting outside the whole step), so the policy measures both decisions of such steps (drafting first,
+    then a probe of none) in their own bucket, and greedy steps keep out of it. Which decision then wins depends
+    on the host's times; test_measured_steps.py shows the decision from controlled times."""
+    params = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+    table = cost_table(models, "nearly_free", (1.0,) * 4, (1.01,) * 4)
+    llm = dynamic_llm(models, table, forced_acceptance_prob=0.0)
+    assert all(len(t) == 40 for t in tokens(llm.generate(models["prompts"][:2], params, use_tqdm=False)))
+    policy = llm.engine.core.scheduler.policy
+    state = policy.measured_steps[OffTable.SAMPLING].buckets[2]
+    assert state.probed and all(state.rates[d].count >= MIN_MEASURED for d in (0, 3))
+    assert policy.measured_steps[OffTable.GRAMMAR].buckets == {}
+    measured = copy.deepcopy(policy.measured_steps)
+    assert tokens(llm.generate(models["prompts"][:2], GREEDY, use_tqdm=False)) == models["ref"][:2]
+    assert all(policy.measured_steps[kind].buckets == measured[kind].buckets for kind in OffTable)

@@ -1,21 +1,24 @@
-"""Dynamic speculation in grammar steps: whether a step with a grammar request drafts, from the tokens per second
-such steps were measured to yield with drafts and without (docs/design.md, 'Dynamic speculation').
+"""Dynamic speculation in the steps the start-up table does not time: whether such a step drafts, from the
+tokens per second steps of its kind were measured to yield with drafts and without (docs/design.md, 'Dynamic
+speculation').
 
-The start-up table (step_costs.py) times steps without grammars. A grammar step costs more, and differently with
-drafts: its host builds a mask for every verified position and drafts depth by depth, waiting for each depth's
-drafts (docs/design.md, 'Structured output'); what that costs depends on the grammar, the batch and the host's
-CPU, and where it outweighs what the drafts gain, drafting makes constrained requests slower than no
-speculation. So for grammar steps the policy measures instead of predicting: each one's host time (the
-EngineCore.step call that launched it, which includes the waits for the device and for the step before) and
-the tokens it emitted, as moving averages per decision (drafts or none) and batch bucket (batch sizes up to the
-next power of two), and it takes the decision of the more tokens a second.
+The start-up table (step_costs.py) times greedy steps without grammars, which run as whole-step graphs. Two kinds
+of step cost more, and differently with drafts (policy.OffTable): a grammar step, whose host builds a mask for
+every verified position and drafts depth by depth, waiting for each depth's drafts (docs/design.md, 'Structured
+output'); and a step with a request that samples, which verifies and drafts outside the whole-step graph. What
+that costs depends on the grammar, the batch and the host's CPU, and where it outweighs what the drafts gain,
+drafting makes those requests slower than no speculation. So for these steps the policy measures instead of
+predicting: each one's host time (the EngineCore.step call that launched it, which includes the waits for the
+device and for the step before) and the tokens it emitted, as moving averages per decision (drafts or none)
+and batch bucket (batch sizes up to the next power of two), and it takes the decision of the more tokens a
+second.
 
 What must hold:
 - A measurement counts only where the step before made the same decision: a step's tokens come from the drafts
   the step before proposed and its time from the drafts it proposes, so the first step after a switch measures
   neither decision. A probe of the other decision therefore lasts PROBE_STEPS steps.
 - Drafting is measured first (the default decision), then none; after that the decision in force is kept and
-  the other probed every `probe_interval` grammar steps of the bucket, so a change in either is seen again.
+  the other probed every `probe_interval` steps of the kind and bucket, so a change in either is seen again.
 """
 from __future__ import annotations
 
@@ -62,8 +65,8 @@ def bucket_of(batch: int) -> int:
     return 1 << max(batch - 1, 0).bit_length()
 
 
-class GrammarSteps:
-    """The decisions of grammar steps for a policy drafting `max_drafts` or none."""
+class MeasuredSteps:
+    """The decisions of one kind of step for a policy drafting `max_drafts` or none."""
 
     def __init__(self, max_drafts: int, weight: float, switch_margin: float, probe_interval: int):
         self.max_drafts = max_drafts
@@ -73,7 +76,7 @@ class GrammarSteps:
         self.buckets: dict[int, BucketState] = {}
 
     def choose(self, batch: int) -> int:
-        """Drafts per request for a grammar step of `batch` requests that yield tokens."""
+        """Drafts per request for a step of this kind with `batch` requests that yield tokens."""
         state = self.buckets.setdefault(bucket_of(batch), BucketState(self.max_drafts))
         other = self.max_drafts - state.current
         if state.probe_left:
@@ -92,7 +95,7 @@ class GrammarSteps:
         return state.current
 
     def observe(self, drafts: int, previous_drafts: int, batch: int, tokens: int, seconds: float) -> None:
-        """A finished grammar step: its decision and the one of the step before it, its batch (requests that
+        """A finished step of this kind: its decision and the one of the step before it, its batch (requests that
         yielded tokens), the tokens it emitted and its host time."""
         if drafts != previous_drafts or seconds <= 0:
             return

@@ -1,19 +1,19 @@
-"""Grammar steps' dynamic speculation (spec_decode/grammar_steps.py): from measured tokens and seconds, with the
-measurements arriving a step late as the engine's do, it settles on the decision of the more tokens a second,
-probes the other periodically, ignores the steps right after a switch, and keeps batch buckets apart; and the
-policy routes grammar steps to it."""
+"""Dynamic speculation in steps the start-up table does not time (spec_decode/measured_steps.py): from measured
+tokens and seconds, with the measurements arriving a step late as the engine's do, it settles on the decision of
+the more tokens a second, probes the other periodically, ignores the steps right after a switch, and keeps batch
+buckets apart; and the policy routes grammar steps and sampling steps to it, each kind apart."""
 from __future__ import annotations
 
 import pytest
 
-from specserve.spec_decode.grammar_steps import MIN_MEASURED, PROBE_STEPS, GrammarSteps, bucket_of
-from specserve.spec_decode.policy import PolicySettings, SpeculationPolicy
+from specserve.spec_decode.measured_steps import MIN_MEASURED, PROBE_STEPS, MeasuredSteps, bucket_of
+from specserve.spec_decode.policy import OffTable, PolicySettings, SpeculationPolicy
 from specserve.spec_decode.step_costs import StepCosts
 
 K = 3
 
 
-def run(steps: GrammarSteps, n: int, batch: int, tokens_with_drafts: float, seconds: dict[int, float]) -> list[int]:
+def run(steps: MeasuredSteps, n: int, batch: int, tokens_with_drafts: float, seconds: dict[int, float]) -> list[int]:
     """n decisions of an engine whose steps complete one step late: a step's tokens come from the drafts the step
     before proposed (tokens_with_drafts a request, else 1), its seconds from its own decision."""
     decisions, previous, pending = [], 0, None
@@ -29,7 +29,7 @@ def run(steps: GrammarSteps, n: int, batch: int, tokens_with_drafts: float, seco
 
 
 def test_drafting_that_pays_is_kept_after_one_probe_of_none():
-    steps = GrammarSteps(K, weight=0.2, switch_margin=0.02, probe_interval=50)
+    steps = MeasuredSteps(K, weight=0.2, switch_margin=0.02, probe_interval=50)
     d = run(steps, 120, 8, tokens_with_drafts=2.75, seconds={K: 1.5, 0: 1.0})
     first_none = d.index(0)
     # Drafting is measured first (its measurements a step late), then none for one probe.
@@ -43,7 +43,7 @@ def test_drafting_that_pays_is_kept_after_one_probe_of_none():
 
 
 def test_drafting_that_does_not_pay_is_dropped_and_probed_again():
-    steps = GrammarSteps(K, weight=0.2, switch_margin=0.02, probe_interval=50)
+    steps = MeasuredSteps(K, weight=0.2, switch_margin=0.02, probe_interval=50)
     d = run(steps, 200, 64, tokens_with_drafts=1.2, seconds={K: 3.0, 0: 1.0})
     state = steps.buckets[64]
     assert state.current == 0
@@ -56,7 +56,7 @@ def test_drafting_that_does_not_pay_is_dropped_and_probed_again():
 
 
 def test_a_step_after_a_switch_measures_nothing():
-    steps = GrammarSteps(K, weight=0.5, switch_margin=0.0, probe_interval=10)
+    steps = MeasuredSteps(K, weight=0.5, switch_margin=0.0, probe_interval=10)
     steps.observe(K, 0, 4, 100, 1.0)  # proposes drafts after a plain step: not a steady drafting step
     steps.observe(0, K, 4, 100, 1.0)
     assert 4 not in steps.buckets
@@ -68,21 +68,32 @@ def test_a_step_after_a_switch_measures_nothing():
 
 def test_batch_sizes_up_to_a_power_of_two_share_a_bucket():
     assert [bucket_of(b) for b in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
-    steps = GrammarSteps(K, weight=0.2, switch_margin=0.02, probe_interval=50)
+    steps = MeasuredSteps(K, weight=0.2, switch_margin=0.02, probe_interval=50)
     run(steps, 60, 3, tokens_with_drafts=1.0, seconds={K: 2.0, 0: 1.0})
     assert steps.buckets[4].current == 0
     assert run(steps, MIN_MEASURED, 5, tokens_with_drafts=1.0, seconds={K: 2.0, 0: 1.0}) == [K] * MIN_MEASURED
 
 
-def test_the_policy_decides_grammar_steps_from_their_measurements_only_when_dynamic():
+@pytest.mark.parametrize("kind", list(OffTable))
+def test_the_policy_decides_off_table_steps_from_their_measurements_only_when_dynamic(kind):
+    """Steps of one kind off the table measured slower with drafts stop drafting; greedy steps without grammars
+    still follow the table, and the other kind keeps its own measurements."""
     costs = StepCosts((1, 64), {0: (1.0, 1.0), K: (1.1, 1.1)})  # the table says drafting always pays
     policy = SpeculationPolicy(K, dynamic=True, settings=PolicySettings(probe_interval=50))
     policy.set_costs(costs)
     for _ in range(30):
-        d = policy.choose(64, grammar=True)
-        policy.observe_grammar_step(d, d, 64, 64, 1.0 if d == 0 else 5.0)
-    assert policy.grammar_steps.buckets[64].current == 0 and policy.choose(64, grammar=True) == 0
-    assert policy.choose(64) == K  # steps without a grammar follow the table
+        d = policy.choose(64, kind)
+        policy.observe_off_table_step(kind, d, d, 64, 64, 1.0 if d == 0 else 5.0)
+    assert policy.measured_steps[kind].buckets[64].current == 0 and policy.choose(64, kind) == 0
+    assert policy.choose(64) == K  # greedy steps without a grammar follow the table
+    other = next(k for k in OffTable if k is not kind)
+    assert policy.measured_steps[other].buckets == {} and policy.choose(64, other) == K
     static = SpeculationPolicy(K)
-    static.observe_grammar_step(0, 0, 64, 64, 1.0)
-    assert static.choose(64, grammar=True) == K and static.grammar_steps.buckets == {}
+    static.observe_off_table_step(kind, 0, 0, 64, 64, 1.0)
+    assert static.choose(64, kind) == K and static.measured_steps[kind].buckets == {}
+
+
+def test_a_step_is_off_the_table_for_a_grammar_first_then_for_sampling():
+    assert OffTable.of(grammar=True, greedy=True) is OffTable.of(grammar=True, greedy=False) is OffTable.GRAMMAR
+    assert OffTable.of(grammar=False, greedy=False) is OffTable.SAMPLING
+    assert OffTable.of(grammar=False, greedy=True) is None
