@@ -3,14 +3,16 @@ the perplexity of texts (issue 35's accuracy targets: agreement >= 95% over the 
 under 2%).
 
     python benchmarks/fp8_accuracy.py --model smollm2-135m --prompts mt_bench.jsonl [--device cuda] \
-        [--max-tokens 64] [--texts tests/data/heldout.txt tests/data/heldout_fp8.txt]
+        [--max-tokens 64] [--texts tests/data/heldout.txt tests/data/heldout_fp8.txt] [--weight-groups 0 64 32]
 
 Agreement is printed three ways, since greedy outputs part for good at the first near-tie the two models round
 differently: teacher-forced (at each position of the unquantized engine's greedy output, the FP8 model's argmax
 given the same prefix), and free-running (the FP8 engine's own greedy output against the unquantized one's, up
 to the first difference, and position by position). The unquantized row's teacher-forced figure is the noise
 floor: the engine's kernels against the one-pass path that scores here. Perplexity: one causal pass over each
-text (at most --max-text-tokens), the model's torch attention.
+text (at most --max-text-tokens), the model's torch attention. --weight-groups adds rows for weights rounded to
+e4m3 with a scale per G weights along K of each output channel (0: per channel), activations unquantized: the
+weights' own share of the error, and what finer weight scales would buy.
 """
 from __future__ import annotations
 
@@ -46,6 +48,23 @@ def engine_greedy(model: str, conversations, max_tokens: int, device: str, dtype
     return prompts, outputs
 
 
+def round_weights_to_e4m3(model, group: int) -> None:
+    """Every decoder projection's weight rounded to e4m3 in place, a scale per `group` weights along K in each
+    output channel (0: one per channel)."""
+    top = torch.finfo(torch.float8_e4m3fn).max
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if w.dim() != 2 or ".layers." not in name:
+                continue
+            rows, k = w.shape
+            size = group or k
+            if k % size:
+                raise SystemExit(f"--weight-groups {group}: {name} has K = {k}, not a multiple of it; pick a divisor")
+            x = w.float().view(rows, k // size, size)
+            scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / top
+            w.copy_(((x / scale).to(torch.float8_e4m3fn).float() * scale).view(rows, k))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -57,6 +76,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--weight-groups", nargs="*", type=int, default=[],
+                    help="also score e4m3-rounded weights, a scale per G weights along K (0: per channel)")
     a = ap.parse_args()
     conversations = load_prompt_file(a.prompts)
     conversations = conversations[:a.num_prompts] if a.num_prompts else conversations
@@ -65,8 +86,11 @@ def main() -> None:
     texts = {p.name: tokenizer(p.read_text())["input_ids"][:a.max_text_tokens] for p in a.texts}
     prompts, greedy = engine_greedy(a.model, conversations, a.max_tokens, a.device, a.dtype, a.max_model_len)
     rows, ppl = [], {}
-    for q in (None, "fp8"):
-        model, arch = build_model(source, getattr(torch, a.dtype), a.device, CausalAttention(), quantization=q)
+    for q in (None, "fp8", *(f"e4m3 weights, scale per {g or 'channel'}" for g in a.weight_groups)):
+        model, arch = build_model(source, getattr(torch, a.dtype), a.device, CausalAttention(),
+                                  quantization=q if q in (None, "fp8") else None)
+        if q not in (None, "fp8"):
+            round_weights_to_e4m3(model, a.weight_groups[len(rows) - 2])
         attention_in_torch(model)
         forced = teacher_forced_agreement(model, arch, prompts, greedy[None], a.device)
         ppl[q] = {name: perplexity(model, arch, ids, a.device) for name, ids in texts.items()}
@@ -78,8 +102,8 @@ def main() -> None:
     print(f"| weights | teacher-forced agreement | free-running: to the first difference / by position | {header} |")
     print("|---|---|---|" + "---|" * len(texts))
     for q, forced in rows:
-        ref, out = greedy[None], greedy[q]
-        free = f"{prefix_agreement(ref, out):.4f} / {positionwise_agreement(ref, out):.4f}"
+        ref, out = greedy[None], greedy.get(q)
+        free = f"{prefix_agreement(ref, out):.4f} / {positionwise_agreement(ref, out):.4f}" if out else "-"
         cells = " | ".join(f"{ppl[q][name]:.3f} ({ppl[q][name] / ppl[None][name] - 1:+.2%})" for name in texts)
         print(f"| {q or a.dtype} | {forced:.4f} | {free} | {cells} |")
 
