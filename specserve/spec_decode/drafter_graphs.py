@@ -88,12 +88,10 @@ class DrafterGraphs:
 
     def has_drafting_graph(self, num_reqs: int) -> bool:
         """Whether the drafts of num_reqs requests can replay one graph: a tree's passes, or a greedy chain."""
-        graphs = self.greedy_loop_graphs if self.tree_tables is None else self.tree_graphs
-        return graphs is not None and graphs.has_graph(graphs.dispatch(num_reqs, num_reqs, 1))
+        return _has_graph(self.greedy_loop_graphs if self.tree_tables is None else self.tree_graphs, num_reqs)
 
     def has_sampled_tree_graph(self, num_reqs: int) -> bool:
-        graphs = self.sampled_tree_graphs
-        return graphs is not None and graphs.has_graph(graphs.dispatch(num_reqs, num_reqs, 1))
+        return _has_graph(self.sampled_tree_graphs, num_reqs)
 
     def release_graphs(self) -> None:
         self.prefill_graphs = self.decode_graphs = self.greedy_loop_graphs = self.tree_graphs = None
@@ -145,3 +143,8 @@ class DrafterGraphs:
         return draft_tree(self, self.tree_tables, self.first_hidden[:n], self.feedback[:n], base_positions,
                           block_table, self.step_buffers.num_reqs,
                           sampling=self.tree_draws.in_graph(n, self.step_buffers.num_reqs))
+
+
+def _has_graph(graphs: CUDAGraphManager | None, num_reqs: int) -> bool:
+    """Whether graphs recorded one that num_reqs requests, one token each, replay."""
+    return graphs is not None and graphs.has_graph(graphs.dispatch(num_reqs, num_reqs, 1))
