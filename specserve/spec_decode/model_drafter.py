@@ -239,13 +239,15 @@ class ModelDrafter(DrafterGraphs, Speculator):
     def propose_tree_in_graph(self, desc: BatchDescriptor, target_out: tuple, metadata: AttentionMetadata,
                               kv_moves: tuple[torch.Tensor, torch.Tensor], num_reqs: torch.Tensor,
                               last_token_indices: torch.Tensor, base_positions: torch.Tensor,
-                              block_table: torch.Tensor, out: torch.Tensor) -> None:
+                              block_table: torch.Tensor, out: torch.Tensor,
+                              sampling: TreeSampling | None = None) -> None:
         """propose() of a tree for a batch the target ran as the full graph for desc, inside the runner's whole
         tree step: the [desc.num_reqs, N] drafts into out. num_reqs ([1] on the device) holds how many rows are
-        real; the padded ones draft nothing and write no cache slot."""
+        real; the padded ones draft nothing and write no cache slot. sampling: a sampled step's draws
+        (TreeDraws.in_graph); None: every request's top guesses."""
         for_logits, fed_back = self._prefill(desc, metadata, target_out)
         self._draft_tree(for_logits, fed_back, last_token_indices[:desc.num_reqs], kv_moves, base_positions,
-                         block_table, num_reqs, out)
+                         block_table, num_reqs, out, sampling=sampling)
 
     def _draft_tree(self, for_logits: torch.Tensor, fed_back: torch.Tensor, last: torch.Tensor,
                     kv_moves: tuple[torch.Tensor, torch.Tensor] | None, base_positions: torch.Tensor,

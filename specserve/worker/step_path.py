@@ -24,6 +24,9 @@ class WholeStep(Enum):
     NONE = "parts"  # each part runs on its own
     CHAIN = "whole step"  # decode, or verification of a chain of k drafts, then the drafts, in one graph
     TREE = "whole tree step"  # verification of a whole tree of drafts, then the next tree, in one graph
+    # TREE for a batch with a request that samples, every request drawing with its temperature alone: the walk
+    # by recursive rejection sampling and the children drawn from the head (spec_decode/sampled_tree.py).
+    SAMPLED_TREE = "whole sampled tree step"
 
 
 class Sampling(Enum):
@@ -158,6 +161,7 @@ class GraphsReady:
     greedy: bool = False  # a greedy sampling or verification graph for the descriptor
     drafting: bool = False  # the drafter's loop graph (chains) or tree graph for the requests that draft
     sampled_tree: bool = False  # the drafter's sampled tree graph for them
+    whole_sampled_tree: bool = False  # a whole sampled tree step's graph for the descriptor
 
 
 @dataclass(frozen=True)
@@ -188,7 +192,8 @@ def choose_step_path(desc: BatchDescriptor, rows: StepRows, graphs: GraphsReady,
 
     A step runs whole when it has a whole-step graph, every request yields tokens, greedily, without
     logprobs or a grammar, and a verifying batch verifies exactly the drafts its graph verifies: the conditions
-    under which each part would replay its own graph. A step with a grammar request replays the target's graph
+    under which each part would replay its own graph. A batch of trees with a request that samples runs the
+    whole sampled tree step on the same conditions, but that its requests draw with their temperatures alone. A step with a grammar request replays the target's graph
     and then the greedy graph, which applies the masks built in between."""
     everyone = rows.num_sampling == rows.num_scheduled
     both = rows.sample | rows.verify
@@ -199,9 +204,20 @@ def choose_step_path(desc: BatchDescriptor, rows: StepRows, graphs: GraphsReady,
                             Sampling.IN_WHOLE_STEP if rows.num_sample else Sampling.NONE,
                             Verification.IN_WHOLE_STEP if rows.num_verify else Verification.NONE,
                             _drafting(rows, graphs, speculator, trees, in_whole_step=True))
+    if (trees and graphs.whole_sampled_tree and everyone and rows.all_verify(desc.query_len)
+            and _draws_in_graph(both)):
+        return StepPath(desc.mode, WholeStep.SAMPLED_TREE, Sampling.NONE, Verification.IN_WHOLE_STEP,
+                        _drafting(rows, graphs, speculator, trees, in_whole_step=True))
     return StepPath(desc.mode, WholeStep.NONE, _sampling(desc, rows, graphs), _verification(desc, rows, graphs, trees),
                     _drafting(rows, graphs, speculator, trees, in_whole_step=False),
                     masked=both.grammar)
+
+
+def _draws_in_graph(rows: RowsSampling) -> bool:
+    """Every request's tokens are drawn with its temperature alone from its unmasked, unbiased logits, and none
+    asks for logprobs or for what the sampler alone applies: a graph can record its draws."""
+    return (rows.temperature_only and not rows.all_greedy and not rows.logprobs and not rows.logit_bias
+            and not rows.needs_host_tokens and not rows.grammar)
 
 
 def _sampling(desc: BatchDescriptor, rows: StepRows, graphs: GraphsReady) -> Sampling:

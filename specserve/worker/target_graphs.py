@@ -18,7 +18,10 @@ import torch
 from specserve.attention.metadata import AttentionMetadata
 from specserve.distributed.communication import broadcast_from_rank0
 from specserve.distributed.graph_following import CaptureDone, GraphPart, capture_message
+from specserve.sample.argmax import greedy_argmax
 from specserve.sample.token_bitmask import TokenMask
+from specserve.spec_decode.rejection_sampler import draw_randomness
+from specserve.spec_decode.sampled_tree import TreeSampling, sampled_tree_targets
 from specserve.spec_decode.greedy_verify import UniformVerifyInputs, greedy_verify
 from specserve.spec_decode.tree_verify import TreeOutcome, move_kv, verify_tree
 from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager, default_capture_sizes
@@ -77,6 +80,13 @@ class TargetGraphs:
             moves = 0 if cfg.drafter_sharded else self.tree.depth
             self._tell_workers(GraphPart.WHOLE_TREE_STEP, self.whole_step_graphs, whole, recorder, moves)
             self.whole_step_graphs.capture(self._whole_tree_step, self._prepare_capture, whole)
+            if self.tp_workers is None and drafter is not None and drafter.tree_draws is not None:
+                # Its draws come from the engine's generator, registered with each graph: each replay draws anew.
+                self.whole_sampled_tree_graphs = CUDAGraphManager(
+                    "whole sampled tree step", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs,
+                    cfg.max_num_batched_tokens, uniform_query_lens=(1 + k,), recorder=recorder,
+                    generator=self.sampler.default_generator)
+                self.whole_sampled_tree_graphs.capture(self._whole_sampled_tree_step, self._prepare_capture, whole)
         elif not cfg.debug_cudagraph and (drafter is None or getattr(drafter, "greedy_loop_graphs", None)):
             self.whole_step_graphs = CUDAGraphManager(
                 "whole step", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -189,17 +199,25 @@ class TargetGraphs:
                                                          self.draft_last_indices, self.draft_last_tokens)
         self.outputs.drafts[:n].copy_(drafts)
 
-    def _whole_tree_step(self, desc: BatchDescriptor, metadata):
-        """_whole_step for trees of drafts: every request verifies the whole tree greedily, so its tokens are
-        rows i * (N + 1) .. of the step, and every index is fixed (self.uniform_verify; request i's output row
-        is also its drafting index). Padded rows move cache slots only in the spare slot and draft nothing
-        (tree_drafting.py)."""
+    def _whole_tree_step(self, desc: BatchDescriptor, metadata, sampled: bool = False):
+        """_whole_step for trees of drafts: every request verifies the whole tree, so its tokens are rows
+        i * (N + 1) .. of the step, and every index is fixed (self.uniform_verify; request i's output row is also
+        its drafting index). Greedily; or, sampled, with the sampling TreeDraws.stage wrote for the batch: a
+        sampling request's tree walked by recursive rejection sampling and its next tree's children drawn, as
+        _verify_tree and the drafter's sampled tree graph do apart, from the engine's generator in the same
+        order. Padded rows move cache slots only in the spare slot and draft nothing (tree_drafting.py)."""
         b, out, n, q = self.buffers, self.outputs, desc.num_reqs, desc.query_len
         b.spread()
         self.fill_inflight_inputs(n)
         padded_hidden, padded_aux = self._target_forward(desc, metadata)
-        target = self.model.greedy_tokens(padded_hidden[:n * q], captured=True).view(n, q)
         v = self.uniform_verify
+        sampling = None
+        if sampled:
+            sampling = self.speculator.tree_draws.in_graph(n, b.staged[NUM_REQS:NUM_REQS + 1])
+            target = self._sampled_tree_targets_in_graph(padded_hidden[:n * q], sampling, v.index[:n],
+                                                         v.num_drafts[:n])
+        else:
+            target = self.model.greedy_tokens(padded_hidden[:n * q], captured=True).view(n, q)
         outcome = verify_tree(target, b.input_ids, v.index[:n], v.num_drafts[:n], self.tree_tables, b.slot_mapping,
                               self.kv.spare_slot, v.rows[:n], out.accepted, out.tokens)
         move_kv(self.kv.stack, *outcome.moves)
@@ -209,19 +227,36 @@ class TargetGraphs:
             out.share_from_rank0(n)
         elif self.tp_workers is not None:
             broadcast_from_rank0(torch.stack(outcome.moves))  # the other ranks' shards move too
-        self.draft_tree_in_whole_step(desc, (padded_hidden, padded_aux), metadata, outcome)
+        self.draft_tree_in_whole_step(desc, (padded_hidden, padded_aux), metadata, outcome, sampling)
         if self.shares_outputs and not sharded:
             out.share_from_rank0(n)
 
+    def _whole_sampled_tree_step(self, desc: BatchDescriptor, metadata):
+        return self._whole_tree_step(desc, metadata, sampled=True)
+
+    def _sampled_tree_targets_in_graph(self, hidden: torch.Tensor, sampling: TreeSampling, index: torch.Tensor,
+                                       num_drafts: torch.Tensor) -> torch.Tensor:
+        """_verify_tree's target table for n whole trees (hidden: their n * W rows), every request drawing with its
+        temperature alone: from the target's probabilities under each request's temperature (greedy rows: 1,
+        their walk on the argmax), and randomness drawn as _sampled_tree_targets draws it."""
+        n, width = index.shape
+        logits = self.model.compute_logits(hidden)
+        argmax = greedy_argmax(logits).view(n, width)
+        probs = (logits / sampling.temperature.repeat_interleave(width).unsqueeze(1)).softmax(dim=-1)
+        uniform, noise = draw_randomness(n, width, logits.shape[-1], [None] * n, self.device,
+                                         self.sampler.default_generator)
+        return sampled_tree_targets(probs.view(n, width, -1), argmax, sampling.greedy, self.buffers.input_ids, index,
+                                    num_drafts, sampling.node_probs, sampling.rows, self.tree_tables, uniform, noise)
+
     def draft_tree_in_whole_step(self, desc: BatchDescriptor, target_out: tuple, metadata: AttentionMetadata,
-                                 outcome: TreeOutcome) -> None:
+                                 outcome: TreeOutcome, sampling: TreeSampling | None = None) -> None:
         """The next trees of a whole tree step's batch (padded to desc.num_reqs) into the step outputs, after the
         trees verified (outcome): every rank of a sharded drafter runs it, the other ranks from the walk they
-        retraced (retrace_trees)."""
+        retraced (retrace_trees). sampling: how a sampled step's children are drawn (None: top guesses)."""
         n, b = desc.num_reqs, self.buffers
         self._gather_draft_inputs(desc, max_rows=n)
         # Request i's output row is also its drafting index.
         moves = self._follow_tree_paths(outcome, self.uniform_verify.rows[:n])
         self.speculator.propose_tree_in_graph(desc, target_out, metadata, moves, b.staged[NUM_REQS:NUM_REQS + 1],
                                               self.draft_last_indices, self.draft_base_positions,
-                                              self.draft_block_table, self.outputs.drafts[:n])
+                                              self.draft_block_table, self.outputs.drafts[:n], sampling)

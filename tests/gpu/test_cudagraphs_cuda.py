@@ -189,3 +189,33 @@ def test_trees_of_drafts_are_lossless_under_graphs(case, mode, debug):
         one, two = (drafter._replay_for(drafter.sampled_tree_graphs, 4, drafter._sampled_tree_in_graph).clone()
                     for _ in range(2))
         assert not torch.equal(one, two)
+
+
+def test_the_whole_sampled_tree_step_draws_what_its_parts_draw_in_real_graphs(case):
+    """Trees whose requests draw with their temperatures alone (two sampling, two greedy) replay the whole sampled
+    tree step in a real graph, its draws from the engine's generator registered with it: with a graph for every
+    batch size, an engine of the same seed without that step emits the same tokens, the greedy requests the CPU's,
+    and each replay draws new numbers."""
+    path, prompts, ref, head = case
+
+    def tree_llm() -> LLM:
+        return LLM(str(path), max_model_len=256, device="cuda", **SMALL_KV, dtype="float32", seed=3,
+                   debug_cudagraph=False, max_num_seqs=4, max_num_batched_tokens=128,
+                   cudagraph_capture_sizes=[1, 2, 3, 4],
+                   speculative_config={"method": "eagle3", "model": str(head), "speculative_token_tree": TREE})
+
+    whole, parts = tree_llm(), tree_llm()
+    parts.engine.runner.whole_sampled_tree_graphs = None
+    graphs = whole.engine.runner.whole_sampled_tree_graphs
+    replays = []
+    original = graphs.run
+    graphs.run = lambda desc, fn, md: replays.append(desc.num_reqs) or original(desc, fn, md)
+    sampled = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
+    params = [sampled, GREEDY, sampled, GREEDY]
+    outs = [[o.outputs[0].token_ids for o in llm.generate(prompts[:4], params, use_tqdm=False)]
+            for llm in (whole, parts)]
+    assert outs[0] == outs[1]
+    assert [outs[0][1], outs[0][3]] == [ref[1], ref[3]]
+    assert 4 in replays
+    again = [o.outputs[0].token_ids for o in whole.generate(prompts[:4], params, use_tqdm=False)]
+    assert again[0] != outs[0][0] or again[2] != outs[0][2]

@@ -126,3 +126,29 @@ def test_a_sampled_tree_beside_greedy_ones(target, heads, seeded):
     if seeded:
         assert llm.generate(ps[:3], params, use_tqdm=False)[0].outputs[0].token_ids == first[0].outputs[0].token_ids
     assert (4 in sampled_replays) != seeded and (not sampled_replays) == seeded
+
+
+def test_the_whole_sampled_tree_step_draws_what_its_parts_draw(target, heads):
+    """Batches of whole trees whose requests draw with their temperatures alone (two sampling, two greedy) replay
+    the whole sampled tree step (the CPU stand-in), which verifies and drafts as the parts do, drawing from the
+    engine's generator in the same order: with a graph for every batch size (so no padded row draws numbers the
+    parts do not), two engines of the same seed, one of them without the whole step, emit the same tokens, and
+    the greedy requests the target's own."""
+    path, _, ps, ref = target
+
+    def tree_llm() -> LLM:
+        llm = LLM(str(path), max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, seed=3,
+                  cudagraph_capture_sizes=[1, 2, 3, 4], speculative_config={
+                      "method": "eagle3", "model": str(heads["eagle3"]), "speculative_token_tree": TREE}, **TEST_KV)
+        llm.engine.runner.capture_graphs(M.FULL_AND_PIECEWISE, EagerRecorder(), llm.engine.attention_backend)
+        return llm
+
+    whole, parts = tree_llm(), tree_llm()
+    parts.engine.runner.whole_sampled_tree_graphs = None
+    replays = replays_of(whole.engine.runner.whole_sampled_tree_graphs)
+    sampled = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
+    params = [sampled, GREEDY, sampled, GREEDY]
+    outs = [[o.outputs[0].token_ids for o in llm.generate(ps[:4], params, use_tqdm=False)] for llm in (whole, parts)]
+    assert outs[0] == outs[1]
+    assert [outs[0][1], outs[0][3]] == [ref[1], ref[3]] and outs[0][0] != ref[0]
+    assert 4 in replays and whole.engine.spec_stats.num_drafted > 0

@@ -49,6 +49,27 @@ def test_a_greedy_batch_verifying_whole_trees_runs_the_whole_tree_step():
         M.FULL, WholeStep.TREE, Sampling.NONE, Verification.IN_WHOLE_STEP, Drafting.IN_WHOLE_STEP)
 
 
+def test_trees_whose_requests_draw_with_their_temperatures_alone_run_the_whole_sampled_tree_step():
+    """A batch of whole trees with a request that samples runs whole where each request draws with its temperature
+    alone from its own logits; anything the graph cannot draw or apply runs the parts."""
+    graphs = GraphsReady(whole_step=True, greedy=True, drafting=True, sampled_tree=True, whole_sampled_tree=True)
+    assert path(full(2, 6), verify(2, 5, SAMPLED), graphs, trees=True) == StepPath(
+        M.FULL, WholeStep.SAMPLED_TREE, Sampling.NONE, Verification.IN_WHOLE_STEP, Drafting.IN_WHOLE_STEP)
+    # A greedy batch keeps the whole tree step of top guesses.
+    assert path(full(2, 6), verify(2, 5), graphs, trees=True).whole is WholeStep.TREE
+    parts = [
+        path(full(2, 6), verify(2, 5, RowsSampling(all_greedy=False, temperature_only=False)), graphs, trees=True),
+        path(full(2, 6), verify(2, 5, RowsSampling(all_greedy=False, logprobs=True)), graphs, trees=True),
+        path(full(2, 6), verify(2, 5, RowsSampling(all_greedy=False, logit_bias=True)), graphs, trees=True),
+        path(full(2, 6), verify(2, 5, RowsSampling(all_greedy=False, needs_host_tokens=True)), graphs, trees=True),
+        path(full(2, 6), verify(2, 5, RowsSampling(all_greedy=False, grammar=True)), graphs, trees=True),
+        path(full(2, 6), verify(2, 4, SAMPLED), graphs, trees=True),  # trees cut short
+        path(full(2, 6), verify(2, 5, SAMPLED), EVERY_GRAPH, trees=True),  # no whole sampled tree graph
+        path(full(2, 6), verify(2, 5, SAMPLED), graphs),  # chains
+    ]
+    assert all(p.whole is WholeStep.NONE for p in parts)
+
+
 def test_a_whole_step_without_a_speculator_drafts_nothing_and_a_host_one_drafts_on_the_host():
     assert path(full(4, 1), decode(4), speculator=SpeculatorKind.NONE).drafting is Drafting.NONE
     host = path(full(4, 1), decode(4), speculator=SpeculatorKind.ON_HOST)
