@@ -28,7 +28,7 @@ from specserve.config import EngineConfig
 from specserve.engine.kv_cache_manager import KVCacheManager
 from specserve.engine.request import Request, RequestStatus
 from specserve.spec_decode.metrics import SpecDecodeStats
-from specserve.spec_decode.policy import OffTable, SpeculationPolicy
+from specserve.spec_decode.policy import SpeculationPolicy, StepKind
 from specserve.spec_decode.tree import DraftTree
 
 
@@ -65,10 +65,10 @@ class SchedulerOutput:
     # The requests that yield tokens propose drafts for the next step (the policy's decision); False without a
     # speculator, or when the step's drafter stays idle.
     propose_drafts: bool = False
-    # The step before's decision (whose drafts this step verifies), and the kind of step it is where the policy's
-    # table does not time it: what the policy's measure of such steps needs (spec_decode/measured_steps.py).
+    # The step before's decision (whose drafts this step verifies), and the kind of step it is (None where no
+    # request yields tokens): what the policy's measure of steps needs (spec_decode/measured_steps.py).
     after_drafts: bool = False
-    off_table: OffTable | None = None
+    step_kind: StepKind | None = None
     # When EngineCore.step began this step (time.perf_counter()), and the host seconds the step took: the call
     # that launched it under asynchronous scheduling, launch to results otherwise.
     started: float = 0.0
@@ -186,9 +186,9 @@ class Scheduler:
         if self.policy is not None and (num_sampling := sum(s.samples for s in scheduled)):
             out.after_drafts = self._inflight_proposes
             yielding = [s.request for s in scheduled if s.samples]
-            out.off_table = OffTable.of(any(r.grammar is not None for r in yielding),
+            out.step_kind = StepKind.of(any(r.grammar is not None for r in yielding),
                                         all(r.params.greedy for r in yielding))
-            out.propose_drafts = self.policy.choose(num_sampling, out.off_table) > 0
+            out.propose_drafts = self.policy.choose(num_sampling, out.step_kind) > 0
         if scheduled:
             self._inflight_proposes = out.propose_drafts
         else:
@@ -258,9 +258,9 @@ class Scheduler:
             updated.append(req)
         if step_stats is not None and step_stats.num_steps:
             self.policy.observe(step_stats)
-        if step_stats is not None and out.off_table is not None and out.seconds is not None:
+        if step_stats is not None and out.step_kind is not None and out.seconds is not None:
             k = self.policy.max_drafts
-            self.policy.observe_off_table_step(out.off_table, k if out.propose_drafts else 0,
+            self.policy.observe_step(out.step_kind, k if out.propose_drafts else 0,
                                                k if out.after_drafts else 0, sum(s.samples for s in out.scheduled),
                                                sum(map(len, result.sampled.values())), out.seconds)
         return updated

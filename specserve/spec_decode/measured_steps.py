@@ -1,28 +1,28 @@
-"""Dynamic speculation in the steps the start-up table does not time: whether such a step drafts, from the
-tokens per second steps of its kind were measured to yield with drafts and without (docs/design.md, 'Dynamic
-speculation').
+"""Dynamic speculation from measurements: whether a step drafts, from the tokens per second steps of its kind were
+measured to yield with drafts and without (docs/design.md, 'Dynamic speculation').
 
-The start-up table (step_costs.py) times greedy steps without grammars, which run as whole-step graphs. Two kinds
-of step cost more, and differently with drafts (policy.OffTable): a grammar step, whose host builds a mask for
-every verified position and drafts depth by depth, waiting for each depth's drafts (docs/design.md, 'Structured
-output'); and a step with a request that samples, which verifies and drafts outside the whole-step graph. What
-that costs depends on the grammar, the batch and the host's CPU, and where it outweighs what the drafts gain,
-drafting makes those requests slower than no speculation. So for these steps the policy measures instead of
-predicting: each one's host time (the EngineCore.step call that launched it, which includes the waits for the
-device and for the step before) and the tokens it emitted, as moving averages per decision (drafts or none)
-and batch bucket (batch sizes up to the next power of two), and it takes the decision of the more tokens a
-second.
+What a step costs with drafts and without is more than its forward passes: the host's work for each token it
+emits, prompt chunks that join a batch, and, for two kinds of step, more again (policy.StepKind): a grammar step,
+whose host builds a mask for every verified position and drafts depth by depth, waiting for each depth's drafts
+(docs/design.md, 'Structured output'); and a step with a request that samples. Where that outweighs what the
+drafts gain, drafting makes requests slower than no speculation. So the policy measures instead of predicting:
+each step's host time (the EngineCore.step call that launched it, which includes the waits for the device and
+for the step before) and the tokens it emitted, as moving averages per decision (drafts or none) and batch bucket
+(batch sizes up to the next power of two), and it takes the decision of the more tokens a second.
 
 What must hold:
 - A measurement counts only where the step before made the same decision: a step's tokens come from the drafts
   the step before proposed and its time from the drafts it proposes, so the first step after a switch measures
   neither decision. A probe of the other decision therefore lasts PROBE_STEPS steps.
-- Drafting is measured first (the default decision), then none; after that the decision in force is kept and
-  the other probed every `probe_interval` steps of the kind and bucket, so a change in either is seen again.
+- A bucket starts from its prior's first choice (the start-up table's, for greedy steps; drafting otherwise),
+  measures it, then probes the other decision; after that the decision in force is kept and the other probed
+  every `probe_interval` steps of the kind and bucket, so a change in either is seen again. Where the prior says
+  drafts cannot pay even were every draft accepted, the bucket never drafts.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 # Measurements a decision needs in a bucket before it is compared.
 MIN_MEASURED = 3
@@ -65,19 +65,48 @@ def bucket_of(batch: int) -> int:
     return 1 << max(batch - 1, 0).bit_length()
 
 
+class StepPrior(Protocol):
+    """What a kind of step's decisions start from before they are measured."""
+
+    def first_choice(self, batch: int) -> int:
+        """Drafts per request a bucket's first steps take."""
+
+    def drafts_could_pay(self, batch: int) -> bool:
+        """Whether drafts could pay at this batch size were every draft accepted."""
+
+
+class DraftFirst:
+    """The prior of steps nothing predicts: draft, and measure."""
+
+    def __init__(self, max_drafts: int):
+        self.max_drafts = max_drafts
+
+    def first_choice(self, batch: int) -> int:
+        return self.max_drafts
+
+    def drafts_could_pay(self, batch: int) -> bool:
+        return True
+
+
 class MeasuredSteps:
     """The decisions of one kind of step for a policy drafting `max_drafts` or none."""
 
-    def __init__(self, max_drafts: int, weight: float, switch_margin: float, probe_interval: int):
+    def __init__(self, max_drafts: int, weight: float, switch_margin: float, probe_interval: int,
+                 prior: StepPrior | None = None):
         self.max_drafts = max_drafts
         self.weight = weight  # of one step's measurement in the moving averages
         self.switch_margin = switch_margin
         self.probe_interval = probe_interval
+        self.prior = prior if prior is not None else DraftFirst(max_drafts)
         self.buckets: dict[int, BucketState] = {}
 
     def choose(self, batch: int) -> int:
         """Drafts per request for a step of this kind with `batch` requests that yield tokens."""
-        state = self.buckets.setdefault(bucket_of(batch), BucketState(self.max_drafts))
+        if not self.prior.drafts_could_pay(batch):
+            return 0
+        state = self.buckets.get(bucket_of(batch))
+        if state is None:
+            state = self.buckets[bucket_of(batch)] = BucketState(self.prior.first_choice(batch))
         other = self.max_drafts - state.current
         if state.probe_left:
             state.probe_left -= 1
@@ -97,9 +126,10 @@ class MeasuredSteps:
     def observe(self, drafts: int, previous_drafts: int, batch: int, tokens: int, seconds: float) -> None:
         """A finished step of this kind: its decision and the one of the step before it, its batch (requests that
         yielded tokens), the tokens it emitted and its host time."""
-        if drafts != previous_drafts or seconds <= 0:
+        state = self.buckets.get(bucket_of(batch))
+        # A bucket that never drafts (its prior says drafts cannot pay) has no decision to measure.
+        if drafts != previous_drafts or seconds <= 0 or state is None:
             return
-        state = self.buckets.setdefault(bucket_of(batch), BucketState(self.max_drafts))
         state.rates.setdefault(drafts, MeasuredRate()).record(tokens, seconds, self.weight)
 
     def _measured(self, state: BucketState, drafts: int) -> bool:

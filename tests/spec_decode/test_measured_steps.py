@@ -1,13 +1,13 @@
-"""Dynamic speculation in steps the start-up table does not time (spec_decode/measured_steps.py): from measured
-tokens and seconds, with the measurements arriving a step late as the engine's do, it settles on the decision of
-the more tokens a second, probes the other periodically, ignores the steps right after a switch, and keeps batch
-buckets apart; and the policy routes grammar steps and sampling steps to it, each kind apart."""
+"""Dynamic speculation from measurements (spec_decode/measured_steps.py): from measured tokens and seconds, with the
+measurements arriving a step late as the engine's do, it settles on the decision of the more tokens a second,
+probes the other periodically, ignores the steps right after a switch, and keeps batch buckets apart; and the
+policy keeps each kind of step apart (greedy, grammar, sampling)."""
 from __future__ import annotations
 
 import pytest
 
 from specserve.spec_decode.measured_steps import MIN_MEASURED, PROBE_STEPS, MeasuredSteps, bucket_of
-from specserve.spec_decode.policy import OffTable, PolicySettings, SpeculationPolicy
+from specserve.spec_decode.policy import PolicySettings, SpeculationPolicy, StepKind
 from specserve.spec_decode.step_costs import StepCosts
 
 K = 3
@@ -57,9 +57,12 @@ def test_drafting_that_does_not_pay_is_dropped_and_probed_again():
 
 def test_a_step_after_a_switch_measures_nothing():
     steps = MeasuredSteps(K, weight=0.5, switch_margin=0.0, probe_interval=10)
+    steps.observe(K, K, 4, 100, 1.0)  # a bucket no decision was taken in: nothing to measure
+    assert 4 not in steps.buckets
+    assert steps.choose(4) == K
     steps.observe(K, 0, 4, 100, 1.0)  # proposes drafts after a plain step: not a steady drafting step
     steps.observe(0, K, 4, 100, 1.0)
-    assert 4 not in steps.buckets
+    assert not steps.buckets[4].rates
     steps.observe(K, K, 4, 12, 2.0)
     steps.observe(K, K, 4, 4, 2.0)
     rate = steps.buckets[4].rates[K]
@@ -74,26 +77,26 @@ def test_batch_sizes_up_to_a_power_of_two_share_a_bucket():
     assert run(steps, MIN_MEASURED, 5, tokens_with_drafts=1.0, seconds={K: 2.0, 0: 1.0}) == [K] * MIN_MEASURED
 
 
-@pytest.mark.parametrize("kind", list(OffTable))
-def test_the_policy_decides_off_table_steps_from_their_measurements_only_when_dynamic(kind):
-    """Steps of one kind off the table measured slower with drafts stop drafting; greedy steps without grammars
-    still follow the table, and the other kind keeps its own measurements."""
+@pytest.mark.parametrize("kind", list(StepKind))
+def test_the_policy_decides_each_kind_of_step_from_its_own_measurements_only_when_dynamic(kind):
+    """Steps of one kind measured slower with drafts stop drafting, though the table says drafting always pays;
+    the other kinds keep their own measurements and start from drafting."""
     costs = StepCosts((1, 64), {0: (1.0, 1.0), K: (1.1, 1.1)})  # the table says drafting always pays
     policy = SpeculationPolicy(K, dynamic=True, settings=PolicySettings(probe_interval=50))
     policy.set_costs(costs)
     for _ in range(30):
         d = policy.choose(64, kind)
-        policy.observe_off_table_step(kind, d, d, 64, 64, 1.0 if d == 0 else 5.0)
+        policy.observe_step(kind, d, d, 64, 64, 1.0 if d == 0 else 5.0)
     assert policy.measured_steps[kind].buckets[64].current == 0 and policy.choose(64, kind) == 0
-    assert policy.choose(64) == K  # greedy steps without a grammar follow the table
-    other = next(k for k in OffTable if k is not kind)
-    assert policy.measured_steps[other].buckets == {} and policy.choose(64, other) == K
+    for other in StepKind:
+        if other is not kind:
+            assert policy.measured_steps[other].buckets == {} and policy.choose(64, other) == K
     static = SpeculationPolicy(K)
-    static.observe_off_table_step(kind, 0, 0, 64, 64, 1.0)
+    static.observe_step(kind, 0, 0, 64, 64, 1.0)
     assert static.choose(64, kind) == K and static.measured_steps[kind].buckets == {}
 
 
-def test_a_step_is_off_the_table_for_a_grammar_first_then_for_sampling():
-    assert OffTable.of(grammar=True, greedy=True) is OffTable.of(grammar=True, greedy=False) is OffTable.GRAMMAR
-    assert OffTable.of(grammar=False, greedy=False) is OffTable.SAMPLING
-    assert OffTable.of(grammar=False, greedy=True) is None
+def test_a_steps_kind_is_its_grammar_first_then_whether_it_samples():
+    assert StepKind.of(grammar=True, greedy=True) is StepKind.of(grammar=True, greedy=False) is StepKind.GRAMMAR
+    assert StepKind.of(grammar=False, greedy=False) is StepKind.SAMPLING
+    assert StepKind.of(grammar=False, greedy=True) is StepKind.GREEDY

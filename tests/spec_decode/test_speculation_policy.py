@@ -1,5 +1,5 @@
-"""The dynamic speculation policy's decision (spec_decode/policy.py) against throughput computed by hand, its
-estimate, hysteresis and probes, the step-time table and the config fields."""
+"""The dynamic speculation policy's prior for greedy steps (spec_decode/policy.py) against throughput computed by
+hand, its estimate, the measurements that overrule it, the step-time table and the config fields."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import pytest
 from specserve.errors import ConfigError
 from specserve.spec_decode.config import SpeculativeConfig
 from specserve.spec_decode.metrics import SpecDecodeStats
-from specserve.spec_decode.policy import PolicySettings, SpeculationPolicy
+from specserve.spec_decode.policy import PolicySettings, SpeculationPolicy, StepKind
 from specserve.spec_decode.step_costs import StepCosts
 
 # A plain step: 1 s at batch 1, 2 s at batch 8; a step with 3 drafts: 1.5 s and 6 s.
@@ -59,27 +59,35 @@ def test_the_estimate_is_a_moving_average_of_each_steps_acceptance_per_position(
     assert p.acceptance == pytest.approx([0.875 + 0.25 * 0.125, 0.8125, 0.75])
 
 
-def test_hysteresis_switches_after_patience_decisions_and_not_for_a_small_gain():
-    p = policy(patience=3, switch_margin=0.02)
-    assert [p.choose(8) for _ in range(4)] == [3, 3, 0, 0]
-    assert [p.choose(1) for _ in range(4)] == [0, 0, 3, 3]
-    # Near the break-even, where no drafts yield 1% more (below the margin), it stays with drafts.
-    even = SpeculationPolicy(3, dynamic=True, settings=PolicySettings(patience=1, switch_margin=0.02))
-    even.set_costs(StepCosts((1, 8), {0: (1.0, 2.0), 3: (1.5, 2.0 * 2.8 * 1.01)}))
-    even.acceptance = [0.8, 0.6, 0.4]
-    assert even.tokens_per_second(0, 8) / even.tokens_per_second(3, 8) == pytest.approx(1.01)
-    assert [even.choose(8) for _ in range(5)] == [3] * 5
-    assert (p.steps_drafting, p.steps_without_drafts) == (4, 4)
+def test_a_greedy_bucket_starts_from_the_table_and_keeps_what_measures_faster():
+    """The table's choice is a bucket's first (batch 1: drafts; batch 8: none), then the other is probed, and the
+    measured rates decide: here steps with drafts measure slower than the table says, so batch 1 stops drafting."""
+    p = policy(probe_interval=50)
+    assert p.first_choice(1) == 3 and p.first_choice(8) == 0
+    previous, decisions = 3, []
+    for _ in range(20):
+        d = p.choose(1)
+        p.observe_step(StepKind.GREEDY, d, previous, 1, 1 if previous == 0 else 3, 1.0 if d == 0 else 4.0)
+        decisions.append(d)
+        previous = d
+    assert decisions[:3] == [3, 3, 3] and decisions[-5:] == [0] * 5
+    assert p.measured_steps[StepKind.GREEDY].buckets[1].current == 0
+    assert p.choose(8) == 0 and (p.steps_drafting, p.steps_without_drafts) == (decisions.count(3), 21 - decisions.count(3))
 
 
-def test_a_probe_drafts_once_per_interval_only_where_drafting_could_pay():
-    p = policy(acceptance=(0.0, 0.0, 0.0), patience=1, probe_interval=5)
-    assert p.choose(1) == 0  # switched: drafts never accepted
-    assert [p.choose(1) for _ in range(10)] == [0, 0, 0, 3, 0, 0, 0, 0, 3, 0]
-    # At a batch where even every draft accepted loses (8 * 4 / 6 s < 8 / 2 s), it never probes.
-    never = SpeculationPolicy(3, dynamic=True, settings=PolicySettings(patience=1, probe_interval=2))
+def test_where_drafting_could_not_pay_even_fully_accepted_a_bucket_never_drafts():
+    # At batch 8 every draft accepted still loses (8 * 4 / 9 s < 8 / 2 s): no draft, no probe.
+    never = SpeculationPolicy(3, dynamic=True, settings=PolicySettings(probe_interval=2))
     never.set_costs(StepCosts((1, 8), {0: (1.0, 2.0), 3: (1.5, 9.0)}))
-    assert [never.choose(8) for _ in range(8)] == [0] * 8
+    assert [never.choose(8) for _ in range(8)] == [0] * 8 and not never.drafts_could_pay(8)
+    # At batch 1 it could: every draft rejected, the table's first choice is none, and drafting is probed.
+    rejected = policy(acceptance=(0.0, 0.0, 0.0), probe_interval=2)
+    assert rejected.first_choice(1) == 0 and rejected.drafts_could_pay(1)
+    decisions = []
+    for _ in range(8):
+        decisions.append(rejected.choose(1))
+        rejected.observe_step(StepKind.GREEDY, decisions[-1], decisions[-1], 1, 1, 1.0)
+    assert decisions[:3] == [0, 0, 0] and 3 in decisions
 
 
 def test_without_dynamic_every_step_drafts_below_disable_by_batch_size():
