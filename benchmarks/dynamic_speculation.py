@@ -42,13 +42,16 @@ class Cell:
     def median(self, engine: str) -> float:
         return statistics.median(self.rounds[engine])
 
+    def against_none(self, engine: str) -> str:
+        if not self.rounds[engine]:
+            return "-"
+        return f"{self.median(engine):,.0f} ({self.median(engine) / self.median('none'):.2f}x)"
+
     def row(self) -> str:
-        none = self.median("none")
         steps = self.steps_drafting + self.steps_without_drafts
         share = f"{self.steps_drafting / steps:.0%}" if steps else "-"
-        return (f"| {self.batch} | {self.temperature:g} | {none:,.0f} | {self.median('always'):,.0f} "
-                f"({self.median('always') / none:.2f}x) | **{self.median('dynamic'):,.0f} "
-                f"({self.median('dynamic') / none:.2f}x)** | {share} |")
+        return (f"| {self.batch} | {self.temperature:g} | {self.median('none'):,.0f} | {self.against_none('always')} "
+                f"| **{self.against_none('dynamic')}** | {share} |")
 
 
 def build(model: str, spec: dict | None, max_num_seqs: int, kv_bytes: int) -> LLM:
@@ -79,6 +82,7 @@ def main() -> None:
     p.add_argument("--min-tokens", type=int, default=2048, help="tokens a run generates at least")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds, after one untimed warm-up round")
     p.add_argument("--kv-cache-memory-gib", type=float, default=4.0)
+    p.add_argument("--engines", default=",".join(ENGINES), help="of none,always,dynamic (none is always run)")
     p.add_argument("--json", help="write the raw rounds here")
     a = p.parse_args()
     spec = json.loads(a.speculative_config)
@@ -88,21 +92,22 @@ def main() -> None:
     temperatures = [float(t) for t in a.temperatures.split(",")]
     kv_bytes = int(a.kv_cache_memory_gib * 2**30)
     specs = {"none": None, "always": spec, "dynamic": {**spec, "dynamic": True}}
-    engines = {name: build(a.model, s, max(batches), kv_bytes) for name, s in specs.items()}
+    chosen = [e for e in ENGINES if e == "none" or e in a.engines.split(",")]
+    engines = {name: build(a.model, specs[name], max(batches), kv_bytes) for name in chosen}
     conversations = load_prompt_file(a.prompts)
     prompts = [prompt_token_ids(engines["none"], c) for c in conversations]
     cells = [Cell(b, t) for b in batches for t in temperatures]
-    policy = engines["dynamic"].engine.core.scheduler.policy
+    policy = engines["dynamic"].engine.core.scheduler.policy if "dynamic" in engines else None
     for r in range(a.rounds + 1):
         for cell in cells:
             params = SamplingParams(temperature=cell.temperature, max_tokens=a.max_tokens, ignore_eos=True)
             start = r * cell.batch
-            drafting, without = policy.steps_drafting, policy.steps_without_drafts
-            for name in ENGINES:
+            drafting, without = (policy.steps_drafting, policy.steps_without_drafts) if policy else (0, 0)
+            for name in engines:
                 rate = timed(engines[name], prompts, start, cell.batch, params, a.min_tokens)
                 if r:
                     cell.rounds[name].append(rate)
-            if r:
+            if r and policy:
                 cell.steps_drafting += policy.steps_drafting - drafting
                 cell.steps_without_drafts += policy.steps_without_drafts - without
         print(f"round {r}{' (warm-up)' if r == 0 else ''} done", flush=True)

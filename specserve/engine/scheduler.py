@@ -69,6 +69,10 @@ class SchedulerOutput:
     # request yields tokens): what the policy's measure of steps needs (spec_decode/measured_steps.py).
     after_drafts: bool = False
     step_kind: StepKind | None = None
+    # Every scheduled request decodes or verifies its drafts, and so did the step before's: no prompt chunk's time
+    # is in this step's (with asynchronous scheduling its time holds the step before's wait). Only such steps are
+    # measured, as a prompt chunk costs the same whichever the decision.
+    steady: bool = False
     # When EngineCore.step began this step (time.perf_counter()), and the host seconds the step took: the call
     # that launched it under asynchronous scheduling, launch to results otherwise.
     started: float = 0.0
@@ -101,6 +105,8 @@ class Scheduler:
         self.policy = policy
         # Whether the last step scheduled proposes drafts: the step in flight, whose drafts the next step verifies.
         self._inflight_proposes = False
+        # Whether the last step scheduled held decodes and verifications alone (SchedulerOutput.steady).
+        self._inflight_decodes_only = False
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -190,7 +196,9 @@ class Scheduler:
                                         all(r.params.greedy for r in yielding))
             out.propose_drafts = self.policy.choose(num_sampling, out.step_kind) > 0
         if scheduled:
-            self._inflight_proposes = out.propose_drafts
+            decodes_only = all(s.samples and s.num_new_tokens == 1 + len(s.spec_token_ids) for s in scheduled)
+            out.steady = decodes_only and self._inflight_decodes_only
+            self._inflight_proposes, self._inflight_decodes_only = out.propose_drafts, decodes_only
         else:
             # No step runs, so the runner hears of these requests with the next one that does.
             self._finished_ids[:0] = out.finished
@@ -258,7 +266,7 @@ class Scheduler:
             updated.append(req)
         if step_stats is not None and step_stats.num_steps:
             self.policy.observe(step_stats)
-        if step_stats is not None and out.step_kind is not None and out.seconds is not None:
+        if step_stats is not None and out.step_kind is not None and out.steady and out.seconds is not None:
             k = self.policy.max_drafts
             self.policy.observe_step(out.step_kind, k if out.propose_drafts else 0,
                                                k if out.after_drafts else 0, sum(s.samples for s in out.scheduled),

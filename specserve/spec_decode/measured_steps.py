@@ -16,8 +16,11 @@ What must hold:
   neither decision. A probe of the other decision therefore lasts PROBE_STEPS steps.
 - A bucket starts from its prior's first choice (the start-up table's, for greedy steps; drafting otherwise),
   measures it, then probes the other decision; after that the decision in force is kept and the other probed
-  every `probe_interval` steps of the kind and bucket, so a change in either is seen again. Where the prior says
-  drafts cannot pay even were every draft accepted, the bucket never drafts.
+  every `probe_interval` steps of the kind and bucket, so a change in either is seen again, that interval doubling
+  with each probe (up to MAX_BACKOFF times) until the decision changes, since a probe of a slower decision costs. Where
+  the prior says drafts cannot pay even were every draft accepted, the bucket never drafts.
+- Only steady steps are measured (the caller's choice: Scheduler.update measures steps of decodes and
+  verifications alone, after another such step), since a prompt chunk's time is the same whichever the decision.
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ from typing import Protocol
 MIN_MEASURED = 3
 # Steps a probe of the other decision lasts: its first is not measured (see above).
 PROBE_STEPS = MIN_MEASURED + 1
+# The longest wait between probes, in probe_intervals.
+MAX_BACKOFF = 8
 
 
 @dataclass
@@ -54,6 +59,7 @@ class MeasuredRate:
 @dataclass
 class BucketState:
     current: int  # the decision in force: drafts per request
+    interval: int  # decisions between probes (MeasuredSteps.choose backs it off)
     probe_left: int = 0  # steps of the running probe of the other decision
     since_probe: int = 0  # decisions since the last probe ended
     probed: bool = False  # whether the other decision was ever probed here
@@ -106,21 +112,25 @@ class MeasuredSteps:
             return 0
         state = self.buckets.get(bucket_of(batch))
         if state is None:
-            state = self.buckets[bucket_of(batch)] = BucketState(self.prior.first_choice(batch))
+            state = self.buckets[bucket_of(batch)] = BucketState(self.prior.first_choice(batch), self.probe_interval)
         other = self.max_drafts - state.current
         if state.probe_left:
             state.probe_left -= 1
             return other
         if not self._measured(state, state.current):
             return state.current
-        if not state.probed or state.since_probe >= self.probe_interval:
+        if not state.probed or state.since_probe >= state.interval:
+            if state.probed:
+                # A probe costs where the other decision is slower: each one doubles the wait for the next, up to
+                # MAX_BACKOFF times probe_interval, until a change of decision starts over.
+                state.interval = min(2 * state.interval, MAX_BACKOFF * self.probe_interval)
             state.probe_left, state.since_probe, state.probed = PROBE_STEPS - 1, 0, True
             return other
         state.since_probe += 1
         # The probe's last measurements arrive a step or two after it ends (the steps complete later).
         if self._measured(state, other) and state.rates[other].tokens_per_second > (
                 state.rates[state.current].tokens_per_second * (1.0 + self.switch_margin)):
-            state.current = other
+            state.current, state.interval, state.since_probe = other, self.probe_interval, 0
         return state.current
 
     def observe(self, drafts: int, previous_drafts: int, batch: int, tokens: int, seconds: float) -> None:

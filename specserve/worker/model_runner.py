@@ -23,7 +23,7 @@ from specserve.distributed.step_following import broadcasts_tree_moves, worker_s
 from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.models.arch_config import ArchConfig
 from specserve.outputs import Logprob
-from specserve.sample.sampler import Sampler, SamplingBatch
+from specserve.sample.sampler import Sampler
 from specserve.spec_decode.config import MAX_DRAFT_TOKENS
 from specserve.spec_decode.draft_inputs import DraftRequest
 from specserve.spec_decode.greedy_verify import UniformVerifyInputs
@@ -45,7 +45,6 @@ from specserve.worker.step_handle import StepHandle
 from specserve.worker.step_outputs import StepOutputs
 from specserve.worker.step_path import (Drafting, GraphsReady, Sampling, SpeculatorKind, StepPath, StepRows,
                                         Verification, WholeStep, choose_step_path)
-from specserve.worker.staged_inputs import StagedExtra
 from specserve.worker.step_plan import StepPlan, TreeLayout
 from specserve.worker.target_graphs import TargetGraphs
 
@@ -142,6 +141,8 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         self.whole_step_graphs: CUDAGraphManager | None = None
         # Trees with a request that samples (WholeStep.SAMPLED_TREE): one GPU, a drafter that draws children.
         self.whole_sampled_tree_graphs: CUDAGraphManager | None = None
+        # Decode steps a policy keeps from drafting (WholeStep.PLAIN): one GPU, a policy that can.
+        self.plain_step_graphs: CUDAGraphManager | None = None
         # The fixed inputs of a uniform batch's greedy verification, chain or tree, for their graphs.
         self.uniform_verify: UniformVerifyInputs | None = None
         self.capture_seconds: float | None = None
@@ -184,7 +185,8 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
     def release_graphs(self) -> None:
         """Drop every recorded graph, the runner's and the drafter's, so that their memory pool can be freed;
         steps run eagerly until capture_graphs records them again."""
-        self.graphs = self.greedy_graphs = self.whole_step_graphs = self.whole_sampled_tree_graphs = None
+        self.graphs = self.greedy_graphs = self.whole_step_graphs = None
+        self.whole_sampled_tree_graphs = self.plain_step_graphs = None
         self.uniform_verify = None
         if self.speculator is not None:
             self.speculator.release_graphs()
@@ -221,6 +223,7 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
             whole_step=whole is not None and not self.graphs.debug and whole.has_graph(desc) and (
                 sched.propose_drafts or not whole_step_drafts),
             whole_sampled_tree=sampled is not None and sampled.has_graph(desc) and sched.propose_drafts,
+            plain_step=self.plain_step_graphs is not None and self.plain_step_graphs.has_graph(desc),
             # Greedy verification graphs read the uniform batch's fixed inputs.
             greedy=greedy is not None and greedy.has_graph(desc) and (
                 desc.query_len == 1 or self.uniform_verify is not None),
@@ -319,16 +322,8 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         handle = StepHandle(sched, sampling, path)
         self._previous = {sched.scheduled[i].request.request_id:
                           PreviousRow(i, len(sched.scheduled[i].spec_token_ids)) for i in sampling}
-        if path.whole is WholeStep.SAMPLED_TREE:
-            self.speculator.tree_draws.stage(SamplingBatch.build([s.request for s in sched.scheduled], self.device),
-                                             b.staged_extra(StagedExtra.DRAFT_ROWS))
-            self.whole_sampled_tree_graphs.run(desc, self._whole_sampled_tree_step, None)
-            handle.host, handle.event = self.outputs.copy_to_host(len(sched.scheduled))
-            return handle
         if path.whole is not WholeStep.NONE:
-            self._forced_draws(desc, len(sampling))
-            whole_step = self._whole_step if path.whole is WholeStep.CHAIN else self._whole_tree_step
-            self.whole_step_graphs.run(desc, whole_step, None)
+            self.run_whole_step(desc, sched, path, len(sampling))
             handle.host, handle.event = self.outputs.copy_to_host(len(sched.scheduled))
             return handle
         b.spread()

@@ -27,6 +27,9 @@ class WholeStep(Enum):
     # TREE for a batch with a request that samples, every request drawing with its temperature alone: the walk
     # by recursive rejection sampling and the children drawn from the head (spec_decode/sampled_tree.py).
     SAMPLED_TREE = "whole sampled tree step"
+    # A greedy decode batch of a speculative engine whose policy keeps this step from drafting: decoded as the
+    # whole step of an engine without a speculator does, in a graph of its own.
+    PLAIN = "whole plain step"
 
 
 class Sampling(Enum):
@@ -162,6 +165,7 @@ class GraphsReady:
     drafting: bool = False  # the drafter's loop graph (chains) or tree graph for the requests that draft
     sampled_tree: bool = False  # the drafter's sampled tree graph for them
     whole_sampled_tree: bool = False  # a whole sampled tree step's graph for the descriptor
+    plain_step: bool = False  # a whole plain step's graph for the descriptor (a speculative engine's)
 
 
 @dataclass(frozen=True)
@@ -193,7 +197,8 @@ def choose_step_path(desc: BatchDescriptor, rows: StepRows, graphs: GraphsReady,
     A step runs whole when it has a whole-step graph, every request yields tokens, greedily, without
     logprobs or a grammar, and a verifying batch verifies exactly the drafts its graph verifies: the conditions
     under which each part would replay its own graph. A batch of trees with a request that samples runs the
-    whole sampled tree step on the same conditions, but that its requests draw with their temperatures alone. A step with a grammar request replays the target's graph
+    whole sampled tree step on the same conditions, but that its requests draw with their temperatures alone; a
+    greedy decode batch that drafts nothing this step (the policy's decision) the whole plain step. A step with a grammar request replays the target's graph
     and then the greedy graph, which applies the masks built in between."""
     everyone = rows.num_sampling == rows.num_scheduled
     both = rows.sample | rows.verify
@@ -204,6 +209,9 @@ def choose_step_path(desc: BatchDescriptor, rows: StepRows, graphs: GraphsReady,
                             Sampling.IN_WHOLE_STEP if rows.num_sample else Sampling.NONE,
                             Verification.IN_WHOLE_STEP if rows.num_verify else Verification.NONE,
                             _drafting(rows, graphs, speculator, trees, in_whole_step=True))
+    if (graphs.plain_step and speculator is SpeculatorKind.NONE and everyone and desc.query_len == 1
+            and both.samples_argmax and not both.grammar):
+        return StepPath(desc.mode, WholeStep.PLAIN, Sampling.IN_WHOLE_STEP, Verification.NONE, Drafting.NONE)
     if (trees and graphs.whole_sampled_tree and everyone and rows.all_verify(desc.query_len)
             and _draws_in_graph(both)):
         return StepPath(desc.mode, WholeStep.SAMPLED_TREE, Sampling.NONE, Verification.IN_WHOLE_STEP,

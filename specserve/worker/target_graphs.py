@@ -18,7 +18,9 @@ import torch
 from specserve.attention.metadata import AttentionMetadata
 from specserve.distributed.communication import broadcast_from_rank0
 from specserve.distributed.graph_following import CaptureDone, GraphPart, capture_message
+from specserve.engine.scheduler import SchedulerOutput
 from specserve.sample.argmax import greedy_argmax
+from specserve.sample.sampler import SamplingBatch
 from specserve.sample.token_bitmask import TokenMask
 from specserve.spec_decode.rejection_sampler import draw_randomness
 from specserve.spec_decode.sampled_tree import TreeSampling, sampled_tree_targets
@@ -28,7 +30,8 @@ from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager, defaul
 from specserve.worker.cudagraph_mode import CUDAGraphMode
 from specserve.worker.graph_recorder import AttentionSplitter
 from specserve.worker.inflight_inputs import take_inflight_inputs
-from specserve.worker.staged_inputs import NUM_REQS
+from specserve.worker.staged_inputs import NUM_REQS, StagedExtra
+from specserve.worker.step_path import StepPath, WholeStep
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +96,15 @@ class TargetGraphs:
                 uniform_query_lens=query_lens, recorder=recorder)
             self._tell_workers(GraphPart.WHOLE_STEP, self.whole_step_graphs, uniform, recorder)
             self.whole_step_graphs.capture(self._whole_step, self._prepare_capture, uniform)
+        spec = cfg.speculative_config
+        if (drafter is not None and not cfg.debug_cudagraph and self.tp_workers is None
+                and (spec.dynamic or spec.disable_by_batch_size is not None)):
+            # Steps the policy keeps from drafting decode as an engine without a speculator does.
+            self.plain_step_graphs = CUDAGraphManager(
+                "whole plain step", CUDAGraphMode.FULL_DECODE_ONLY, sizes, cfg.max_num_seqs,
+                cfg.max_num_batched_tokens, uniform_query_lens=(1,), recorder=recorder)
+            self.plain_step_graphs.capture(self._plain_step, self._prepare_capture,
+                                           [d for d in uniform if d.query_len == 1])
         if self.tp_workers is not None:
             self.tp_workers.send_step(CaptureDone())
         self.buffers.reset()
@@ -169,11 +181,26 @@ class TargetGraphs:
                       self.outputs.accepted, self.outputs.tokens, None if forced is None else v.uniform[:n], forced)
         return tokens
 
-    def _whole_step(self, desc: BatchDescriptor, metadata):
+    def run_whole_step(self, desc: BatchDescriptor, sched: SchedulerOutput, path: StepPath, num_sampling: int) -> None:
+        """Replay the step's whole-step graph (path.whole says which), after staging what its body reads."""
+        if path.whole is WholeStep.SAMPLED_TREE:
+            self.speculator.tree_draws.stage(SamplingBatch.build([s.request for s in sched.scheduled], self.device),
+                                             self.buffers.staged_extra(StagedExtra.DRAFT_ROWS))
+            graphs, body = self.whole_sampled_tree_graphs, self._whole_sampled_tree_step
+        elif path.whole is WholeStep.PLAIN:
+            graphs, body = self.plain_step_graphs, self._plain_step
+        else:
+            self._forced_draws(desc, num_sampling)
+            graphs, body = self.whole_step_graphs, (self._whole_step if path.whole is WholeStep.CHAIN
+                                                     else self._whole_tree_step)
+        graphs.run(desc, body, None)
+
+    def _whole_step(self, desc: BatchDescriptor, metadata, draft: bool = True):
         """Everything a greedy uniform batch does on the device, for one graph: the inputs spread from the
         staged copy, the in-flight requests' inputs, the target, its greedy outputs, and with a device drafter
-        the next drafts. Every launch reads its sizes from the staged header or from desc, so one recording
-        serves every batch padded to desc.num_reqs; what it computes is what the parts compute on their own."""
+        (unless not draft) the next drafts. Every launch reads its sizes from the staged header or from desc, so
+        one recording serves every batch padded to desc.num_reqs; what it computes is what the parts compute on
+        their own."""
         b, out, n = self.buffers, self.outputs, desc.num_reqs
         b.spread()
         self.fill_inflight_inputs(n)
@@ -181,7 +208,7 @@ class TargetGraphs:
         # A step with grammar masks never runs whole (step_path.py): they are built after its forward is queued.
         self._greedy_outputs_of(desc, padded_hidden, masked=False)
         spec = self.speculator
-        if spec is not None and spec.on_device:
+        if draft and spec is not None and spec.on_device:
             if self.config.drafter_sharded:
                 # The other ranks draft beside this one, from this step's accepted counts and tokens.
                 out.share_from_rank0(n)
@@ -233,6 +260,9 @@ class TargetGraphs:
 
     def _whole_sampled_tree_step(self, desc: BatchDescriptor, metadata):
         return self._whole_tree_step(desc, metadata, sampled=True)
+
+    def _plain_step(self, desc: BatchDescriptor, metadata):
+        return self._whole_step(desc, metadata, draft=False)
 
     def _sampled_tree_targets_in_graph(self, hidden: torch.Tensor, sampling: TreeSampling, index: torch.Tensor,
                                        num_drafts: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from heads import save_eagle_head
+from scripted_policy import scripted
 from step_drafts import recorded_drafts
 from specserve import LLM, SamplingParams
 from specserve.worker.cudagraph_mode import CUDAGraphMode as M
@@ -219,3 +220,21 @@ def test_the_whole_sampled_tree_step_draws_what_its_parts_draw_in_real_graphs(ca
     assert 4 in replays
     again = [o.outputs[0].token_ids for o in whole.generate(prompts[:4], params, use_tqdm=False)]
     assert again[0] != outs[0][0] or again[2] != outs[0][2]
+
+
+def test_steps_kept_from_drafting_decode_in_the_whole_plain_step_in_real_graphs(case):
+    """A dynamic engine whose decisions are scripted (drafts on some steps, none on others): the steps that draft
+    nothing and verify nothing replay the whole plain step's real graph, and greedy output equals the CPU's."""
+    path, prompts, ref, head = case
+    llm = LLM(str(path), max_model_len=256, device="cuda", **SMALL_KV, dtype="float32", debug_cudagraph=False,
+              max_num_seqs=16, max_num_batched_tokens=128, cudagraph_capture_sizes=[1, 2, 4, 8, 16],
+              speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3,
+                                  "dynamic": True})
+    graphs = llm.engine.runner.plain_step_graphs
+    replays = []
+    original = graphs.run
+    graphs.run = lambda desc, fn, md: replays.append(desc.num_reqs) or original(desc, fn, md)
+    scripted(llm, [3, 0, 0, 0, 3, 3, 0, 0])
+    for n in (12, 3):
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts[:n], GREEDY, use_tqdm=False)] == ref[:n]
+    assert replays and llm.engine.spec_stats.num_drafted > 0

@@ -4,17 +4,19 @@ trees, with asynchronous scheduling on and off."""
 from __future__ import annotations
 
 import copy
-import itertools
 
 import pytest
 
 from conftest import TEST_KV, repetitive_prompts as prompts
 from heads import save_eagle_head
+from scripted_policy import scripted
 from specserve import LLM, SamplingParams
 from specserve.entrypoints.openai.metrics import PREFIX, EngineStatsCollector
 from specserve.spec_decode.measured_steps import MIN_MEASURED, PROBE_STEPS
 from specserve.spec_decode.policy import StepKind
 from specserve.spec_decode.step_costs import StepCosts
+from specserve.worker.cudagraph_mode import CUDAGraphMode as M
+from specserve.worker.graph_recorder import EagerRecorder
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
@@ -83,13 +85,6 @@ def test_every_draft_accepted_with_cheap_drafts_keeps_drafting(models):
     assert stats.num_accepted == stats.num_drafted == 3 * stats.num_steps > 0
 
 
-def scripted(llm: LLM, pattern: list[int]) -> None:
-    """Replace the policy's decisions by a pattern repeated; the scheduler and runner follow them as they would the
-    policy's own."""
-    decisions = itertools.cycle(pattern)
-    llm.engine.core.scheduler.policy._decide = lambda batch, kind: next(decisions)
-
-
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("drafts", ["chain", "tree"])
 def test_drafting_on_and_off_step_by_step_equals_no_speculation(models, drafts, async_scheduling):
@@ -109,6 +104,25 @@ def test_drafting_on_and_off_step_by_step_equals_no_speculation(models, drafts, 
     assert policy.steps_drafting > 0 and policy.steps_without_drafts > 0 and llm.engine.spec_stats.num_drafted > 0
     assert sum(o.metrics.num_preemptions for o in outs) > 0, "no preemption in the mix"
     assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("drafts", ["chain", "tree"])
+def test_steps_kept_from_drafting_decode_in_the_whole_plain_step(models, drafts):
+    """With graphs recorded (the CPU stand-in), a step that drafts nothing and verifies nothing decodes in the whole
+    plain step's graph, as an engine without a speculator would, and the output is the target's."""
+    spec = {"method": "eagle3", "model": models["eagle3"], "dynamic": True,
+            "cost_table": cost_table(models, "any", (1.0,) * 4, (1.5,) * 4)}
+    spec.update({"num_speculative_tokens": 3} if drafts == "chain" else {"speculative_token_tree": TREE})
+    llm = LLM(str(models["path"]), max_model_len=256, speculative_config=spec, max_num_seqs=4,
+              cudagraph_capture_sizes=[1, 2, 4], **TEST_KV)
+    runner = llm.engine.runner
+    runner.capture_graphs(M.FULL_AND_PIECEWISE, EagerRecorder(), llm.engine.attention_backend)
+    replays = []
+    run = runner.plain_step_graphs.run
+    runner.plain_step_graphs.run = lambda desc, fn, md: replays.append(desc.num_reqs) or run(desc, fn, md)
+    scripted(llm, [3, 0, 0, 0, 3, 3, 0, 0])
+    assert tokens(llm.generate(models["prompts"][:3], GREEDY, use_tqdm=False)) == models["ref"][:3]
+    assert 4 in replays and llm.engine.spec_stats.num_drafted > 0
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -203,3 +217,21 @@ def test_sampling_steps_are_decided_from_their_own_measurements(models):
     assert tokens(llm.generate(models["prompts"][:2], GREEDY, use_tqdm=False)) == models["ref"][:2]
     assert all(policy.measured_steps[kind].buckets == measured[kind].buckets
                for kind in (StepKind.SAMPLING, StepKind.GRAMMAR))
+
+
+def test_only_steady_steps_are_measured(models):
+    """A step with a prompt chunk, and the step after it (whose host time holds the chunk's under asynchronous
+    scheduling), measure nothing: a prompt chunk costs the same whichever the decision. The others are measured."""
+    llm = dynamic_llm(models, cost_table(models, "any", (1.0,) * 4, (1.5,) * 4), forced_acceptance_prob=0.5)
+    scheduler = llm.engine.core.scheduler
+    outs, measured = [], []
+    schedule, observe = scheduler.schedule, scheduler.policy.observe_step
+    scheduler.schedule = lambda: outs.append(schedule()) or outs[-1]
+    scheduler.policy.observe_step = lambda *step: measured.append(step) or observe(*step)
+    ps = models["prompts"]
+    llm.generate(ps[:2] + [p + p for p in ps[2:4]], GREEDY, use_tqdm=False)
+    steps = [o for o in outs if o.scheduled]
+    decodes = [all(s.samples and s.num_new_tokens == 1 + len(s.spec_token_ids) for s in o.scheduled) for o in steps]
+    assert not all(decodes) and any(decodes)
+    assert [o.steady for o in steps] == [d and i > 0 and decodes[i - 1] for i, d in enumerate(decodes)]
+    assert 0 < len(measured) == sum(o.steady for o in steps)

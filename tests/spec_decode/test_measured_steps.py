@@ -30,7 +30,7 @@ def run(steps: MeasuredSteps, n: int, batch: int, tokens_with_drafts: float, sec
 
 def test_drafting_that_pays_is_kept_after_one_probe_of_none():
     steps = MeasuredSteps(K, weight=0.2, switch_margin=0.02, probe_interval=50)
-    d = run(steps, 120, 8, tokens_with_drafts=2.75, seconds={K: 1.5, 0: 1.0})
+    d = run(steps, 400, 8, tokens_with_drafts=2.75, seconds={K: 1.5, 0: 1.0})
     first_none = d.index(0)
     # Drafting is measured first (its measurements a step late), then none for one probe.
     assert MIN_MEASURED <= first_none <= MIN_MEASURED + 2 and d[first_none:first_none + PROBE_STEPS] == [0] * PROBE_STEPS
@@ -38,8 +38,11 @@ def test_drafting_that_pays_is_kept_after_one_probe_of_none():
     assert state.current == K
     assert state.rates[K].tokens_per_second == pytest.approx(8 * 2.75 / 1.5)
     assert state.rates[0].tokens_per_second == pytest.approx(8 / 1.0)
-    # Later probes of none come every probe_interval decisions, PROBE_STEPS long.
-    assert "".join("k" if x else "." for x in d).split("k").count("." * PROBE_STEPS) == d.count(0) // PROBE_STEPS == 3
+    # Later probes of none, PROBE_STEPS long, come after probe_interval decisions, then twice and four times that,
+    # as each one changes nothing.
+    starts = [i for i in range(len(d)) if d[i] == 0 and (i == 0 or d[i - 1] == K)]
+    assert all(d[i:i + PROBE_STEPS] == [0] * PROBE_STEPS for i in starts) and d.count(0) == PROBE_STEPS * len(starts)
+    assert [b - a - PROBE_STEPS for a, b in zip(starts, starts[1:])] == [50, 100, 200]
 
 
 def test_drafting_that_does_not_pay_is_dropped_and_probed_again():
@@ -53,6 +56,19 @@ def test_drafting_that_does_not_pay_is_dropped_and_probed_again():
     runs = [len(r) for r in "".join("k" if x else "." for x in tail).split(".") if r]
     assert runs and all(r == PROBE_STEPS for r in runs[:-1]) and len(runs) <= len(tail) // 50 + 1
     assert sum(tail) / K / len(tail) < 0.1
+
+
+def test_a_change_of_decision_starts_the_probes_backing_off_again():
+    steps = MeasuredSteps(K, weight=0.5, switch_margin=0.02, probe_interval=20)
+    run(steps, 200, 8, tokens_with_drafts=2.75, seconds={K: 1.5, 0: 1.0})
+    state = steps.buckets[8]
+    assert state.current == K and state.interval == 160  # probes 20, 40 and 80 decisions apart so far
+    # The drafts stop paying: drafting measures below none's rate from the last probe, so none takes over, and the
+    # probes of drafting come 20 and 40 decisions apart again.
+    d = "".join("k" if x else "." for x in run(steps, 90, 8, tokens_with_drafts=1.0, seconds={K: 1.5, 0: 1.0}))
+    switched = d.index(".")  # the decision that switched, once the drafting rate fell
+    assert state.current == 0 and d[switched:] == "." * 21 + "k" * PROBE_STEPS + "." * 40 + "k" * PROBE_STEPS + "." * (
+        len(d) - switched - 61 - 2 * PROBE_STEPS)
 
 
 def test_a_step_after_a_switch_measures_nothing():

@@ -70,6 +70,21 @@ def test_trees_whose_requests_draw_with_their_temperatures_alone_run_the_whole_s
     assert all(p.whole is WholeStep.NONE for p in parts)
 
 
+def test_a_greedy_decode_batch_kept_from_drafting_runs_the_whole_plain_step():
+    """A speculative engine's step that proposes no drafts (the policy's decision) decodes in the plain step's graph
+    where it has one; one that verifies, samples, or has no such graph runs the parts."""
+    graphs = GraphsReady(greedy=True, drafting=True, plain_step=True)
+    for trees in (False, True):
+        assert path(full(4, 1), decode(3), graphs, SpeculatorKind.NONE, trees) == StepPath(
+            M.FULL, WholeStep.PLAIN, Sampling.IN_WHOLE_STEP, Verification.NONE, Drafting.NONE)
+    parts = [path(full(4, 1), decode(3), graphs),  # it drafts
+             path(full(4, 4), verify(3, 3), graphs, SpeculatorKind.NONE),  # it verifies the step before's drafts
+             path(full(4, 1), decode(3, SAMPLED), graphs, SpeculatorKind.NONE),
+             path(full(4, 1), decode(3, RowsSampling(grammar=True)), graphs, SpeculatorKind.NONE),
+             path(full(4, 1), decode(3), GraphsReady(greedy=True, drafting=True), SpeculatorKind.NONE)]
+    assert all(p.whole is WholeStep.NONE for p in parts)
+
+
 def test_a_whole_step_without_a_speculator_drafts_nothing_and_a_host_one_drafts_on_the_host():
     assert path(full(4, 1), decode(4), speculator=SpeculatorKind.NONE).drafting is Drafting.NONE
     host = path(full(4, 1), decode(4), speculator=SpeculatorKind.ON_HOST)
