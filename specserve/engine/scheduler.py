@@ -52,6 +52,11 @@ class ScheduledRequest:
     # move back by the drafts that step rejects.
     from_device: bool = False
 
+    @property
+    def decodes(self) -> bool:
+        """Its tokens are a decode, or a verification of its drafts: no prompt token."""
+        return self.samples and self.num_new_tokens == 1 + len(self.spec_token_ids)
+
 
 @dataclass
 class SchedulerOutput:
@@ -196,7 +201,7 @@ class Scheduler:
                                         all(r.params.greedy for r in yielding))
             out.propose_drafts = self.policy.choose(num_sampling, out.step_kind) > 0
         if scheduled:
-            decodes_only = all(s.samples and s.num_new_tokens == 1 + len(s.spec_token_ids) for s in scheduled)
+            decodes_only = all(s.decodes for s in scheduled)
             out.steady = decodes_only and self._inflight_decodes_only
             self._inflight_proposes, self._inflight_decodes_only = out.propose_drafts, decodes_only
         else:

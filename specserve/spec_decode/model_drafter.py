@@ -165,17 +165,24 @@ class ModelDrafter(DrafterGraphs, Speculator):
 
     # ---- proposing ----------------------------------------------------------------------------
 
+    def prefill(self, desc: BatchDescriptor, target_out: tuple, metadata: AttentionMetadata):
+        """The prefill over the step's tokens (the target ran them as desc), from its graph where one is recorded:
+        each token's keys and values into the drafter's cache, and (for_logits, fed_back) at every token. A step
+        that drafts nothing but ran prompt tokens runs it alone (Drafting.PREFILL_ONLY); the inputs are gathered
+        first (draft_inputs.py)."""
+
+        def run(d: BatchDescriptor, md: AttentionMetadata):
+            return self._prefill(d, md, target_out)
+
+        graphs = self.prefill_graphs
+        return graphs.run(desc, run, metadata) if graphs else run(desc, metadata)
+
     @torch.inference_mode()
     def propose(self, inp: DraftInput) -> torch.Tensor:
         """[n, k] drafts (a chain) or [n, N] (a tree): the prefill, then the drafts as inp.drafting says."""
         n, k = inp.num_reqs, self.num_speculative_tokens
         desc = inp.descriptor
-
-        def prefill(d: BatchDescriptor, metadata: AttentionMetadata):
-            return self._prefill(d, metadata, inp.target_out)
-
-        graphs = self.prefill_graphs
-        for_logits, fed_back = graphs.run(desc, prefill, inp.metadata) if graphs else prefill(desc, inp.metadata)
+        for_logits, fed_back = self.prefill(desc, inp.target_out, inp.metadata)
         last = inp.last_token_indices
         if n != self._rows_in_use:
             # Rows past n are padding for a full decode graph: in-range token ids, finite hidden states.

@@ -83,6 +83,14 @@ class DraftProposal:
         else:
             self.outputs.drafts.index_copy_(0, b.staged_extra(StagedExtra.SAMPLING_ROWS), drafts)
 
+    def _prefill_drafter(self, desc: BatchDescriptor, target_out: tuple, metadata: AttentionMetadata,
+                         num_scheduled: int) -> None:
+        """A step that drafts nothing but ran prompt tokens (Drafting.PREFILL_ONLY): the drafter's prefill over the
+        step's tokens, its inputs gathered from the step's outputs, so that the drafter's cache holds the prompt
+        when the request drafts later."""
+        self._gather_draft_inputs(desc, max_rows=num_scheduled)
+        self.speculator.prefill(desc, target_out, metadata)
+
     def follow_proposal(self, follow: DraftFollow, num_scheduled: int, desc: BatchDescriptor, target_out: tuple,
                         metadata: AttentionMetadata, drafting: Drafting, tree_step: TreeOutcome | None) -> None:
         """A rank > 0's part of rank 0's _propose with a sharded drafter (docs/design.md, 'Tensor parallelism'):

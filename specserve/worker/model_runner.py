@@ -228,7 +228,8 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
             greedy=greedy is not None and greedy.has_graph(desc) and (
                 desc.query_len == 1 or self.uniform_verify is not None),
             drafting=kind is SpeculatorKind.ON_DEVICE and spec.has_drafting_graph(rows.num_sampling),
-            sampled_tree=kind is SpeculatorKind.ON_DEVICE and spec.has_sampled_tree_graph(rows.num_sampling))
+            sampled_tree=kind is SpeculatorKind.ON_DEVICE and spec.has_sampled_tree_graph(rows.num_sampling),
+            drafter_cache=whole_step_drafts and not self.config.drafter_sharded)
         return choose_step_path(desc, rows, graphs, kind, self.tree is not None)
 
     def dispatch(self, num_tokens: int, query_lens: list[int]) -> BatchDescriptor:
@@ -301,16 +302,17 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
             else:
                 draft_requests.append(DraftRequest(offset, n, -1, 0, req.all_token_ids[start + n]))
             offset += n
+        desc = self.dispatch(offset, qlens)
+        path = self._choose_path(desc, sched)
         drafter_on_device = self.speculator is not None and self.speculator.on_device
         plan = StepPlan.build(sched, sampling, draft_requests, inflight, drafter_on_device,
-                              drafter_on_device and sched.propose_drafts, self._row, trees=self.tree is not None)
+                              drafter_on_device and sched.propose_drafts, self._row, trees=self.tree is not None,
+                              prefills_drafter=path.drafting is Drafting.PREFILL_ONLY)
         self._tree_step = None
         ids, qlens_np, slens = (np.array(ids, dtype=np.int64), np.array(qlens, dtype=np.int64),
                                 np.array(slens, dtype=np.int64))
         table = self.host_block_table.gather(rows)
         tree_layout = self.tree_layout.stage(sched, offset) if self.tree_layout else (None, None)
-        desc = self.dispatch(offset, qlens)
-        path = self._choose_path(desc, sched)
         metadata = self.buffers.prepare(ids, qlens_np, slens, table, self.block_size, plan.extras, *tree_layout,
                                         masked=path.masked)
         b = self.buffers
@@ -329,9 +331,11 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         b.spread()
         if inflight:
             self.fill_inflight_inputs(len(inflight))
-        (padded_hidden, padded_aux), metadata = self._run_target(desc, metadata)
-        hidden = padded_hidden[:offset]
+        target_out, metadata = self._run_target(desc, metadata)
+        hidden = target_out[0][:offset]
         if not sampling:
+            if path.drafting is Drafting.PREFILL_ONLY:
+                self._prefill_drafter(desc, target_out, metadata, len(sched.scheduled))
             return handle
         masks = None
         if path.masked:
@@ -351,7 +355,9 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
             # The other ranks draft beside this one, from this step's accepted counts and tokens.
             self.outputs.share_from_rank0(len(sched.scheduled))
         if path.drafts_on_device:
-            self._propose(sched, sampling, desc, (padded_hidden, padded_aux), metadata, path.drafting, follow)
+            self._propose(sched, sampling, desc, target_out, metadata, path.drafting, follow)
+        elif path.drafting is Drafting.PREFILL_ONLY:
+            self._prefill_drafter(desc, target_out, metadata, len(sched.scheduled))
         if self.shares_outputs and follow is None:
             self.outputs.share_from_rank0(len(sched.scheduled))
         handle.host, handle.event = self.outputs.copy_to_host(len(sched.scheduled))

@@ -73,6 +73,9 @@ class Drafting(Enum):
     # draft_masks.py): one decode step per draft, or a tree's passes, eagerly.
     MASKED_STEPS = "masked steps"
     MASKED_TREE_PASSES = "masked tree passes"
+    # No drafts this step (none yields tokens, or the policy keeps it from drafting), but it ran prompt tokens: the
+    # drafter's prefill over them, so that its own cache holds every prompt token when it drafts later.
+    PREFILL_ONLY = "prefill only"
 
     @property
     def masked(self) -> bool:
@@ -138,13 +141,15 @@ class StepRows:
     num_verify: int = 0  # requests that verify drafts
     sample: RowsSampling = RowsSampling()  # the parameters of the first group
     verify: RowsSampling = RowsSampling()  # of the second
+    prompt_tokens: bool = False  # some request runs prompt tokens (ScheduledRequest.decodes false)
 
     @classmethod
     def of(cls, sched: SchedulerOutput) -> StepRows:
         sample = [s.request for s in sched.scheduled if s.samples and not s.spec_token_ids]
         verify = [s.request for s in sched.scheduled if s.samples and s.spec_token_ids]
         return cls(len(sched.scheduled), tuple(len(s.spec_token_ids) for s in sched.scheduled), len(sample),
-                   len(verify), RowsSampling.of(sample), RowsSampling.of(verify))
+                   len(verify), RowsSampling.of(sample), RowsSampling.of(verify),
+                   any(not s.decodes for s in sched.scheduled))
 
     @property
     def num_sampling(self) -> int:
@@ -166,6 +171,9 @@ class GraphsReady:
     sampled_tree: bool = False  # the drafter's sampled tree graph for them
     whole_sampled_tree: bool = False  # a whole sampled tree step's graph for the descriptor
     plain_step: bool = False  # a whole plain step's graph for the descriptor (a speculative engine's)
+    # The engine's device drafter keeps a cache of its own that its rank alone writes (not a sharded one, whose
+    # ranks would all have to follow): a step that drafts nothing prefills it over its prompt tokens.
+    drafter_cache: bool = False
 
 
 @dataclass(frozen=True)
@@ -182,7 +190,7 @@ class StepPath:
 
     @property
     def drafts_on_device(self) -> bool:
-        return self.drafting not in (Drafting.NONE, Drafting.ON_HOST)
+        return self.drafting not in (Drafting.NONE, Drafting.ON_HOST, Drafting.PREFILL_ONLY)
 
     @property
     def verifies_trees(self) -> bool:
@@ -254,7 +262,7 @@ def _verification(desc: BatchDescriptor, rows: StepRows, graphs: GraphsReady, tr
 def _drafting(rows: StepRows, graphs: GraphsReady, speculator: SpeculatorKind, trees: bool,
               in_whole_step: bool) -> Drafting:
     if not rows.num_sampling or speculator is SpeculatorKind.NONE:
-        return Drafting.NONE
+        return Drafting.PREFILL_ONLY if graphs.drafter_cache and rows.prompt_tokens else Drafting.NONE
     if speculator is SpeculatorKind.ON_HOST:
         return Drafting.ON_HOST
     if in_whole_step:

@@ -24,9 +24,10 @@ class StepPlan:
     @classmethod
     def build(cls, sched: SchedulerOutput, sampling: list[int], draft_requests: list[DraftRequest],
               inflight: list[InflightRequest], drafter_on_device: bool, proposes_on_device: bool, row_of,
-              trees: bool = False) -> StepPlan:
+              trees: bool = False, prefills_drafter: bool = False) -> StepPlan:
         """drafter_on_device: the verified drafts come from a device drafter, which kept their probabilities;
-        proposes_on_device: it proposes this step's drafts."""
+        proposes_on_device: it proposes this step's drafts; prefills_drafter: it only runs the drafter's prefill
+        (Drafting.PREFILL_ONLY), whose inputs are gathered per scheduled request too."""
         extras: dict[StagedExtra, np.ndarray] = {}
         if inflight:
             extras[StagedExtra.INFLIGHT] = inflight_rows(inflight)
@@ -60,6 +61,8 @@ class StepPlan:
                 # Each verified request's drafting index (draft_inputs.follow_tree_paths).
                 drafting = {row: i for i, row in enumerate(sampling)}
                 extras[StagedExtra.VERIFY_SLOTS] = np.array([drafting[i] for i in verify_rows], dtype=np.int64)
+        elif prefills_drafter:
+            extras[StagedExtra.DRAFT_REQUESTS] = draft_request_rows(draft_requests)
         return cls(sample_rows, verify_rows, extras)
 
 

@@ -129,9 +129,9 @@ def test_steps_kept_from_drafting_decode_in_the_whole_plain_step(models, drafts)
 def test_drafting_follows_the_batch_size_and_output_is_unchanged(models, async_scheduling):
     """The target drafting for itself (every draft accepted), with drafts that pay up to 3 requests and not from 4
     (even all accepted: 5 tokens in 6 s against 1 in 1 s): requests that finish one after another shrink the batch
-    from 6, so the policy turns drafting on mid-generation (and measures whether it pays). The drafter never ran
-    while all six did, so its cache lacks their prompts and its drafts are rejected (docs/design.md, 'Dynamic
-    speculation': the drafter's cache)."""
+    from 6, so the policy turns drafting on mid-generation (and measures whether it pays). The drafter drafted
+    nothing while all six ran, so its cache lacks the tokens of those steps (docs/design.md, 'Dynamic speculation':
+    the drafter's cache), but it holds their prompts."""
     table = cost_table(models, "small_batches", (1.0,) * 4, (1.2, 1.2, 6.0, 6.0), k=4)
     spec = {"method": "draft_model", "model": str(models["path"]), "num_speculative_tokens": 4, "dynamic": True,
             "cost_table": table}
@@ -146,7 +146,10 @@ def test_drafting_follows_the_batch_size_and_output_is_unchanged(models, async_s
     # Batches of 5 and 6 never drafted (nor were measured); the smaller ones drafted first.
     buckets = policy.measured_steps[StepKind.GREEDY].buckets
     assert 8 not in buckets and {1, 2} & set(buckets) and not policy.drafts_could_pay(5)
-    assert llm.engine.spec_stats.num_drafted > 0
+    # The drafter's prefill ran over the prompts though no step drafted (Drafting.PREFILL_ONLY); only the tokens of
+    # the steps without drafts are missing from its cache.
+    stats = llm.engine.spec_stats
+    assert stats.num_accepted > stats.num_drafted / 4
 
 
 def test_step_times_are_measured_at_start_up_and_leave_nothing_behind(models):

@@ -73,6 +73,20 @@ def test_target_as_its_own_draft_accepts_everything(target):
     assert outs[0].metrics.spec["acceptance_rate"] == 1.0
 
 
+def test_a_prompt_longer_than_a_steps_budget_is_all_in_the_drafters_cache(target):
+    """The chunks of a long prompt that yield no token run the drafter's prefill alone (Drafting.PREFILL_ONLY), so
+    the target drafting for itself still accepts every draft."""
+    path, _, ps, _ = target
+    long = [t for p in ps[:4] for t in p]
+    want = LLM(str(path), max_model_len=256, **TEST_KV).generate([long], GREEDY, use_tqdm=False)[0].outputs[0]
+    llm = LLM(str(path), max_model_len=256, max_num_seqs=1, max_num_batched_tokens=16, **TEST_KV,
+              speculative_config={"method": "draft_model", "model": str(path), "num_speculative_tokens": 4})
+    out = llm.generate([long], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert len(long) > 3 * 16 and out.token_ids == want.token_ids
+    stats = llm.engine.spec_stats
+    assert stats.num_drafted > 0 and stats.acceptance_rate == 1.0
+
+
 def test_stop_string_inside_accepted_drafts(target):
     path, _, ps, _ = target
     plain = LLM(str(path), max_model_len=256, **TEST_KV)

@@ -200,9 +200,26 @@ def test_step_rows_of_a_schedule():
         ScheduledRequest(request("c", SamplingParams(temperature=0, logprobs=2)), 2, [], [], samples=False, start=0),
     ])
     rows = StepRows.of(sched)
+    # c runs a prompt chunk; a decodes and b verifies its drafts.
     assert rows == StepRows(3, (0, 3, 0), num_sample=1, num_verify=1, sample=RowsSampling(),
-                            verify=RowsSampling(all_greedy=False))
+                            verify=RowsSampling(all_greedy=False), prompt_tokens=True)
     assert rows.num_sampling == 2 and not rows.all_verify(4) and StepRows(2, (3, 3)).all_verify(4)
+    assert not StepRows.of(SchedulerOutput(sched.scheduled[:2])).prompt_tokens
+
+
+def test_a_step_that_drafts_nothing_prefills_the_drafters_cache_over_its_prompt_tokens():
+    """A step of prompt chunks alone, or one the policy keeps from drafting that runs prompt tokens, runs the
+    drafter's prefill alone where the drafter keeps a cache its rank writes; a step of decodes does not."""
+    cache = GraphsReady(drafter_cache=True)
+    chunks = StepRows(2, (0, 0), prompt_tokens=True)
+    mixed = StepRows(2, (0, 0), num_sample=1, prompt_tokens=True)
+    desc = BatchDescriptor(M.NONE, 40, 2)
+    assert path(desc, chunks, cache).drafting is Drafting.PREFILL_ONLY
+    assert path(desc, mixed, cache, SpeculatorKind.NONE).drafting is Drafting.PREFILL_ONLY
+    assert not path(desc, mixed, cache, SpeculatorKind.NONE).drafts_on_device
+    assert path(desc, mixed, cache).drafting is Drafting.STEPS  # it drafts, its prefill included
+    assert path(desc, decode(2), cache, SpeculatorKind.NONE).drafting is Drafting.NONE
+    assert path(desc, chunks, GraphsReady()).drafting is Drafting.NONE  # a sharded drafter, or none on the device
 
 
 def test_grammar_rows_take_the_masked_greedy_graphs_but_never_the_whole_step():
