@@ -127,22 +127,20 @@ class DrafterGraphs:
             drafts.append(tokens)
         return torch.stack(drafts, dim=1)
 
-    def _tree_in_graph(self, desc: BatchDescriptor, metadata: AttentionMetadata) -> torch.Tensor:
+    def _tree_in_graph(self, desc: BatchDescriptor, metadata: AttentionMetadata, sampled: bool = False
+                       ) -> torch.Tensor:
         """A tree of drafts for each request, [n, N], from first_hidden and feedback (the prefill's states at
         each last accepted token); each depth builds its own metadata on the device, so the recorded one is
-        not read. num_reqs is read from its device buffer: one recording serves every batch padded to n."""
+        not read. num_reqs is read from its device buffer: one recording serves every batch padded to n.
+        sampled: a batch with a request that samples, whose sampling TreeDraws.stage wrote."""
         n = desc.num_reqs
         base_positions, block_table = self._loop_inputs
+        num_reqs = self.step_buffers.num_reqs
         return draft_tree(self, self.tree_tables, self.first_hidden[:n], self.feedback[:n], base_positions,
-                          block_table, self.step_buffers.num_reqs)
+                          block_table, num_reqs, sampling=self.tree_draws.in_graph(n, num_reqs) if sampled else None)
 
     def _sampled_tree_in_graph(self, desc: BatchDescriptor, metadata: AttentionMetadata) -> torch.Tensor:
-        """_tree_in_graph for a batch with a request that samples, whose sampling TreeDraws.stage wrote."""
-        n = desc.num_reqs
-        base_positions, block_table = self._loop_inputs
-        return draft_tree(self, self.tree_tables, self.first_hidden[:n], self.feedback[:n], base_positions,
-                          block_table, self.step_buffers.num_reqs,
-                          sampling=self.tree_draws.in_graph(n, self.step_buffers.num_reqs))
+        return self._tree_in_graph(desc, metadata, sampled=True)
 
 
 def _has_graph(graphs: CUDAGraphManager | None, num_reqs: int) -> bool:
