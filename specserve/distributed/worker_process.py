@@ -24,7 +24,7 @@ from specserve.spec_decode.tree_verify import move_kv
 from specserve.worker.cudagraph_mode import CUDAGraphMode
 from specserve.worker.model_runner import ModelRunner
 from specserve.worker.staged_inputs import StagedExtra
-from specserve.worker.step_path import Sampling, Verification, WholeStep
+from specserve.worker.step_path import Drafting, Sampling, Verification, WholeStep
 
 
 def run_worker(config: EngineConfig, source: ModelSource, rank: int, local_rank: int, init_method: str, conn,
@@ -129,5 +129,7 @@ def follow_step(runner: ModelRunner, step: WorkerStep) -> None:
         tree_step = runner.retrace_trees(*runner._verified_tokens()) if path.verifies_trees else None
         runner.follow_proposal(step.drafting, len(step.query_lens), desc, (padded_hidden, padded_aux), metadata,
                                path.drafting, tree_step)
+    elif path.drafting is Drafting.PREFILL_ONLY and runner.config.drafter_sharded:
+        runner._prefill_drafter(desc, (padded_hidden, padded_aux), metadata, len(step.query_lens))
     elif step.shares_outputs:
         runner.outputs.share_from_rank0(len(step.query_lens))

@@ -87,7 +87,10 @@ class DraftProposal:
                          num_scheduled: int) -> None:
         """A step that drafts nothing but ran prompt tokens (Drafting.PREFILL_ONLY): the drafter's prefill over the
         step's tokens, its inputs gathered from the step's outputs, so that the drafter's cache holds the prompt
-        when the request drafts later."""
+        when the request drafts later. Every rank of a sharded drafter runs it (distributed/worker_process.py),
+        after rank 0 shared the step's outputs, from which the inputs are gathered."""
+        if self.config.drafter_sharded:
+            self.outputs.share_from_rank0(num_scheduled)
         self._gather_draft_inputs(desc, max_rows=num_scheduled)
         self.speculator.prefill(desc, target_out, metadata)
 

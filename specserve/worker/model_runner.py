@@ -229,7 +229,7 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
                 desc.query_len == 1 or self.uniform_verify is not None),
             drafting=kind is SpeculatorKind.ON_DEVICE and spec.has_drafting_graph(rows.num_sampling),
             sampled_tree=kind is SpeculatorKind.ON_DEVICE and spec.has_sampled_tree_graph(rows.num_sampling),
-            drafter_cache=whole_step_drafts and not self.config.drafter_sharded)
+            drafter_cache=whole_step_drafts)
         return choose_step_path(desc, rows, graphs, kind, self.tree is not None)
 
     def dispatch(self, num_tokens: int, query_lens: list[int]) -> BatchDescriptor:
@@ -358,7 +358,9 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
             self._propose(sched, sampling, desc, target_out, metadata, path.drafting, follow)
         elif path.drafting is Drafting.PREFILL_ONLY:
             self._prefill_drafter(desc, target_out, metadata, len(sched.scheduled))
-        if self.shares_outputs and follow is None:
+        # A sharded drafter's prefill began with the share (_prefill_drafter).
+        prefill_shared = path.drafting is Drafting.PREFILL_ONLY and self.config.drafter_sharded
+        if self.shares_outputs and follow is None and not prefill_shared:
             self.outputs.share_from_rank0(len(sched.scheduled))
         handle.host, handle.event = self.outputs.copy_to_host(len(sched.scheduled))
         return handle

@@ -171,8 +171,8 @@ class GraphsReady:
     sampled_tree: bool = False  # the drafter's sampled tree graph for them
     whole_sampled_tree: bool = False  # a whole sampled tree step's graph for the descriptor
     plain_step: bool = False  # a whole plain step's graph for the descriptor (a speculative engine's)
-    # The engine's device drafter keeps a cache of its own that its rank alone writes (not a sharded one, whose
-    # ranks would all have to follow): a step that drafts nothing prefills it over its prompt tokens.
+    # The engine has a device drafter, whose cache of its own a step that drafts nothing prefills over its prompt
+    # tokens (every rank of a sharded one).
     drafter_cache: bool = False
 
 

@@ -209,7 +209,7 @@ def test_step_rows_of_a_schedule():
 
 def test_a_step_that_drafts_nothing_prefills_the_drafters_cache_over_its_prompt_tokens():
     """A step of prompt chunks alone, or one the policy keeps from drafting that runs prompt tokens, runs the
-    drafter's prefill alone where the drafter keeps a cache its rank writes; a step of decodes does not."""
+    drafter's prefill alone where there is a device drafter; a step of decodes does not."""
     cache = GraphsReady(drafter_cache=True)
     chunks = StepRows(2, (0, 0), prompt_tokens=True)
     mixed = StepRows(2, (0, 0), num_sample=1, prompt_tokens=True)
@@ -219,7 +219,7 @@ def test_a_step_that_drafts_nothing_prefills_the_drafters_cache_over_its_prompt_
     assert not path(desc, mixed, cache, SpeculatorKind.NONE).drafts_on_device
     assert path(desc, mixed, cache).drafting is Drafting.STEPS  # it drafts, its prefill included
     assert path(desc, decode(2), cache, SpeculatorKind.NONE).drafting is Drafting.NONE
-    assert path(desc, chunks, GraphsReady()).drafting is Drafting.NONE  # a sharded drafter, or none on the device
+    assert path(desc, chunks, GraphsReady()).drafting is Drafting.NONE  # no drafter on the device
 
 
 def test_grammar_rows_take_the_masked_greedy_graphs_but_never_the_whole_step():
