@@ -111,7 +111,8 @@ def main() -> None:
                 cell.steps_drafting += policy.steps_drafting - drafting
                 cell.steps_without_drafts += policy.steps_without_drafts - without
         print(f"round {r}{' (warm-up)' if r == 0 else ''} done", flush=True)
-    print("| batch | T | no speculation tok/s | always drafting (x none) | dynamic (x none) | dynamic's steps drafting |")
+    print("| batch | T | no speculation tok/s | always drafting (x none) | dynamic (x none) "
+          "| dynamic's steps drafting |")
     print("|---|---|---|---|---|---|")
     for cell in cells:
         print(cell.row())

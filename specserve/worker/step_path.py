@@ -206,8 +206,9 @@ def choose_step_path(desc: BatchDescriptor, rows: StepRows, graphs: GraphsReady,
     logprobs or a grammar, and a verifying batch verifies exactly the drafts its graph verifies: the conditions
     under which each part would replay its own graph. A batch of trees with a request that samples runs the
     whole sampled tree step on the same conditions, but that its requests draw with their temperatures alone; a
-    greedy decode batch that drafts nothing this step (the policy's decision) the whole plain step. A step with a grammar request replays the target's graph
-    and then the greedy graph, which applies the masks built in between."""
+    greedy decode batch that drafts nothing this step (the policy's decision) the whole plain step. A step with a
+    grammar request replays the target's graph and then the greedy graph, which applies the masks built in
+    between."""
     everyone = rows.num_sampling == rows.num_scheduled
     both = rows.sample | rows.verify
     if graphs.whole_step and everyone and not both.grammar:
