@@ -201,3 +201,39 @@ def test_skip_special_tokens(smollm2, skip, expected):
     for t in encode(smollm2, "Hello!") + [im_end]:
         detok.update([t])
     assert detok.output_text == expected
+
+
+FINAL_ONLY = SamplingParams(output_kind="final_only")
+
+
+@pytest.mark.parametrize("tokenizer_name", ["smollm2", "sentencepiece_style"])
+@pytest.mark.parametrize("text", TEXTS)
+def test_a_final_only_request_decoded_at_the_end_reads_as_the_streamed_text(request, tokenizer_name, text):
+    """A FINAL_ONLY request without stop strings decodes nothing per step and its whole output at the end, in one
+    window: the full decode's text, as the window-by-window stream's; so does one cut inside a character."""
+    tokenizer = request.getfixturevalue(tokenizer_name)
+    prompt_ids = encode(tokenizer, "Write something:")
+    output_ids = encode(tokenizer, text)
+    cut = next((i for i in range(1, len(output_ids)) if decode(tokenizer, output_ids[:i]).endswith("\ufffd")),
+               len(output_ids))
+    for ids in (output_ids, output_ids[:cut]):
+        streamed, _ = stream(tokenizer, prompt_ids, SamplingParams(), list(chunks(ids, random.Random(text))))
+        detok = IncrementalDetokenizer(tokenizer, prompt_ids, FINAL_ONLY)
+        for step in chunks(ids, random.Random(text)):
+            assert detok.update(step) is None and detok.num_consumed == len(step) and detok.output_text == ""
+        assert detok.get_delta(finished=True) == expected_output(tokenizer, prompt_ids, ids) == streamed.output_text
+
+
+@pytest.mark.parametrize("skip, expected", [(True, "Hello!"), (False, "Hello!<|im_end|>")])
+def test_a_final_only_request_skips_special_tokens_as_the_stream_does(smollm2, skip, expected):
+    im_end = smollm2.convert_tokens_to_ids("<|im_end|>")
+    detok = IncrementalDetokenizer(smollm2, encode(smollm2, "<|im_start|>assistant\n"),
+                                   SamplingParams(output_kind="final_only", skip_special_tokens=skip))
+    detok.update(encode(smollm2, "Hello!") + [im_end])
+    assert detok.get_delta(finished=True) == expected
+
+
+def test_a_final_only_request_with_stop_strings_watches_them_per_step(smollm2):
+    detok = IncrementalDetokenizer(smollm2, [], SamplingParams(output_kind="final_only", stop=["\n\nUser"]))
+    assert detok.update(encode(smollm2, "Hi there.\n\nUser: more")) == "\n\nUser"
+    assert detok.get_delta(finished=True) == "Hi there."
