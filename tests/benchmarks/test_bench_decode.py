@@ -150,7 +150,7 @@ def test_the_dynamic_policy_beside_no_speculation(tmp_path, monkeypatch):
         return StepCosts(sizes, {0: tuple(1e-3 * b for b in sizes), k: tuple(1.5e-3 * b for b in sizes)})
 
     monkeypatch.setattr(core, "measure_step_costs", slower_drafting)
-    cfg = preset_config("tiny", spec=[SpecSetting(2, 0.0, dynamic=True)], hf_batch_sizes=[], new_tokens=24)
+    cfg = preset_config("tiny", spec=[SpecSetting(2, 0.0, dynamic=True)], hf_batch_sizes=[], new_tokens=48)
     results = run_decode_bench(cfg, tmp_path / "r.json")
     rows = {(r.spec, r.batch): r for r in results.rows}
     assert set(rows) == {(spec, b) for spec in ("none", "eagle3 k=2 p=0 dynamic") for b in (1, 4)}
@@ -158,6 +158,6 @@ def test_the_dynamic_policy_beside_no_speculation(tmp_path, monkeypatch):
     data = json.loads((tmp_path / "r.json").read_text())
     dynamic = [row for row in data["rows"] if row["spec"] != "none"]
     assert all(row["x_no_spec"] > 0 and 0.0 <= row["drafting_share"] <= 1.0 for row in dynamic)
-    # No draft is ever accepted: once its estimate has fallen (within the first batch's run), the policy stops
-    # drafting.
-    assert dynamic[-1]["drafting_share"] == 0.0
+    # No draft is ever accepted: by the last batch size the acceptance estimate has fallen, so the table's first
+    # choice there is none, and drafting is probed only after probe_interval steps.
+    assert dynamic[-1]["drafting_share"] < 0.5

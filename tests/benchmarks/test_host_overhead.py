@@ -19,5 +19,6 @@ def test_each_part_of_a_step_is_timed():
     header = next(line.split() for line in lines if line.split()[:1] == ["batch"])
     assert header[3:] == ["step", "scheduler.schedule", "scheduler.update", "processor.process", "runner.launch"]
     rows = [line.split() for line in lines if line.split() and line.split()[0].isdigit()]
-    assert [r[2] for r in rows] == ["cumulative", "delta", "cumulative", "final_only"], lines
+    assert [(r[1], r[2]) for r in rows] == [("True", "cumulative"), ("True", "delta"), ("True", "final_only"),
+                                            ("False", "final_only")], lines
     assert all(float(x) > 0 for r in rows for x in r[3:]), lines
