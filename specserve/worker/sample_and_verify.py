@@ -149,7 +149,8 @@ class SampleAndVerify:
             target = greedy_argmax(logits).view(n, width)
             if not batch.all_greedy:
                 target = self._sampled_tree_targets(repeated_rows_probs(logits, batch, width).view(n, width, -1),
-                                                    target, index, num, batch)
+                                                    target, index, num, batch.greedy, batch.generators,
+                                                    b.staged_extra(StagedExtra.VERIFY_DRAFT_ROWS))
         outcome = verify_tree(target, b.input_ids, index, num, tables, b.slot_mapping, self.kv.spare_slot,
                               where, self.outputs.accepted, self.outputs.tokens)
         move_kv(self.kv.stack, *outcome.moves)
@@ -167,17 +168,17 @@ class SampleAndVerify:
             handle.logprobs.append(PendingLogprobs.start(result, batch_rows, per_request=path_tokens.shape[1]))
 
     def _sampled_tree_targets(self, probs: torch.Tensor, argmax: torch.Tensor, index: torch.Tensor,
-                              num_drafts: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+                              num_drafts: torch.Tensor, greedy: torch.Tensor,
+                              generators: list[torch.Generator | None], rows: torch.Tensor) -> torch.Tensor:
         """The target tokens per tree index (sampled_tree.sampled_tree_targets) of a batch with a request that
-        samples: its trees' children were drawn from the head, whose distributions the drafter kept, and are
-        verified by recursive rejection sampling against the target's probs [n, W, V]."""
+        samples: its trees' children were drawn from the head, whose distributions the drafter kept (each
+        request's row of them: rows), and are verified by recursive rejection sampling against the target's
+        probs [n, W, V]. greedy, generators: each request's (SamplingBatch)."""
         n, width = index.shape
-        uniform, noise = draw_randomness(n, width, probs.shape[-1], batch.generators, self.device,
+        uniform, noise = draw_randomness(n, width, probs.shape[-1], generators, self.device,
                                          self.sampler.default_generator)
-        return sampled_tree_targets(probs, argmax, batch.greedy, self.buffers.input_ids, index, num_drafts,
-                                    self.speculator.tree_draws.node_probs,
-                                    self.buffers.staged_extra(StagedExtra.VERIFY_DRAFT_ROWS), self.tree_tables,
-                                    uniform, noise)
+        return sampled_tree_targets(probs, argmax, greedy, self.buffers.input_ids, index, num_drafts,
+                                    self.speculator.tree_draws.node_probs, rows, self.tree_tables, uniform, noise)
 
     def retrace_trees(self, index: torch.Tensor, num_drafts: torch.Tensor, rows: torch.Tensor) -> TreeOutcome:
         """A rank > 0's _verify_tree of a sharded drafter's step, after rank 0 shared its outputs: the same walk

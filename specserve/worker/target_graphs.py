@@ -22,8 +22,7 @@ from specserve.engine.scheduler import SchedulerOutput
 from specserve.sample.argmax import greedy_argmax
 from specserve.sample.sampler import SamplingBatch
 from specserve.sample.token_bitmask import TokenMask
-from specserve.spec_decode.rejection_sampler import draw_randomness
-from specserve.spec_decode.sampled_tree import TreeSampling, sampled_tree_targets
+from specserve.spec_decode.sampled_tree import TreeSampling
 from specserve.spec_decode.greedy_verify import UniformVerifyInputs, greedy_verify
 from specserve.spec_decode.tree_verify import TreeOutcome, move_kv, verify_tree
 from specserve.worker.cudagraph import BatchDescriptor, CUDAGraphManager, default_capture_sizes
@@ -271,12 +270,9 @@ class TargetGraphs:
         their walk on the argmax), and randomness drawn as _sampled_tree_targets draws it."""
         n, width = index.shape
         logits = self.model.compute_logits(hidden)
-        argmax = greedy_argmax(logits).view(n, width)
         probs = (logits / sampling.temperature.repeat_interleave(width).unsqueeze(1)).softmax(dim=-1)
-        uniform, noise = draw_randomness(n, width, logits.shape[-1], [None] * n, self.device,
-                                         self.sampler.default_generator)
-        return sampled_tree_targets(probs.view(n, width, -1), argmax, sampling.greedy, self.buffers.input_ids, index,
-                                    num_drafts, sampling.node_probs, sampling.rows, self.tree_tables, uniform, noise)
+        return self._sampled_tree_targets(probs.view(n, width, -1), greedy_argmax(logits).view(n, width), index,
+                                          num_drafts, sampling.greedy, [None] * n, sampling.rows)
 
     def draft_tree_in_whole_step(self, desc: BatchDescriptor, target_out: tuple, metadata: AttentionMetadata,
                                  outcome: TreeOutcome, sampling: TreeSampling | None = None) -> None:
