@@ -47,12 +47,21 @@ class TreeSampling:
     # take, eagerly; None for draws a CUDA graph can record.
     filtered: SamplingBatch | None = None
 
-    def guesses(self, logits: torch.Tensor, k: int, nodes: range) -> torch.Tensor:
+    def guesses(self, logits: torch.Tensor, k: int, nodes: range, *, use_triton: bool | None = None) -> torch.Tensor:
         """[n * m, k]: after each of the m nodes of one depth (logits [n * m, V], request-major), the k children
         of a greedy request's node (the top guesses) or k draws without replacement from a sampling request's
-        q, which is kept for the nodes that have children."""
+        q, which is kept for the nodes that have children. Without filters, on CUDA, three Triton launches
+        (kernels/tree_draws.py); torch ops elsewhere (use_triton forces either where there are no filters)."""
         n = self.rows.shape[0]
         m = logits.shape[0] // n
+        slots = self.tables.level_prob_slots[self.tables.tree.depths[nodes.start]]
+        if self.filtered is None and (logits.is_cuda if use_triton is None else use_triton):
+            from specserve.kernels.tree_draws import draw_children
+            dest = torch.full((n, m), -1, dtype=torch.int64, device=logits.device)
+            if slots is not None:
+                dest[:, slots.columns] = self.rows[:, None] * self.tables.num_prob_slots + slots.slots[None, :]
+            return draw_children(logits, self.temperature, self.greedy, k, dest.view(-1), self.node_probs,
+                                 self.generator)
         if self.filtered is None:
             q, generators = (logits / self.temperature.repeat_interleave(m)[:, None]).softmax(dim=-1), []
         else:
@@ -62,7 +71,6 @@ class TreeSampling:
         # One top-k for both kinds of rows: a greedy row's q is softmax(logits), whose top is the logits' top.
         drawn = kept.float() / exponential_noise(tuple(q.shape), generators, self.generator, q.device)
         top_scores, top = torch.where(self.greedy.repeat_interleave(m)[:, None], q, drawn).topk(k, dim=-1)
-        slots = self.tables.level_prob_slots[self.tables.tree.depths[nodes.start]]
         if slots is not None:
             self.node_probs[self.rows[:, None], slots.slots[None, :]] = (
                 kept.view(n, m, -1).index_select(1, slots.columns))

@@ -154,7 +154,8 @@ def test_children_past_the_drafters_support_repeat_the_first():
     assert torch.equal(draws.node_probs[:50, 0].float(), draft[START].expand(50, V))
 
 
-def test_a_padded_graph_writes_the_padding_into_the_spare_row():
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch ops", "draw kernels"])
+def test_a_padded_graph_writes_the_padding_into_the_spare_row(use_triton):
     """Two requests in the drafter's rows 2 and 3, drawn as a graph padded to four requests whose padded rows
     still name row 0 (staged by an earlier step): each request's q lands in its own row, the padding's in the
     spare row, and rows 0 and 1 (other requests') are untouched."""
@@ -164,7 +165,7 @@ def test_a_padded_graph_writes_the_padding_into_the_spare_row():
     draws.rows[2:] = 0
     draws.stage(SamplingBatch.build(requests(2), torch.device("cpu")), torch.tensor([2, 3]))
     logits = draft[torch.tensor([START, START, 0, 0])].log()
-    draws.in_graph(4, torch.tensor([2])).guesses(logits, TREE.top_k(1), TREE.level(0))
+    draws.in_graph(4, torch.tensor([2])).guesses(logits, TREE.top_k(1), TREE.level(0), use_triton=use_triton)
     kept = draws.node_probs[:, 0].float()
     rounded = draft.to(draws.node_probs.dtype).float()
     assert torch.equal(kept[2], rounded[START]) and torch.equal(kept[3], rounded[START])
