@@ -10,8 +10,8 @@ The three engines are built first (each with max_num_seqs the largest batch size
 at batch B generates B prompts at once, all to --max-tokens tokens (EOS ignored, so the batch stays full), and
 repeats with the next B prompts of the file until it has --min-tokens tokens. Round 0 is a warm-up, untimed: the
 dynamic policy measures its decisions online, and what it keeps is what serving it for a while gets. Reported:
-each engine's median round, the speedups over no speculation, and the share of the dynamic engine's steps that
-drafted. The table goes to stdout.
+each engine's median round, the speedups over no speculation, the share of the dynamic engine's steps that
+drafted, and what its policy measured last in each batch bucket. The table goes to stdout.
 """
 from __future__ import annotations
 
@@ -71,6 +71,15 @@ def timed(llm: LLM, prompts: list[list[int]], start: int, batch: int, params: Sa
     return tokens / (time.perf_counter() - began)
 
 
+def measured_rates(policy) -> list[dict]:
+    """What the dynamic policy measured, per kind of step and batch bucket: tokens/s of each decision (drafts a
+    request) over its measured steps, and the decision in force."""
+    return [{"kind": kind.name, "bucket": bucket, "decision": state.current,
+             "rates": {d: {"tokens_per_s": round(r.tokens_per_second), "steps": r.count}
+                       for d, r in state.rates.items()}}
+            for kind, steps in policy.measured_steps.items() for bucket, state in sorted(steps.buckets.items())]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -116,9 +125,13 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for cell in cells:
         print(cell.row())
+    rates = measured_rates(policy) if policy else []
+    for m in rates:
+        print(f"measured {m['kind']} batch <= {m['bucket']}: deciding {m['decision']}; " + ", ".join(
+            f"{d} drafts {r['tokens_per_s']:,} tok/s over {r['steps']} steps" for d, r in m["rates"].items()))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "cells": [asdict(c) for c in cells]}, f, indent=1)
+            json.dump({"args": vars(a), "cells": [asdict(c) for c in cells], "measured": rates}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -210,6 +210,10 @@ class EngineCore:
             done, self._inflight = self._inflight, None
             return self._complete(done)
         started = time.perf_counter()
+        if self._inflight is not None:
+            # Under asynchronous scheduling a step's time is the engine's whole loop from its launch to the next:
+            # its caller's work on the outputs (per token, so more after a step that accepted drafts) included.
+            self._inflight.sched.seconds = started - self._inflight.sched.started
         sched = self.scheduler.schedule()
         sched.started = started
         self._drain = sched.stalled
@@ -229,7 +233,6 @@ class EngineCore:
 
         self._inflight = None if sched.is_empty else self.runner.launch(sched, complete_previous)
         complete_previous()
-        sched.seconds = time.perf_counter() - started
         return outputs
 
     def _complete(self, handle: StepHandle) -> list[CoreOutput]:

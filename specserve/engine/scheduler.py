@@ -78,8 +78,9 @@ class SchedulerOutput:
     # is in this step's (with asynchronous scheduling its time holds the step before's wait). Only such steps are
     # measured, as a prompt chunk costs the same whichever the decision.
     steady: bool = False
-    # When EngineCore.step began this step (time.perf_counter()), and the host seconds the step took: the call
-    # that launched it under asynchronous scheduling, launch to results otherwise.
+    # When EngineCore.step began this step (time.perf_counter()), and the seconds the step took: under
+    # asynchronous scheduling from the call that launched it to the next call (set as that one begins, before
+    # the step's results are read), launch to results otherwise.
     started: float = 0.0
     seconds: float | None = None
 

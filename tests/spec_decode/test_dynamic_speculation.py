@@ -40,11 +40,11 @@ def cost_table(models, name: str, plain: tuple[float, ...], drafting: tuple[floa
     return str(path)
 
 
-def dynamic_llm(models, table: str, forced_acceptance_prob: float) -> LLM:
+def dynamic_llm(models, table: str, forced_acceptance_prob: float, **kw) -> LLM:
     """The tiny model with a dynamic EAGLE-3 head at k=3 whose drafts are accepted with the given probability."""
     return LLM(str(models["path"]), max_model_len=256, speculative_config={
         "method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3,
-        "forced_acceptance_prob": forced_acceptance_prob, "dynamic": True, "cost_table": table}, **TEST_KV)
+        "forced_acceptance_prob": forced_acceptance_prob, "dynamic": True, "cost_table": table}, **TEST_KV, **kw)
 
 
 def tokens(outs) -> list[list[int]]:
@@ -238,3 +238,19 @@ def test_only_steady_steps_are_measured(models):
     assert not all(decodes) and any(decodes)
     assert [o.steady for o in steps] == [d and i > 0 and decodes[i - 1] for i, d in enumerate(decodes)]
     assert 0 < len(measured) == sum(o.steady for o in steps)
+
+
+def test_a_steps_time_covers_the_engines_whole_loop(models):
+    """Under asynchronous scheduling a step's measured time runs from its launch to the next launch, so the
+    caller's work on the outputs between two steps (here made 30 ms a step) counts: that work grows with the
+    tokens a step emits, and leaving it out would favour the decision that emits more a step."""
+    import time
+
+    llm = dynamic_llm(models, cost_table(models, "any", (1.0,) * 4, (1.5,) * 4), forced_acceptance_prob=0.5,
+                      async_scheduling=True)
+    processor, policy = llm.engine.processor, llm.engine.core.scheduler.policy
+    process, observe, measured = processor.process, policy.observe_step, []
+    processor.process = lambda *a, **kw: time.sleep(0.03) or process(*a, **kw)
+    policy.observe_step = lambda *step: measured.append(step[-1]) or observe(*step)
+    llm.generate(models["prompts"][:2], GREEDY, use_tqdm=False)
+    assert measured and min(measured) >= 0.03
