@@ -19,6 +19,12 @@ What must hold:
   every `probe_interval` steps of the kind and bucket, so a change in either is seen again, that interval doubling
   with each probe (up to MAX_BACKOFF times) until the decision changes, since a probe of a slower decision costs. Where
   the prior says drafts cannot pay even were every draft accepted, the bucket never drafts.
+- The decisions are compared once a probe, when its measurements are in, and a probe measures the other decision
+  afresh. A drafting step's tokens vary with what the drafts guess; a plain step's hardly do. Compared at every
+  step, the moving average of the decision in force against the other's last probe, drafting lost to every dip
+  in its tokens and none never dipped; a decision dropped on a dip then kept that dip in its average, which
+  probes only slowly moved. Either kept buckets from drafting where drafting was faster
+  (tests/spec_decode/test_measured_steps.py simulates both).
 - Only steady steps are measured (the caller's choice: Scheduler.update measures steps of decodes and
   verifications alone, after another such step), since a prompt chunk's time is the same whichever the decision.
 """
@@ -63,6 +69,7 @@ class BucketState:
     probe_left: int = 0  # steps of the running probe of the other decision
     since_probe: int = 0  # decisions since the last probe ended
     probed: bool = False  # whether the other decision was ever probed here
+    compare_pending: bool = False  # a probe's measurements are awaited, to compare the decisions once they are in
     rates: dict[int, MeasuredRate] = field(default_factory=dict)
 
 
@@ -125,12 +132,16 @@ class MeasuredSteps:
                 # MAX_BACKOFF times probe_interval, until a change of decision starts over.
                 state.interval = min(2 * state.interval, MAX_BACKOFF * self.probe_interval)
             state.probe_left, state.since_probe, state.probed = PROBE_STEPS - 1, 0, True
+            state.rates.pop(other, None)
+            state.compare_pending = True
             return other
         state.since_probe += 1
         # The probe's last measurements arrive a step or two after it ends (the steps complete later).
-        if self._measured(state, other) and state.rates[other].tokens_per_second > (
-                state.rates[state.current].tokens_per_second * (1.0 + self.switch_margin)):
-            state.current, state.interval, state.since_probe = other, self.probe_interval, 0
+        if state.compare_pending and self._measured(state, other):
+            state.compare_pending = False
+            if state.rates[other].tokens_per_second > (
+                    state.rates[state.current].tokens_per_second * (1.0 + self.switch_margin)):
+                state.current, state.interval, state.since_probe = other, self.probe_interval, 0
         return state.current
 
     def observe(self, drafts: int, previous_drafts: int, batch: int, tokens: int, seconds: float) -> None:
