@@ -244,6 +244,10 @@ class Scheduler:
         updated = []
         # This step's acceptance, for a policy that learns from it (a dynamic one).
         step_stats = SpecDecodeStats() if self.policy is not None and self.policy.dynamic else None
+        # A step whose requests had all finished before its results came (under asynchronous scheduling, one left
+        # in flight when its caller stopped stepping) measured the caller's idle time, not the step's.
+        all_running = all(s.request.status is RequestStatus.RUNNING for s in out.scheduled)
+        emitted = 0
         for s in out.scheduled:
             req = s.request
             req.num_inflight_tokens -= s.num_new_tokens
@@ -263,20 +267,22 @@ class Scheduler:
                 self.spec_stats.record(positions, len(new_tokens) - 1)
                 if step_stats is not None:
                     step_stats.record(positions, len(new_tokens) - 1)
+            before = req.num_output_tokens
             for t in new_tokens:
                 if req.append_token(t):
                     break
+            emitted += req.num_output_tokens - before
             # A request already scheduled again verifies these drafts from the device.
             if not req.is_finished and not req.num_inflight_tokens:
                 req.spec_token_ids = result.drafts.get(req.request_id, [])[: self._num_drafts(req, req.num_tokens)]
             updated.append(req)
         if step_stats is not None and step_stats.num_steps:
             self.policy.observe(step_stats)
-        if step_stats is not None and out.step_kind is not None and out.steady and out.seconds is not None:
+        if (step_stats is not None and out.step_kind is not None and out.steady and out.seconds is not None
+                and all_running):
             k = self.policy.max_drafts
-            self.policy.observe_step(out.step_kind, k if out.propose_drafts else 0,
-                                               k if out.after_drafts else 0, sum(s.samples for s in out.scheduled),
-                                               sum(map(len, result.sampled.values())), out.seconds)
+            self.policy.observe_step(out.step_kind, k if out.propose_drafts else 0, k if out.after_drafts else 0,
+                                     sum(s.samples for s in out.scheduled), emitted, out.seconds)
         return updated
 
     def finish(self, req: Request, status: RequestStatus) -> None:

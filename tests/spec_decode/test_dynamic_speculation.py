@@ -254,3 +254,22 @@ def test_a_steps_time_covers_the_engines_whole_loop(models):
     policy.observe_step = lambda *step: measured.append(step[-1]) or observe(*step)
     llm.generate(models["prompts"][:2], GREEDY, use_tqdm=False)
     assert measured and min(measured) >= 0.03
+
+
+def test_a_step_left_in_flight_between_calls_measures_nothing(models):
+    """Under asynchronous scheduling a step can be launched for requests that its predecessor's tokens then finish
+    (every draft accepted here, so the step in flight reaches max_tokens); generate returns with it in flight and
+    the next call completes it. Its time from launch to that call is the
+    caller's idle time (here 0.3 s): measured, it would swamp the moving averages of its decision."""
+    import time
+
+    llm = dynamic_llm(models, cost_table(models, "any", (1.0,) * 4, (1.5,) * 4), forced_acceptance_prob=1.0,
+                      async_scheduling=True)
+    core, policy = llm.engine.core, llm.engine.core.scheduler.policy
+    observe, measured, left_in_flight = policy.observe_step, [], 0
+    policy.observe_step = lambda *step: measured.append(step[-1]) or observe(*step)
+    for p in models["prompts"][:4]:
+        llm.generate([p], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        left_in_flight += core._inflight is not None
+        time.sleep(0.3)
+    assert left_in_flight and measured and max(measured) < 0.3
