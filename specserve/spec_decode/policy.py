@@ -74,7 +74,8 @@ class SpeculationPolicy:
         self.steps_without_drafts = 0
         s = self.settings
         self.measured_steps = {kind: MeasuredSteps(self.max_drafts, s.acceptance_weight, s.switch_margin,
-                                                   s.probe_interval, self if kind is StepKind.GREEDY else None)
+                                                   s.probe_interval,
+                                                   self if kind is StepKind.GREEDY else DraftWhereGreedyCould(self))
                                for kind in StepKind}
 
     def set_costs(self, costs: StepCosts) -> None:
@@ -135,3 +136,20 @@ class SpeculationPolicy:
         if not self.dynamic or self.costs is None:
             return self.max_drafts
         return self.measured_steps[kind].choose(batch)
+
+
+class DraftWhereGreedyCould:
+    """The prior of grammar and sampling steps, which the table does not time: draft first, and never where even a
+    greedy step whose drafts were all accepted could not pay. What such a step adds to a greedy one (a mask per
+    verified position, a draw per verified row) grows with the rows it verifies, 1 + drafts per request, at least
+    as fast as the tokens it can yield, so its drafts pay no better than greedy drafts at full acceptance."""
+
+    def __init__(self, table: SpeculationPolicy):
+        self.table = table
+
+    def first_choice(self, batch: int) -> int:
+        return self.table.max_drafts
+
+    def drafts_could_pay(self, batch: int) -> bool:
+        return self.table.drafts_could_pay(batch)
+
