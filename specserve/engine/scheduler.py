@@ -70,9 +70,11 @@ class SchedulerOutput:
     # The requests that yield tokens propose drafts for the next step (the policy's decision); False without a
     # speculator, or when the step's drafter stays idle.
     propose_drafts: bool = False
-    # The step before's decision (whose drafts this step verifies), and the kind of step it is (None where no
+    # The decisions of the steps before whose work this step's measurement holds, the latest first: the step before
+    # (whose drafts this step verifies) and, under asynchronous scheduling, the one before that (whose drafts the
+    # step before verified while this step's time waited for it); and the kind of step it is (None where no
     # request yields tokens): what the policy's measure of steps needs (spec_decode/measured_steps.py).
-    after_drafts: bool = False
+    earlier_drafts: tuple[bool, ...] = ()
     step_kind: StepKind | None = None
     # Every scheduled request decodes or verifies its drafts, and so did the step before's: no prompt chunk's time
     # is in this step's (with asynchronous scheduling its time holds the step before's wait). Only such steps are
@@ -111,6 +113,8 @@ class Scheduler:
         self.policy = policy
         # Whether the last step scheduled proposes drafts: the step in flight, whose drafts the next step verifies.
         self._inflight_proposes = False
+        # The decisions of the last steps scheduled, the latest first, as many as a step's measurement holds.
+        self._recent_proposals: deque[bool] = deque(maxlen=2 if config.async_scheduling else 1)
         # Whether the last step scheduled held decodes and verifications alone (SchedulerOutput.steady).
         self._inflight_decodes_only = False
 
@@ -196,7 +200,7 @@ class Scheduler:
 
         out.scheduled = scheduled
         if self.policy is not None and (num_sampling := sum(s.samples for s in scheduled)):
-            out.after_drafts = self._inflight_proposes
+            out.earlier_drafts = tuple(self._recent_proposals)
             yielding = [s.request for s in scheduled if s.samples]
             out.step_kind = StepKind.of(any(r.grammar is not None for r in yielding),
                                         all(r.params.greedy for r in yielding))
@@ -205,6 +209,7 @@ class Scheduler:
             decodes_only = all(s.decodes for s in scheduled)
             out.steady = decodes_only and self._inflight_decodes_only
             self._inflight_proposes, self._inflight_decodes_only = out.propose_drafts, decodes_only
+            self._recent_proposals.appendleft(out.propose_drafts)
         else:
             # No step runs, so the runner hears of these requests with the next one that does.
             self._finished_ids[:0] = out.finished
@@ -281,8 +286,9 @@ class Scheduler:
         if (step_stats is not None and out.step_kind is not None and out.steady and out.seconds is not None
                 and all_running):
             k = self.policy.max_drafts
-            self.policy.observe_step(out.step_kind, k if out.propose_drafts else 0, k if out.after_drafts else 0,
-                                     sum(s.samples for s in out.scheduled), emitted, out.seconds)
+            decisions = tuple(k if d else 0 for d in (out.propose_drafts, *out.earlier_drafts))
+            self.policy.observe_step(out.step_kind, decisions, sum(s.samples for s in out.scheduled), emitted,
+                                     out.seconds)
         return updated
 
     def finish(self, req: Request, status: RequestStatus) -> None:

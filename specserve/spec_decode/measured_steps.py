@@ -6,14 +6,18 @@ emits, prompt chunks that join a batch, and, for two kinds of step, more again (
 whose host builds a mask for every verified position and drafts depth by depth, waiting for each depth's drafts
 (docs/design.md, 'Structured output'); and a step with a request that samples. Where that outweighs what the
 drafts gain, drafting makes requests slower than no speculation. So the policy measures instead of predicting:
-each step's host time (the EngineCore.step call that launched it, which includes the waits for the device and
-for the step before) and the tokens it emitted, as moving averages per decision (drafts or none) and batch bucket
-(batch sizes up to the next power of two), and it takes the decision of the more tokens a second.
+each step's time (under asynchronous scheduling from its launch to the next, the whole loop of the engine and
+its caller; launch to results otherwise) and the tokens it emitted, as moving averages per decision (drafts or
+none) and batch bucket (batch sizes up to the next power of two), and it takes the decision of the more tokens a
+second.
 
 What must hold:
-- A measurement counts only where the step before made the same decision: a step's tokens come from the drafts
-  the step before proposed and its time from the drafts it proposes, so the first step after a switch measures
-  neither decision. A probe of the other decision therefore lasts PROBE_STEPS steps.
+- A measurement counts only where every step whose work it holds made the same decision: a step's tokens come
+  from the drafts the step before proposed and its time from the drafts it proposes and verifies; under
+  asynchronous scheduling its time also waits for the step before, which verified the drafts of the one before
+  that. So the first step after a switch, and under asynchronous scheduling the second, measures neither decision
+  (a plain step's time would hold the verification of the drafts before the switch). A probe of the other
+  decision therefore lasts PROBE_STEPS steps.
 - A bucket starts from its prior's first choice (the start-up table's, for greedy steps; drafting otherwise),
   measures it, then probes the other decision; after that the decision in force is kept and the other probed
   every `probe_interval` steps of the kind and bucket, so a change in either is seen again, that interval doubling
@@ -35,8 +39,9 @@ from typing import Protocol
 
 # Measurements a decision needs in a bucket before it is compared.
 MIN_MEASURED = 3
-# Steps a probe of the other decision lasts: its first is not measured (see above).
-PROBE_STEPS = MIN_MEASURED + 1
+# Steps a probe of the other decision lasts: its first two are not measured under asynchronous scheduling (see
+# above).
+PROBE_STEPS = MIN_MEASURED + 2
 # The longest wait between probes, in probe_intervals.
 MAX_BACKOFF = 8
 
@@ -144,14 +149,14 @@ class MeasuredSteps:
                 state.current, state.interval, state.since_probe = other, self.probe_interval, 0
         return state.current
 
-    def observe(self, drafts: int, previous_drafts: int, batch: int, tokens: int, seconds: float) -> None:
-        """A finished step of this kind: its decision and the one of the step before it, its batch (requests that
-        yielded tokens), the tokens it emitted and its host time."""
+    def observe(self, decisions: tuple[int, ...], batch: int, tokens: int, seconds: float) -> None:
+        """A finished step of this kind: its decision and those of the steps before whose work its measurement
+        holds (the latest first), its batch (requests that yielded tokens), the tokens it emitted and its time."""
         state = self.buckets.get(bucket_of(batch))
         # A bucket that never drafts (its prior says drafts cannot pay) has no decision to measure.
-        if drafts != previous_drafts or seconds <= 0 or state is None:
+        if len(set(decisions)) != 1 or seconds <= 0 or state is None:
             return
-        state.rates.setdefault(drafts, MeasuredRate()).record(tokens, seconds, self.weight)
+        state.rates.setdefault(decisions[0], MeasuredRate()).record(tokens, seconds, self.weight)
 
     def _measured(self, state: BucketState, drafts: int) -> bool:
         rate = state.rates.get(drafts)

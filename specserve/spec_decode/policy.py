@@ -113,11 +113,11 @@ class SpeculationPolicy:
 
     # ---- the decision ---------------------------------------------------------------------------
 
-    def observe_step(self, kind: StepKind, drafts: int, previous_drafts: int, batch: int, tokens: int,
+    def observe_step(self, kind: StepKind, decisions: tuple[int, ...], batch: int, tokens: int,
                      seconds: float) -> None:
         """A finished step (MeasuredSteps.observe), for a dynamic policy."""
         if self.dynamic:
-            self.measured_steps[kind].observe(drafts, previous_drafts, batch, tokens, seconds)
+            self.measured_steps[kind].observe(decisions, batch, tokens, seconds)
 
     def choose(self, batch: int, kind: StepKind = StepKind.GREEDY) -> int:
         """The drafts per request of a step of `kind` with `batch` requests that yield tokens."""

@@ -75,7 +75,7 @@ def test_every_draft_accepted_with_cheap_drafts_keeps_drafting(models):
     are only the probes of none (PROBE_STEPS a bucket)."""
     table = cost_table(models, "cheap", (1.0,) * 4, (1.1,) * 4)
     llm = dynamic_llm(models, table, forced_acceptance_prob=1.0)
-    llm.generate(models["prompts"], GREEDY, use_tqdm=False)
+    llm.generate(models["prompts"], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
     policy = llm.engine.core.scheduler.policy
     buckets = policy.measured_steps[StepKind.GREEDY].buckets
     assert all(state.current == 3 for state in buckets.values()) and policy.acceptance == [1.0, 1.0, 1.0]
@@ -273,3 +273,16 @@ def test_a_step_left_in_flight_between_calls_measures_nothing(models):
         left_in_flight += core._inflight is not None
         time.sleep(0.3)
     assert left_in_flight and measured and max(measured) < 0.3
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_step_is_measured_with_the_decisions_its_work_holds(models, async_scheduling):
+    """Its own and the step before's (whose drafts it verifies), and under asynchronous scheduling the one before
+    that too, whose drafts the step before verified while this step's time waited for it."""
+    llm = dynamic_llm(models, cost_table(models, "any", (1.0,) * 4, (1.5,) * 4), forced_acceptance_prob=0.5,
+                      async_scheduling=async_scheduling)
+    policy = llm.engine.core.scheduler.policy
+    observe, decisions = policy.observe_step, []
+    policy.observe_step = lambda *step: decisions.append(step[1]) or observe(*step)
+    llm.generate(models["prompts"][:2], GREEDY, use_tqdm=False)
+    assert decisions and {len(d) for d in decisions} == {3 if async_scheduling else 2}

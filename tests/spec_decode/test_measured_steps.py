@@ -16,17 +16,18 @@ K = 3
 
 
 def run(steps: MeasuredSteps, n: int, batch: int, tokens_with_drafts: float, seconds: dict[int, float]) -> list[int]:
-    """n decisions of an engine whose steps complete one step late: a step's tokens come from the drafts the step
-    before proposed (tokens_with_drafts a request, else 1), its seconds from its own decision."""
-    decisions, previous, pending = [], 0, None
+    """n decisions of an engine under asynchronous scheduling, whose steps complete a step late: a step's tokens
+    come from the drafts the step before proposed (tokens_with_drafts a request, else 1), its time holds its own
+    work and that of the two steps before it (the mean of their decisions' seconds)."""
+    decisions, pending = [], None
     for _ in range(n):
         d = steps.choose(batch)
         if pending is not None:
             steps.observe(*pending)
-        tokens = batch * (tokens_with_drafts if previous else 1.0)
-        pending = (d, previous, batch, round(tokens), seconds[d])
+        recent = (d, *([0, 0] + decisions)[:-3:-1])  # this step's decision and the two before, the latest first
+        tokens = batch * (tokens_with_drafts if recent[1] else 1.0)
+        pending = (recent, batch, round(tokens), sum(seconds[r] for r in recent) / 3)
         decisions.append(d)
-        previous = d
     return decisions
 
 
@@ -35,7 +36,7 @@ def test_drafting_that_pays_is_kept_after_one_probe_of_none():
     d = run(steps, 400, 8, tokens_with_drafts=2.75, seconds={K: 1.5, 0: 1.0})
     first_none = d.index(0)
     # Drafting is measured first (its measurements a step late), then none for one probe.
-    assert MIN_MEASURED <= first_none <= MIN_MEASURED + 2 and d[first_none:first_none + PROBE_STEPS] == [0] * PROBE_STEPS
+    assert MIN_MEASURED <= first_none <= MIN_MEASURED + 3 and d[first_none:first_none + PROBE_STEPS] == [0] * PROBE_STEPS
     state = steps.buckets[8]
     assert state.current == K
     assert state.rates[K].tokens_per_second == pytest.approx(8 * 2.75 / 1.5)
@@ -80,18 +81,19 @@ def noisy_run(steps: MeasuredSteps, n: int, acceptance: tuple[float, ...], secon
               seed: int) -> float:
     """The share of n decisions at batch 1 that drafted, where a step's tokens after drafts are 1 + the drafts
     accepted in a row (each with its probability in `acceptance`) and every step's time varies by a few percent,
-    as a real head's and host's do; the measurements arrive a step late (see run)."""
+    as a real head's and host's do; the measurements arrive as in run."""
     rng = random.Random(seed)
-    drafted, previous, pending = 0, 0, None
+    drafted, decisions, pending = 0, [], None
     for _ in range(n):
         d = steps.choose(1)
         if pending is not None:
             steps.observe(*pending)
-        tokens = 1 + (next((i for i, p in enumerate(acceptance) if rng.random() >= p), len(acceptance)) if previous
+        recent = (d, *([0, 0] + decisions)[:-3:-1])
+        tokens = 1 + (next((i for i, p in enumerate(acceptance) if rng.random() >= p), len(acceptance)) if recent[1]
                       else 0)
-        pending = (d, previous, 1, tokens, seconds[d] * rng.lognormvariate(0, 0.05))
+        pending = (recent, 1, tokens, sum(seconds[r] for r in recent) / 3 * rng.lognormvariate(0, 0.05))
         drafted += d > 0
-        previous = d
+        decisions.append(d)
     return drafted / n
 
 
@@ -108,15 +110,16 @@ def test_the_faster_decision_is_kept_when_drafts_accept_unevenly(seconds_with_dr
 
 
 def test_a_step_after_a_switch_measures_nothing():
+    """Nor the second one under asynchronous scheduling, whose time waits for the step after the switch."""
     steps = MeasuredSteps(K, weight=0.5, switch_margin=0.0, probe_interval=10)
-    steps.observe(K, K, 4, 100, 1.0)  # a bucket no decision was taken in: nothing to measure
+    steps.observe((K, K, K), 4, 100, 1.0)  # a bucket no decision was taken in: nothing to measure
     assert 4 not in steps.buckets
     assert steps.choose(4) == K
-    steps.observe(K, 0, 4, 100, 1.0)  # proposes drafts after a plain step: not a steady drafting step
-    steps.observe(0, K, 4, 100, 1.0)
+    for recent in ((K, 0), (0, K), (K, 0, 0), (K, K, 0), (0, K, K), (0, 0, K)):
+        steps.observe(recent, 4, 100, 1.0)
     assert not steps.buckets[4].rates
-    steps.observe(K, K, 4, 12, 2.0)
-    steps.observe(K, K, 4, 4, 2.0)
+    steps.observe((K, K, K), 4, 12, 2.0)
+    steps.observe((K, K), 4, 4, 2.0)
     rate = steps.buckets[4].rates[K]
     assert (rate.tokens, rate.seconds, rate.count) == (8.0, 2.0, 2)
 
@@ -138,13 +141,13 @@ def test_the_policy_decides_each_kind_of_step_from_its_own_measurements_only_whe
     policy.set_costs(costs)
     for _ in range(30):
         d = policy.choose(64, kind)
-        policy.observe_step(kind, d, d, 64, 64, 1.0 if d == 0 else 5.0)
+        policy.observe_step(kind, (d, d), 64, 64, 1.0 if d == 0 else 5.0)
     assert policy.measured_steps[kind].buckets[64].current == 0 and policy.choose(64, kind) == 0
     for other in StepKind:
         if other is not kind:
             assert policy.measured_steps[other].buckets == {} and policy.choose(64, other) == K
     static = SpeculationPolicy(K)
-    static.observe_step(kind, 0, 0, 64, 64, 1.0)
+    static.observe_step(kind, (0, 0), 64, 64, 1.0)
     assert static.choose(64, kind) == K and static.measured_steps[kind].buckets == {}
 
 

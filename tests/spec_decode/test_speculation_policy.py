@@ -67,7 +67,7 @@ def test_a_greedy_bucket_starts_from_the_table_and_keeps_what_measures_faster():
     previous, decisions = 3, []
     for _ in range(20):
         d = p.choose(1)
-        p.observe_step(StepKind.GREEDY, d, previous, 1, 1 if previous == 0 else 3, 1.0 if d == 0 else 4.0)
+        p.observe_step(StepKind.GREEDY, (d, previous), 1, 1 if previous == 0 else 3, 1.0 if d == 0 else 4.0)
         decisions.append(d)
         previous = d
     assert decisions[:3] == [3, 3, 3] and decisions[-5:] == [0] * 5
@@ -86,7 +86,7 @@ def test_where_drafting_could_not_pay_even_fully_accepted_a_bucket_never_drafts(
     decisions = []
     for _ in range(8):
         decisions.append(rejected.choose(1))
-        rejected.observe_step(StepKind.GREEDY, decisions[-1], decisions[-1], 1, 1, 1.0)
+        rejected.observe_step(StepKind.GREEDY, (decisions[-1],) * 2, 1, 1, 1.0)
     assert decisions[:3] == [0, 0, 0] and 3 in decisions
 
 
