@@ -111,10 +111,9 @@ class Scheduler:
         self.spec_stats = SpecDecodeStats()
         # Whether each step drafts; None without a speculator.
         self.policy = policy
-        # Whether the last step scheduled proposes drafts: the step in flight, whose drafts the next step verifies.
-        self._inflight_proposes = False
-        # The decisions of the last steps scheduled, the latest first, as many as a step's measurement holds.
-        self._recent_proposals: deque[bool] = deque(maxlen=2 if config.async_scheduling else 1)
+        # Whether the last steps scheduled propose drafts, the latest first (the step in flight, whose drafts the
+        # next step verifies), as many as a step's measurement holds.
+        self._recent_proposals: deque[bool] = deque([False], maxlen=2 if config.async_scheduling else 1)
         # Whether the last step scheduled held decodes and verifications alone (SchedulerOutput.steady).
         self._inflight_decodes_only = False
 
@@ -156,7 +155,7 @@ class Scheduler:
                 # when the step in flight ends it even if every draft is rejected.
                 if req.needs_host_tokens or req.num_output_tokens + 1 >= req.max_tokens:
                     continue
-                drafts = self._num_drafts(req, computed + 1) if self._inflight_proposes else 0
+                drafts = self._num_drafts(req, computed + 1) if self._recent_proposals[0] else 0
                 spec = [PLACEHOLDER_TOKEN_ID] * min(drafts, budget - 1)
                 num_new, from_device = 1 + len(spec), True
             else:
@@ -208,7 +207,7 @@ class Scheduler:
         if scheduled:
             decodes_only = all(s.decodes for s in scheduled)
             out.steady = decodes_only and self._inflight_decodes_only
-            self._inflight_proposes, self._inflight_decodes_only = out.propose_drafts, decodes_only
+            self._inflight_decodes_only = decodes_only
             self._recent_proposals.appendleft(out.propose_drafts)
         else:
             # No step runs, so the runner hears of these requests with the next one that does.
