@@ -132,14 +132,52 @@ class _SamplingRequest(_Request):
                               **{k: v for k, v in given.items() if v is not None})
 
 
+# What a completion prompt's list may hold, by the JSON values' Python types, as its error names them.
+_PROMPT_KINDS = {int: "a token id", str: "a text", list: "a list of token ids"}
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: Text | list[int]
+    # A text, token ids, or a batch of either (OpenAI's array forms): each prompt of a batch is a request of its
+    # own, and its choices come at indices prompt * n + 0 .. n - 1.
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     logprobs: int | None = None
     # Only equal to n, which returns every sequence it generates, as n alone does (NOT_SUPPORTED_BECAUSE).
     best_of: int | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_kind_of_prompt(cls, prompt):
+        """A list mixing texts, token ids and token-id lists is refused as such (pydantic's error for the union
+        would name one of its members' complaints about one element)."""
+        if not isinstance(prompt, list):
+            return prompt
+        kinds = [_PROMPT_KINDS.get(type(x)) for x in prompt]
+        if None not in kinds and len(set(kinds)) > 1:
+            j = next(j for j, kind in enumerate(kinds) if kind != kinds[0])
+            raise PydanticCustomError(
+                "mixed_prompt", "mixes {first} (prompt[0]) with {other} (prompt[{j}]); give one text, a list of "
+                "token ids, a list of texts or a list of token-id lists", {"first": kinds[0], "other": kinds[j], "j": j})
+        return prompt
+
+    @property
+    def is_batch(self) -> bool:
+        """A list of texts or of token-id lists (an empty list is one prompt of no token ids, which the engine
+        refuses)."""
+        p = self.prompt
+        return isinstance(p, list) and bool(p) and not isinstance(p[0], int)
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        return list(self.prompt) if self.is_batch else [self.prompt]
+
     def param_name(self, engine_field: str) -> str:
         return "prompt" if engine_field == "prompt_token_ids" else engine_field
+
+    def prompt_param_name(self, index: int):
+        """param_name for the engine's errors about prompt `index`: in a batch, the prompt's place in it."""
+        if not self.is_batch:
+            return self.param_name
+        return lambda field: f"prompt[{index}]" if field in ("prompt", "prompt_token_ids") else field
 
     def to_sampling_params(self) -> SamplingParams:
         n = 1 if self.n is None else self.n

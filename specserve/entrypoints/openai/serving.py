@@ -58,10 +58,70 @@ async def until_disconnect(request: Request, awaitable: Awaitable):
     return work.result()
 
 
-def usage(out: RequestOutput) -> Usage:
-    n_prompt, n_out = out.metrics.num_prompt_tokens, out.metrics.num_output_tokens
+def usage(*outs: RequestOutput) -> Usage:
+    """The tokens of the requests whose final outputs these are (one, or each prompt's of a batch)."""
+    n_prompt = sum(out.metrics.num_prompt_tokens for out in outs)
+    n_out = sum(out.metrics.num_output_tokens for out in outs)
+    cached = sum(out.metrics.num_cached_tokens for out in outs)
     return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.metrics.num_cached_tokens))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+async def all_or_none(awaitables: list[Awaitable], undo: Callable[[object], Awaitable] | None = None) -> list:
+    """The results of awaitables run at once. Once one fails (or this is cancelled) the others are cancelled,
+    `undo` is awaited on the results of those that had finished, and the failure is raised: the first in their
+    order."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failure = next((t.exception() for t in tasks if t.done() and t.exception() is not None), None)
+        if failure is None:
+            return [t.result() for t in tasks]
+        raise failure
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if undo is not None:
+            for t in tasks:
+                if not t.cancelled() and t.exception() is None:
+                    await undo(t.result())
+        raise
+
+
+async def close_started(outputs: Outputs) -> None:
+    """Abort a request that start() admitted and nobody read: its outputs close the request's own only once they
+    have begun (_prepend), and their first is already there."""
+    await anext(outputs)
+    await outputs.aclose()
+
+
+async def merged(streams: list[Outputs]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several requests as each comes, with its request's place in `streams`. A failure of one is
+    raised here, and closing this (or a failure) closes them all, aborting those still running."""
+    if len(streams) == 1:  # a streamed request's hot path: no task per output
+        async with contextlib.aclosing(streams[0]) as outputs:
+            async for out in outputs:
+                yield 0, out
+        return
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+                yield i, out
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
 
 
 class OpenAIServing:
@@ -86,6 +146,12 @@ class OpenAIServing:
         outputs = self._generate(prompt, params, request_id)
         first = await self._answer(request, anext(outputs), param_name)
         return _prepend(first, outputs)
+
+    async def start_batch(self, request: Request, prompts: list[str | list[int]], params: SamplingParams,
+                          request_ids: list[str], param_names: list[Callable[[str], str]]) -> list[Outputs]:
+        """start() for every prompt at once; if one is refused, the others are aborted and its error raised."""
+        return await all_or_none([self.start(request, p, params, rid, name)
+                                  for p, rid, name in zip(prompts, request_ids, param_names)], close_started)
 
     async def finish(self, request: Request, outputs: Outputs) -> RequestOutput:
         """The final output of a non-streamed request."""
