@@ -16,6 +16,7 @@ from live_server import LiveServer, one_torch_thread
 from specserve import LLM, SamplingParams
 from specserve.entrypoints.openai.chat_prompt import chat_prompt
 from specserve.entrypoints.openai.protocol import ChatMessage
+from specserve.errors import InvalidRequestError
 from specserve.models.loader import load_tokenizer, open_model_source
 
 PROMPT = "the cat sat on the mat, the cat sat on the mat, the cat"
@@ -226,3 +227,40 @@ def test_sampling_fields_are_honoured(server, tiny_llama):
     # stream_options: usage comes last when asked for, and not otherwise.
     chunks = list(c.completions.create(**greedy, stream=True))
     assert all(ch.usage is None for ch in chunks) and chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_a_final_message_left_open_or_no_generation_prompt(tokenizer_dir, which):
+    """vLLM's add_generation_prompt and continue_final_message: the prompt is transformers' rendering with them,
+    the reply's start given by the client at its very end; both at once is refused, naming the fix."""
+    tok = (AutoTokenizer.from_pretrained(str(tokenizer_dir)) if which == "tiny"
+           else load_tokenizer(open_model_source("smollm2-135m", None)))
+    messages = [ChatMessage(role="user", content="Write a haiku."), ChatMessage(role="assistant", content="Waves fold")]
+    conversation = [m.for_template(i) for i, m in enumerate(messages)]
+
+    def rendered(**options) -> list[int]:
+        return tok.encode(tok.apply_chat_template(conversation, tokenize=False, **options), add_special_tokens=False)
+
+    open_ended = chat_prompt(tok, messages, add_generation_prompt=False, continue_final_message=True)
+    assert open_ended == rendered(add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(open_ended).endswith("Waves fold")
+    closed = chat_prompt(tok, messages, add_generation_prompt=False)
+    assert closed == rendered(add_generation_prompt=False) != open_ended
+    assert chat_prompt(tok, messages) == rendered(add_generation_prompt=True) != closed
+    with pytest.raises(InvalidRequestError, match="set add_generation_prompt to false") as e:
+        chat_prompt(tok, messages, continue_final_message=True)
+    assert e.value.field == "continue_final_message"
+
+
+def test_the_server_continues_a_final_message_as_a_completion_of_its_rendering(server, tiny_llama):
+    """The continuation is the one /v1/completions gives the rendered text (the tiny model's template, greedy)."""
+    messages = [{"role": "user", "content": "the cat sat"}, {"role": "assistant", "content": "on the"}]
+    greedy = dict(model=server.model, temperature=0, max_tokens=8, extra_body={
+        "ignore_eos": True, "add_generation_prompt": False, "continue_final_message": True})
+    reply = client(server).chat.completions.create(messages=messages, **greedy)
+    rendered = "<s>user: the cat sat\n<s>assistant: on the"
+    want = client(server).completions.create(model=server.model, prompt=rendered, temperature=0, max_tokens=8,
+                                             extra_body={"ignore_eos": True})
+    assert reply.choices[0].message.content == want.choices[0].text
+    r = post(server, "chat", {"messages": messages, "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"

@@ -40,17 +40,25 @@ _PRIVATE_USE = (range(0xE000, 0xF900), range(0xF0000, 0xFFFFE))
 
 
 def chat_prompt(tokenizer, messages: list[ChatMessage], tools: list[dict] | None = None,
-                template: str | None = None) -> list[int]:
+                template: str | None = None, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> list[int]:
     """The prompt's token ids; slow for long conversations, so the server runs it in its tokenizer thread.
     tools: as chat templates take them (OpenAI's function tools); template: the server's --chat-template, in
-    place of the tokenizer's."""
+    place of the tokenizer's; add_generation_prompt: open the assistant's turn after the messages;
+    continue_final_message: end the prompt inside the final message instead, for the model to continue it
+    (transformers' apply_chat_template, as vLLM takes them)."""
     template = template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise InvalidRequestError("messages", "this model's tokenizer has no chat template; use /v1/completions, "
                                   "or start the server with --chat-template")
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequestError("continue_final_message", "leaves the final message open, and "
+                                  "add_generation_prompt would open a new assistant turn after it; set "
+                                  "add_generation_prompt to false")
     conversation = [m.for_template(i) for i, m in enumerate(messages)]
     _check_template_shows_tools(tokenizer, template, conversation, tools)
-    render = functools.partial(_render, tokenizer, template=template)
+    render = functools.partial(_render, tokenizer, template=template, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message)
     specials = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     # Longest first, so that of two special tokens starting at one place the longer is taken, as tokenizers do.
     pattern = re.compile("(" + "|".join(map(re.escape, sorted(specials, key=len, reverse=True))) + ")")
@@ -78,12 +86,18 @@ def chat_prompt(tokenizer, messages: list[ChatMessage], tools: list[dict] | None
     return ids
 
 
-def _render(tokenizer, conversation: list[dict], tools: list[dict] | None, template: str) -> str:
+def _render(tokenizer, conversation: list[dict], tools: list[dict] | None, template: str,
+            add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
     try:
         return tokenizer.apply_chat_template(conversation, tools=tools, chat_template=template,
-                                             add_generation_prompt=True, tokenize=False)
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, tokenize=False)
     except jinja2.TemplateError as e:
         raise InvalidRequestError("messages", f"the model's chat template rejected them: {e}") from e
+    except ValueError as e:  # transformers: the final message cannot be left open (its text is not rendered)
+        if not continue_final_message:
+            raise
+        raise InvalidRequestError("continue_final_message", f"cannot continue the final message: {e}") from e
 
 
 def _strings(value):

@@ -275,6 +275,11 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[FunctionTool] | None = Field(default=None, min_length=1)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's extensions to the chat template: the assistant's turn opened after the messages (the template's
+    # generation prompt), or else the final message left open for the model to continue (a reply's start given
+    # by the client).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def _structured_output(self) -> StructuredOutput | None:
         if self.response_format is not None and self.structured_outputs is not None:

@@ -23,7 +23,8 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
     try:
         plan = plan_tools(body, serving.tool_calling)
         params = body.to_sampling_params(plan.forced_calls)
-        prompt = await serving.engine.run_tokenizer(chat_prompt, body.messages, plan.tools, serving.chat_template)
+        prompt = await serving.engine.run_tokenizer(chat_prompt, body.messages, plan.tools, serving.chat_template,
+                                                    body.add_generation_prompt, body.continue_final_message)
     except InvalidRequestError as e:
         raise to_openai_error(e, body.param_name) from e
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
