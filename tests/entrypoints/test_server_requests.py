@@ -97,6 +97,8 @@ REFUSED = [
     ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role",
      "must be one of system, developer, user, assistant, tool, got 'wizard'"),
     ("chat", {"messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id", "a tool message needs it"),
+    ("completions", {"stop_token_ids": [5, -1]}, "stop_token_ids[1]", "greater than or equal to 0"),
+    ("chat", {"skip_special_tokens": "sometimes"}, "skip_special_tokens", "valid boolean"),
 ]
 
 
@@ -264,3 +266,35 @@ def test_the_server_continues_a_final_message_as_a_completion_of_its_rendering(s
     assert reply.choices[0].message.content == want.choices[0].text
     r = post(server, "chat", {"messages": messages, "continue_final_message": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+def test_vllms_stop_and_decoding_fields_are_honoured(server, tiny_llama):
+    """stop_token_ids, include_stop_str_in_output and skip_special_tokens (vLLM's extensions), as the offline
+    engine applies them."""
+    c = client(server)
+    offline = LLM(str(tiny_llama[0]), **SERVER_ENGINE)
+    prompt = "The quick brown fox"
+
+    def both(logit_bias: dict[int, float] | None = None, **fields) -> tuple[tuple[str, str], tuple[str, str]]:
+        """(text, finish reason) from the server and from the offline engine, greedy, EOS ignored."""
+        fields["ignore_eos"] = True
+        bias = {} if logit_bias is None else {"logit_bias": {str(t): b for t, b in logit_bias.items()}}
+        served = c.completions.create(model=server.model, prompt=prompt, temperature=0, max_tokens=24,
+                                      extra_body=fields, **bias).choices[0]
+        alone = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=24, logit_bias=logit_bias,
+                                                          **fields), use_tqdm=False)[0].outputs[0]
+        return (served.text, served.finish_reason), (alone.text, alone.finish_reason)
+
+    ids = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0].token_ids
+    got, want = both(stop_token_ids=[ids[5]])
+    assert got == want and got[1] == "stop"
+    text = both()[0][0]
+    stop = re.search("[a-z]{2}", text).group()
+    got, want = both(stop=[stop], include_stop_str_in_output=True)
+    assert got == want == (text[:text.index(stop) + len(stop)], "stop")
+    # <s>, the tiny tokenizer's special token 1, forced at every step: shown only when asked for.
+    forced = dict(logit_bias={1: 100.0})
+    assert both(**forced)[0][0] == ""
+    got, want = both(**forced, skip_special_tokens=False)
+    assert got == want and got[0] == "<s>" * 24

@@ -24,6 +24,7 @@ from specserve.structured_output import StructuredOutput
 # Bounds that keep integers inside the int64 tensors and generators they end up in.
 TopK = Annotated[int, Field(ge=-1, lt=2**31)]
 Seed = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 # Fields OpenAI defines that this server does not implement yet. A request that sets one is refused with a
 # message that says so (errors.py), never answered as if the field had been honoured.
@@ -77,6 +78,9 @@ class _SamplingRequest(_Request):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     # Accepted, and without effect, as OpenAI documents them: `user` and `safety_identifier` identify the end
     # user for OpenAI's abuse monitoring and `metadata` tags stored completions; neither changes an answer,
     # and this server monitors and stores nothing. `store: true` asks for the completion to be kept, which
@@ -125,7 +129,9 @@ class _SamplingRequest(_Request):
                      stop=self.stop, seed=self.seed,
                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                      top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-                     min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, structured_output=structured_output)
+                     min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
+                     include_stop_str_in_output=self.include_stop_str_in_output,
+                     skip_special_tokens=self.skip_special_tokens, structured_output=structured_output)
         # A stream sends what is new at each step; a whole answer needs only the end.
         kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, output_kind=kind,
