@@ -151,3 +151,20 @@ def test_merged_interleaves_streams_and_closes_them_all():
         assert closed == ["rest"]
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_client_leaving_a_batch_aborts_every_prompt(plain_server, stream):
+    before = plain_server.metrics().get("specserve:requests_total{finish_reason=abort}", 0)
+    body = {"model": plain_server.model, "prompt": PROMPTS, "max_tokens": 480, "ignore_eos": True, "stream": stream}
+    with httpx.Client(base_url=plain_server.url, timeout=30) as http:
+        if stream:
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                for i, _ in enumerate(r.iter_lines()):
+                    if i == 6:
+                        break  # leaving the block closes the connection mid-stream
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post("/v1/completions", json=body, timeout=0.5)
+    m = plain_server.wait_idle()
+    assert m["specserve:requests_total{finish_reason=abort}"] == before + len(PROMPTS)
