@@ -203,6 +203,7 @@ class AsyncLLM:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         arrival = time.monotonic()
         ids = await self.run_tokenizer(encode_prompt, prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_room(len(ids), params)
         self._check_available()
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
@@ -232,6 +233,16 @@ class AsyncLLM:
             # Still registered means the core still holds it: the caller stopped early.
             if self._streams.get(request_id) is stream:
                 self._abort(request_id)
+
+    def _check_room(self, prompt_len: int, params: SamplingParams) -> None:
+        """A server asked for more tokens than the context leaves after the prompt cannot give them: refused, as
+        OpenAI's and vLLM's servers refuse it (offline, LLM stops such a request when the context is full). A
+        prompt that fills the context alone is the core's to refuse, as a prompt error."""
+        room = self.max_model_len - prompt_len
+        if params.max_tokens is not None and 0 < room < params.max_tokens:
+            raise InvalidRequestError("max_tokens", f"is {params.max_tokens}, but the prompt is {prompt_len} tokens "
+                                      f"and the model's context {self.max_model_len} (max_model_len), which leaves "
+                                      f"room for {room}; ask for at most {room}, or shorten the prompt")
 
     def _check_available(self) -> None:
         if self._unavailable is not None:

@@ -98,6 +98,9 @@ REFUSED = [
      "must be one of system, developer, user, assistant, tool, got 'wizard'"),
     ("chat", {"messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id", "a tool message needs it"),
     ("completions", {"stop_token_ids": [5, -1]}, "stop_token_ids[1]", "greater than or equal to 0"),
+    ("completions", {"prompt": [7] * 500, "max_tokens": 13}, "max_tokens",
+     "is 13, but the prompt is 500 tokens and the model's context 512 (max_model_len), which leaves room for 12"),
+    ("chat", {"max_completion_tokens": 600}, "max_completion_tokens", "ask for at most"),
     ("chat", {"skip_special_tokens": "sometimes"}, "skip_special_tokens", "valid boolean"),
 ]
 
