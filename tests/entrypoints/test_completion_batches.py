@@ -58,12 +58,15 @@ def test_a_streamed_batch_sends_each_choice_under_its_index(plain_server):
     ([[5, 6], [10**9]], "prompt[1]", ["vocabulary"]),
     ([[5, 6], [7] * 600], "prompt[1]", ["600 tokens", "512 tokens"]),
     (["a text", 5], "prompt", ["mixes a text (prompt[0]) with a token id (prompt[1])"]),
+    (["x"] * 300 + [{"n": 2}], "prompt", ["holds 300 prompts of 2 sequences each, 600 requests", "at most 512"]),
     ([[5], "a text"], "prompt", ["mixes a list of token ids (prompt[0]) with a text (prompt[1])"]),
-], ids=["empty-text", "unknown-token", "too-long", "text-then-id", "ids-then-text"])
+], ids=["empty-text", "unknown-token", "too-long", "text-then-id", "too-many", "ids-then-text"])
 def test_a_refused_prompt_refuses_the_batch_and_aborts_the_rest(plain_server, prompt, param, words):
     before = plain_server.metrics()
+    fields = prompt[-1] if isinstance(prompt[-1], dict) else {}  # the request's other fields, last
+    prompt = prompt[:-1] if fields else prompt
     r = httpx.post(plain_server.url + "/v1/completions", timeout=30, json={
-        "model": plain_server.model, "prompt": prompt, "max_tokens": 400, "ignore_eos": True})
+        "model": plain_server.model, "prompt": prompt, "max_tokens": 400, "ignore_eos": True, **fields})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and all(w in error["message"] for w in words), error["message"]

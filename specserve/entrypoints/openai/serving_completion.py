@@ -25,8 +25,14 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, req
         params = body.to_sampling_params()
     except InvalidRequestError as e:
         raise to_openai_error(e, body.param_name) from e
-    request_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = body.prompts
+    waiting = len(prompts) * params.n
+    if len(prompts) > 1 and waiting > serving.engine.max_waiting:
+        # Each sequence waits for admission as a request of its own (as AsyncLLM.generate checks n alone).
+        raise to_openai_error(InvalidRequestError(
+            "prompt", f"holds {len(prompts)} prompts of {params.n} sequences each, {waiting} requests, but at most "
+            f"{serving.engine.max_waiting} may wait (the server's --max-waiting); send fewer at a time"))
+    request_id = f"cmpl-{uuid.uuid4().hex}"
     request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     streams = await serving.start_batch(request, prompts, params, request_ids,
                                         [body.prompt_param_name(i) for i in range(len(prompts))])
