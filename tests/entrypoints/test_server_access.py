@@ -21,6 +21,7 @@ KEY = "sk-test-0123456789"
 TIMEOUT_S = 1.0
 ENGINE = dict(max_model_len=512, num_kv_blocks=128, max_num_seqs=16)
 ROUTES = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/metrics"),
+          ("POST", "/tokenize"), ("POST", "/detokenize"),
           ("GET", "/docs"), ("GET", "/redoc"), ("GET", "/openapi.json"), ("GET", "/no/such/route")]
 
 

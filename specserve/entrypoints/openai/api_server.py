@@ -21,6 +21,8 @@ from specserve.entrypoints.openai.receive_deadline import receive_deadline_proto
 from specserve.entrypoints.openai.serving import OpenAIServing
 from specserve.entrypoints.openai.serving_chat import create_chat_completion
 from specserve.entrypoints.openai.serving_completion import create_completion
+from specserve.entrypoints.openai.serving_tokenize import detokenize, tokenize
+from specserve.entrypoints.openai.tokenize_fields import DetokenizeRequest, TokenizeRequest
 from specserve.entrypoints.openai.tool_calling import ToolCallingConfig
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,14 @@ def build_app(engine: AsyncLLM, server: ServerConfig):
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(serving, body, request)
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest):
+        return await tokenize(serving, body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest):
+        return await detokenize(serving, body)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 from specserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                                    ContentPart, ErrorInfo, ErrorResponse, NOT_SUPPORTED,
                                                    NOT_SUPPORTED_BECAUSE, StreamOptions)
+from specserve.entrypoints.openai.tokenize_fields import DetokenizeRequest, TokenizeRequest
 from specserve.entrypoints.openai.tool_fields import (CalledFunction, ChosenFunction, FunctionDefinition, FunctionTool,
                                                       MessageToolCall, NamedToolChoice)
 from specserve.errors import EngineUnavailableError, InvalidRequestError, QueueFullError, RequestTimeoutError
@@ -30,9 +31,10 @@ logger = logging.getLogger(__name__)
 _FIELD_NAMES = set().union(*(m.model_fields for m in (CompletionRequest, ChatCompletionRequest, ChatMessage,
                                                       ContentPart, StreamOptions, FunctionTool, FunctionDefinition,
                                                       NamedToolChoice, ChosenFunction, MessageToolCall,
-                                                      CalledFunction)))
+                                                      CalledFunction, TokenizeRequest, DetokenizeRequest)))
 _ENDPOINT_FIELDS = {"/v1/completions": set(CompletionRequest.model_fields),
-                    "/v1/chat/completions": set(ChatCompletionRequest.model_fields)}
+                    "/v1/chat/completions": set(ChatCompletionRequest.model_fields),
+                    "/tokenize": set(TokenizeRequest.model_fields), "/detokenize": set(DetokenizeRequest.model_fields)}
 
 
 class OpenAIError(Exception):
