@@ -16,8 +16,9 @@ from specserve.entrypoints.openai.auth import ApiKeyMiddleware
 from specserve.entrypoints.openai.body_limit import BodyLimitMiddleware
 from specserve.entrypoints.openai.errors import install_error_handlers
 from specserve.entrypoints.openai.metrics import ServerMetrics
-from specserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from specserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from specserve.entrypoints.openai.receive_deadline import receive_deadline_protocol
+from specserve.entrypoints.openai.responses import ModelCard, ModelList
 from specserve.entrypoints.openai.serving import OpenAIServing
 from specserve.entrypoints.openai.serving_chat import create_chat_completion
 from specserve.entrypoints.openai.serving_completion import create_completion

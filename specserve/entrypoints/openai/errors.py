@@ -17,8 +17,8 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from specserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                                   ContentPart, ErrorInfo, ErrorResponse, NOT_SUPPORTED,
-                                                   NOT_SUPPORTED_BECAUSE, StreamOptions)
+                                                   ContentPart, NOT_SUPPORTED, NOT_SUPPORTED_BECAUSE, StreamOptions)
+from specserve.entrypoints.openai.responses import ErrorInfo, ErrorResponse
 from specserve.entrypoints.openai.tokenize_fields import DetokenizeRequest, TokenizeRequest
 from specserve.entrypoints.openai.tool_fields import (CalledFunction, ChosenFunction, FunctionDefinition, FunctionTool,
                                                       MessageToolCall, NamedToolChoice)

@@ -2,7 +2,7 @@
 rank) in OpenAI's two formats: the legacy completions one and the chat one."""
 from __future__ import annotations
 
-from specserve.entrypoints.openai.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from specserve.entrypoints.openai.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 from specserve.outputs import Logprob
 
 

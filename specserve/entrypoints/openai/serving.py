@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from specserve.engine.async_llm import AsyncLLM
 from specserve.entrypoints.openai.errors import OpenAIError, to_openai_error
 from specserve.entrypoints.openai.metrics import ServerMetrics
-from specserve.entrypoints.openai.protocol import PromptTokensDetails, Usage
+from specserve.entrypoints.openai.responses import PromptTokensDetails, Usage
 from specserve.entrypoints.openai.tool_calling import ToolCallingConfig
 from specserve.errors import EngineUnavailableError, InvalidRequestError, QueueFullError, RequestTimeoutError
 from specserve.outputs import RequestOutput

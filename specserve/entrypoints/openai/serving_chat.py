@@ -10,8 +10,9 @@ from fastapi import Request
 from specserve.entrypoints.openai.chat_prompt import chat_prompt
 from specserve.entrypoints.openai.errors import to_openai_error
 from specserve.entrypoints.openai.logprobs import chat_logprobs
-from specserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
-                                                   ChatResponseMessage, ResponseFunction, ResponseToolCall)
+from specserve.entrypoints.openai.protocol import ChatCompletionRequest
+from specserve.entrypoints.openai.responses import (ChatChoice, ChatCompletionResponse, ChatResponseMessage,
+                                                    ResponseFunction, ResponseToolCall)
 from specserve.entrypoints.openai.serving import ChunkWriter, OpenAIServing, Outputs, sse, usage
 from specserve.entrypoints.openai.tool_calling import ToolPlan, plan_tools
 from specserve.entrypoints.openai.tool_parsers.stream import ToolCallStream, new_call_id

@@ -14,7 +14,8 @@ from fastapi import Request
 
 from specserve.entrypoints.openai.errors import to_openai_error
 from specserve.entrypoints.openai.logprobs import completion_logprobs
-from specserve.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from specserve.entrypoints.openai.protocol import CompletionRequest
+from specserve.entrypoints.openai.responses import CompletionChoice, CompletionResponse
 from specserve.entrypoints.openai.serving import ChunkWriter, OpenAIServing, Outputs, all_or_none, merged, sse, usage
 from specserve.errors import InvalidRequestError
 
