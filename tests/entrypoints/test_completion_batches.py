@@ -39,6 +39,27 @@ def test_a_batch_of_token_id_lists_and_its_logprobs(plain_server):
     assert [len(c.logprobs.token_logprobs) for c in r.choices] == [GREEDY["max_tokens"]] * 2
 
 
+@pytest.mark.parametrize("kind", ["texts", "token-ids"])
+def test_echo_puts_each_prompt_before_its_choices(plain_server, tiny_llama, kind):
+    """A text prompt's own text, token ids' decoding, before each of its n choices, streamed or not."""
+    from transformers import AutoTokenizer
+
+    prompts = PROMPTS[:2] if kind == "texts" else [[5, 9, 17, 5, 9, 17, 5], [40, 41, 42, 43, 40, 41]]
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama[0]))
+    echoed = prompts if kind == "texts" else [tok.decode(ids) for ids in prompts]
+    want = alone(plain_server, prompts)
+    c = client(plain_server)
+    r = c.completions.create(model=plain_server.model, prompt=prompts, n=2, echo=True, **GREEDY)
+    assert [ch.text for ch in r.choices] == [e + w.choices[0].text for e, w in zip(echoed, want) for _ in range(2)]
+    chunks = list(c.completions.create(model=plain_server.model, prompt=prompts, n=2, echo=True, stream=True,
+                                       **GREEDY))
+    texts = [""] * len(r.choices)
+    for chunk in chunks:
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+    assert texts == [ch.text for ch in r.choices]
+
+
 def test_a_streamed_batch_sends_each_choice_under_its_index(plain_server):
     whole = client(plain_server).completions.create(model=plain_server.model, prompt=PROMPTS, n=2, **GREEDY)
     chunks = list(client(plain_server).completions.create(model=plain_server.model, prompt=PROMPTS, n=2, stream=True,

@@ -77,7 +77,7 @@ REFUSED = [
     ("chat", {"reasoning_effort": "low"}, "reasoning_effort", NOT_SUPPORTED),
     ("completions", {"best_of": 2}, "best_of", "is not supported: it would generate best_of sequences"),
     ("completions", {"suffix": "end"}, "suffix", NOT_SUPPORTED),
-    ("completions", {"echo": True}, "echo", NOT_SUPPORTED),
+    ("completions", {"echo": True, "logprobs": 1}, "echo", "would need the prompt's logprobs"),
     ("chat", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls",
      "the chat template does not show an assistant's tool calls to the model; start the server with --chat-template"),

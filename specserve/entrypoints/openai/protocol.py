@@ -29,7 +29,7 @@ TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 # message that says so (errors.py), never answered as if the field had been honoured.
 NOT_SUPPORTED = frozenset({
     "functions", "function_call",  # the deprecated forms of tools and tool_choice
-    "best_of", "suffix", "echo", "audio", "modalities", "prediction", "web_search_options",
+    "best_of", "suffix", "audio", "modalities", "prediction", "web_search_options",
     "reasoning_effort", "verbosity", "service_tier", "prompt_cache_key",
     "refusal",  # in messages
     "include_obfuscation",  # in stream_options
@@ -146,6 +146,8 @@ class CompletionRequest(_SamplingRequest):
     # own, and its choices come at indices prompt * n + 0 .. n - 1.
     prompt: Text | list[int] | list[Text] | list[list[int]]
     logprobs: int | None = None
+    # Each choice's text starts with its prompt's (token ids: their decoded text).
+    echo: bool = False
     # Only equal to n, which returns every sequence it generates, as n alone does (NOT_SUPPORTED_BECAUSE).
     best_of: int | None = None
 
@@ -186,6 +188,9 @@ class CompletionRequest(_SamplingRequest):
 
     def to_sampling_params(self) -> SamplingParams:
         n = 1 if self.n is None else self.n
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequestError("echo", "with logprobs would need the prompt's logprobs, which this server does "
+                                      "not compute; ask for echo or for logprobs")
         if self.best_of is not None and self.best_of != n:
             raise InvalidRequestError("best_of", f"{NOT_SUPPORTED_BECAUSE['best_of']}; best_of equal to n is "
                                       f"accepted, got best_of={self.best_of} and n={n}")

@@ -18,6 +18,7 @@ from specserve.entrypoints.openai.protocol import CompletionRequest
 from specserve.entrypoints.openai.responses import CompletionChoice, CompletionResponse
 from specserve.entrypoints.openai.serving import ChunkWriter, OpenAIServing, Outputs, all_or_none, merged, sse, usage
 from specserve.errors import InvalidRequestError
+from specserve.outputs import RequestOutput
 
 
 async def create_completion(serving: OpenAIServing, body: CompletionRequest, request: Request):
@@ -42,11 +43,12 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, req
     finals = await all_or_none([serving.finish(request, outputs) for outputs in streams])
     n, choices = params.n, []
     for i, final in enumerate(finals):
+        echoed = _echo(serving, body, final)
         for c in final.outputs:
             logprobs = None
             if body.logprobs is not None:
                 logprobs, _ = completion_logprobs(serving.tokenizer, c.token_ids, c.logprobs, 0)
-            choices.append(CompletionChoice(index=i * n + c.index, text=c.text, logprobs=logprobs,
+            choices.append(CompletionChoice(index=i * n + c.index, text=echoed + c.text, logprobs=logprobs,
                                             finish_reason=c.finish_reason))
     return CompletionResponse(id=request_id, model=serving.model_name, choices=choices, usage=usage(*finals))
 
@@ -59,6 +61,10 @@ async def _chunks(serving: OpenAIServing, body: CompletionRequest, request_id: s
     last = [None] * len(streams)  # each prompt's latest output, whose counts are its request's so far
     async with contextlib.aclosing(merged(streams)) as outputs:
         async for i, out in outputs:
+            if last[i] is None and body.echo:  # each choice's first chunk: its prompt's text
+                echoed = _echo(serving, body, out)
+                yield writer.chunk([{"index": i * n + j, "text": echoed, "logprobs": None, "finish_reason": None}
+                                    for j in range(n)])
             last[i] = out
             # Each sequence that advanced, with its new tokens since the previous output (RequestOutputKind.DELTA).
             for c in out.outputs:
@@ -74,3 +80,10 @@ async def _chunks(serving: OpenAIServing, body: CompletionRequest, request_id: s
                                          "finish_reason": c.finish_reason}])
     if body.include_usage:
         yield writer.chunk([], usage(*last))
+
+
+def _echo(serving: OpenAIServing, body: CompletionRequest, out: RequestOutput) -> str:
+    """What echo puts before a prompt's choices: the prompt's text, or its token ids' decoding."""
+    if not body.echo:
+        return ""
+    return out.prompt if out.prompt is not None else serving.tokenizer.decode(out.prompt_token_ids)
