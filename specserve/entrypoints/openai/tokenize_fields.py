@@ -2,12 +2,10 @@
 text, as the generation endpoints make and read them. Types only; serving_tokenize.py answers them."""
 from __future__ import annotations
 
-from typing import Annotated
-
 from pydantic import BaseModel, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from specserve.entrypoints.openai.protocol import ChatMessage, _Request
+from specserve.entrypoints.openai.protocol import ChatMessage, TokenId, _Request
 from specserve.entrypoints.openai.unicode_text import Text
 
 
@@ -40,7 +38,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(_Request):
     model: Text | None = None
-    tokens: list[Annotated[int, Field(ge=0, lt=2**31)]]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):
