@@ -148,7 +148,7 @@ def _stream(name: str, delays: list[float], closed: list[str], fail_at: int | No
 
 
 def test_merged_interleaves_streams_and_closes_them_all():
-    from specserve.entrypoints.openai.serving import close_started, merged, _prepend
+    from specserve.entrypoints.openai.serving import StartedOutputs, merged
 
     async def run():
         closed = []
@@ -171,7 +171,7 @@ def test_merged_interleaves_streams_and_closes_them_all():
         # are closed.
         closed = []
         own = _stream("rest", [0.0, 5.0], closed)
-        await close_started(_prepend(await anext(own), own))
+        await StartedOutputs(await anext(own), own).aclose()
         assert closed == ["rest"]
 
     asyncio.run(run())

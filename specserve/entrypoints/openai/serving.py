@@ -89,13 +89,6 @@ async def all_or_none(awaitables: list[Awaitable], undo: Callable[[object], Awai
         raise
 
 
-async def close_started(outputs: Outputs) -> None:
-    """Abort a request that start() admitted and nobody read: its outputs close the request's own only once they
-    have begun (_prepend), and their first is already there."""
-    await anext(outputs)
-    await outputs.aclose()
-
-
 async def merged(streams: list[Outputs]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The outputs of several requests as each comes, with its request's place in `streams`. A failure of one is
     raised here, and closing this (or a failure) closes them all, aborting those still running."""
@@ -145,13 +138,14 @@ class OpenAIServing:
         """Admit a request and wait for its first output; returns all its outputs, that one included."""
         outputs = self._generate(prompt, params, request_id)
         first = await self._answer(request, anext(outputs), param_name)
-        return _prepend(first, outputs)
+        return StartedOutputs(first, outputs)
 
     async def start_batch(self, request: Request, prompts: list[str | list[int]], params: SamplingParams,
                           request_ids: list[str], param_names: list[Callable[[str], str]]) -> list[Outputs]:
         """start() for every prompt at once; if one is refused, the others are aborted and its error raised."""
         return await all_or_none([self.start(request, p, params, rid, name)
-                                  for p, rid, name in zip(prompts, request_ids, param_names)], close_started)
+                                  for p, rid, name in zip(prompts, request_ids, param_names)],
+                                 lambda started: started.aclose())
 
     async def finish(self, request: Request, outputs: Outputs) -> RequestOutput:
         """The final output of a non-streamed request."""
@@ -199,11 +193,27 @@ class OpenAIServing:
                 self.metrics.record_request([finished.get(i, reason) for i in range(params.n)], last)
 
 
-async def _prepend(first: RequestOutput, rest: Outputs) -> Outputs:
-    async with contextlib.aclosing(rest):
-        yield first
-        async for out in rest:
-            yield out
+class StartedOutputs:
+    """A request's outputs once start() has its first: that one, then the rest. Closing them closes the rest,
+    aborting the request, whether or not any was read (a generator closed before its first step would not reach
+    the rest, leaving the request to run until garbage collection)."""
+
+    def __init__(self, first: RequestOutput, rest: Outputs):
+        self._first: RequestOutput | None = first
+        self._rest = rest
+
+    def __aiter__(self) -> StartedOutputs:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await anext(self._rest)
+
+    async def aclose(self) -> None:
+        self._first = None
+        await self._rest.aclose()
 
 
 class ChunkWriter:
