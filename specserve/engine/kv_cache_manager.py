@@ -26,23 +26,31 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockPool:
+    """The pool's blocks, free or held. A block is made when it is first handed out, so building a pool costs
+    nothing per block (a CPU engine's default pool of a small model has hundreds of thousands). What must hold:
+    blocks never used go out before any freed one, in id order, then the freed ones least recently freed first,
+    exactly as from a free list that started with every block in id order."""
+
     def __init__(self, num_blocks: int, enable_caching: bool):
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.num_blocks = num_blocks
+        self.blocks: list[Block] = []  # the blocks handed out so far: block i at index i
         self.enable_caching = enable_caching
-        # block_id -> Block, in eviction order (least recently freed first).
-        self.free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        # block_id -> Block of the blocks freed after use, in eviction order (least recently freed first).
+        self.free: OrderedDict[int, Block] = OrderedDict()
         self.cached: dict[int, Block] = {}
         self.hits = 0
         self.queries = 0
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return self.num_blocks - len(self.blocks) + len(self.free)
 
     def allocate(self, n: int) -> list[Block]:
-        assert n <= len(self.free), "caller must check num_free first"
-        out = []
-        for _ in range(n):
+        assert n <= self.num_free, "caller must check num_free first"
+        fresh = min(n, self.num_blocks - len(self.blocks))
+        out = [Block(i, ref_cnt=1) for i in range(len(self.blocks), len(self.blocks) + fresh)]
+        self.blocks.extend(out)
+        for _ in range(n - fresh):
             _, block = self.free.popitem(last=False)
             if block.block_hash is not None:
                 del self.cached[block.block_hash]

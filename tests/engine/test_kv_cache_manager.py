@@ -58,3 +58,29 @@ def test_allocation_fails_cleanly_when_the_pool_is_short():
     r = req("a", list(range(16)))
     assert not kv.allocate_slots(r, 16, r.num_computed_tokens)
     assert kv.pool.num_free == 3 and kv.block_ids("a") == []
+
+
+def test_the_pool_hands_out_blocks_as_a_free_list_of_every_block_in_id_order():
+    """Blocks are made as they are first handed out; the order must stay that of a free list holding every block
+    in id order from the start (least recently freed first), which this test keeps beside the pool."""
+    import random
+
+    from specserve.engine.kv_cache_manager import BlockPool
+
+    rng = random.Random(0)
+    pool, free, held = BlockPool(40, enable_caching=False), list(range(40)), []
+    for _ in range(300):
+        if held and (rng.random() < 0.5 or not free):
+            rng.shuffle(held)
+            k = rng.randint(1, len(held))
+            give, held = held[:k], held[k:]
+            pool.release(give)
+            free.extend(b.block_id for b in reversed(give))
+        else:
+            n = rng.randint(1, len(free))
+            got = pool.allocate(n)
+            want, free = free[:n], free[n:]
+            assert [b.block_id for b in got] == want and all(b.ref_cnt == 1 for b in got)
+            held.extend(got)
+        assert pool.num_free == len(free)
+    assert len(pool.blocks) == 40 and [b.block_id for b in pool.blocks] == list(range(40))
