@@ -7,8 +7,10 @@ number for all of them.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specserve.models.arch_config import ArchConfig
@@ -39,7 +41,18 @@ class KVCacheLayout:
         caches, so one copy moves slots in all of them (tree_verify.move_kv). The block past the pool's is no
         request's: its first slot is where padded rows' cache moves go (KVCaches.spare_slot)."""
         shape = (self.num_layers, 2, num_blocks + 1, block_size, self.num_kv_heads, self.head_dim)
+        return zeroed(shape, dtype, device)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of zeros. On the CPU its bytes come from numpy's zeros (calloc), whose pages the system maps,
+    zeroed, on first write: a default-sized CPU pool (kv_sizing.CPU_KV_CACHE_BYTES) then costs nothing until
+    used, where torch.zeros writes every page first. Attention reads slots past a request's tokens (masked out,
+    but multiplied by zero), so they must hold finite values: zeros, never uninitialised memory."""
+    if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class KVCaches:

@@ -52,7 +52,8 @@ from specserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Without a GPU there is nothing to profile: a fixed pool (torch.zeros takes pages the system maps on first write).
+# Without a GPU there is nothing to profile: a fixed pool, whose pages the system maps on first write
+# (kv_layout.zeroed).
 CPU_KV_CACHE_BYTES = 2 << 30
 # Room kept for memory taken after sizing: kernels the warm-up and later steps load, allocator rounding.
 LATE_ALLOCATION_BYTES = 256 << 20

@@ -2,6 +2,7 @@
 checks, the profile's batch, and the profile run itself on the CPU with a stand-in for the device's memory."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -214,3 +215,23 @@ def test_a_drafter_layers_count_in_every_block_on_the_cpu(tiny_llama, head):
     assert llm.engine.kv.num_blocks == runner.num_blocks
     with pytest.raises(ConfigError, match="kv_cache_memory_bytes.*Raise --kv-cache-memory"):
         LLM(str(path), max_model_len=128, kv_cache_memory_bytes=64 << 10)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_a_cpu_cache_is_zeros_whose_pages_are_taken_only_when_written(dtype):
+    """The CPU default pool (CPU_KV_CACHE_BYTES) must not cost its size in memory or time before it is used: an
+    engine of a small model would otherwise write gigabytes at every start."""
+    layout = KVCacheLayout(num_layers=4, num_kv_heads=2, head_dim=64)
+    blocks = (1 << 30) // layout.block_bytes(16, dtype)
+    before = _resident_bytes()
+    cache = layout.allocate(blocks, 16, dtype, torch.device("cpu"))
+    assert _resident_bytes() - before < (64 << 20)
+    assert cache.shape == (4, 2, blocks + 1, 16, 2, 64) and cache.dtype == dtype and cache.is_contiguous()
+    cache[1, 0, 7].fill_(1.0)
+    assert cache[1, 0, 7].float().sum().item() == 16 * 2 * 64
+    assert cache[1, 0, 6:9].float().sum().item() == 16 * 2 * 64 and cache[:, :, -1].float().abs().sum().item() == 0
