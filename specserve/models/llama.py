@@ -25,7 +25,7 @@ from specserve.models.arch_config import ArchConfig
 from specserve.models.layers import (FusableModule, GatedMLP, RMSNorm, RotaryEmbedding, add_and_norm, folds_fp8_norm,
                                      folds_norm, fp8_qkv_kernel_args, fuses_neighbours, output_projection,
                                      prologue_args)
-from specserve.models.parallel_layers import ParallelLMHead, VocabParallelEmbedding, shard_arch, shard_weight
+from specserve.models.parallel_layers import ParallelLMHead, TargetEmbedding, VocabParallelEmbedding, shard_arch, shard_weight
 from specserve.models.weight_loading import load_hf_weights
 
 SINGLE = TPGroup(0, 1)
@@ -137,7 +137,7 @@ class LlamaModel(nn.Module):
         """cfg: the rank's shard of the architecture (shard_arch) when tp has several ranks."""
         super().__init__()
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp) if tp.size > 1
-                             else nn.Embedding(cfg.vocab_size, cfg.hidden_size))
+                             else TargetEmbedding(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)

@@ -70,7 +70,17 @@ def shard_weight(name: str, part: int | None, tensor: torch.Tensor, arch: ArchCo
     return tensor
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class TargetEmbedding(nn.Embedding):
+    """The target's token embedding. The loader builds the target on the meta device and fills every weight from
+    the checkpoint or its dummy initialisation (models/loader.py), so this one never initialises its own:
+    nn.Embedding's normal_ on the meta device imports torch._dynamo, seconds of every engine process's start (a
+    server's core, each tensor-parallel rank)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class VocabParallelEmbedding(TargetEmbedding):
     """The rank's rows of the padded embedding; ids of other ranks look up zeros, and the sum over ranks is
     the whole embedding's."""
 
