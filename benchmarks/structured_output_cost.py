@@ -6,10 +6,13 @@ DraftMasks._build, once its drafts are back).
     python benchmarks/structured_output_cost.py --model smollm2-135m --dataset mt_bench.jsonl \
         [--spec '{"method": "eagle3", "model": "smollm2-135m-eagle3", "num_speculative_tokens": 3}'] \
         [--batch-sizes 1,64] [--max-tokens 256] [--json OUT.json]
-    python benchmarks/structured_output_cost.py --model llama3-8b --tokenizer smollm2-135m --dataset ...
+    python benchmarks/structured_output_cost.py --model llama3-8b --tokenizer smollm2-135m --dataset ... \
+        [--spec '{"method": "eagle3", "model": "random", "num_speculative_tokens": 3, "forced_acceptance_prob": 0.8}']
 
 A shape name (specserve/bench/models.py) as --model is that shape with random weights and the vocabulary of
---tokenizer, whose grammar masks it then applies: the cost of the masks beside a larger model's step.
+--tokenizer, whose grammar masks it then applies: the cost of the masks beside a larger model's step. With a shape,
+a --spec whose model is "random" drafts with a random EAGLE-3 head of the shape's size; its drafts are masked like
+a trained head's, and forced_acceptance_prob stands in for the acceptance a trained head would reach.
 
 Each batch size runs --rounds rounds of both arms, alternating, and reports each arm's median round (a small model's
 unconstrained arm is host-bound and varies from run to run), with the rounds' range.
@@ -30,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.bench.models import SHAPES, prepare_model
+from specserve.bench.models import SHAPES, prepare_model, write_random_eagle3_head
 from specserve.entrypoints.openai.bench_serve import load_prompts
 from specserve.llm import LLM
 from specserve.models.loader import load_tokenizer, open_model_source
@@ -124,6 +127,9 @@ def median_round(results: list[ArmResult]) -> dict:
     return asdict(median) | {"tok_s": median.tok_s, "tok_s_rounds": [r.tok_s for r in results]}
 
 
+RANDOM_HEAD = "random"
+
+
 def engine_source(model: str, tokenizer: str | None) -> tuple[str, dict]:
     """The model path and the LLM's extra arguments: a shape gets random weights and the tokenizer's vocabulary."""
     if model not in SHAPES:
@@ -135,6 +141,25 @@ def engine_source(model: str, tokenizer: str | None) -> tuple[str, dict]:
     config = json.loads((path / "config.json").read_text()) | {"vocab_size": vocab}
     (path / "config.json").write_text(json.dumps(config))
     return str(path), {"tokenizer": tokenizer, "load_format": "dummy"}
+
+
+def spec_label(spec: dict) -> str:
+    forced = spec.get("forced_acceptance_prob")
+    return (f"{spec['method']} k={spec.get('num_speculative_tokens')}"
+            + ("" if forced is None else f" forced p={forced:g}"))
+
+
+def speculative_config(spec: dict, model: str, model_path: str) -> dict:
+    """spec, its head written where it names RANDOM_HEAD (a random EAGLE-3 head of the shape model_path holds)."""
+    if spec.get("model") != RANDOM_HEAD:
+        return spec
+    if model not in SHAPES:
+        raise SystemExit(f"--spec's model {RANDOM_HEAD!r} is a random head for a shape; {model} has weights of its own, "
+                         "so name its trained head")
+    target = json.loads((Path(model_path) / "config.json").read_text())
+    head = write_random_eagle3_head(Path(tempfile.mkdtemp()) / "head", target, torch.bfloat16,
+                                    "cuda" if torch.cuda.is_available() else "cpu")
+    return spec | {"model": str(head)}
 
 
 def main() -> None:
@@ -161,7 +186,7 @@ def main() -> None:
     free = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     model, extra = engine_source(a.model, a.tokenizer)
     rows = []
-    for spec in [None] + ([json.loads(a.spec)] if a.spec else []):
+    for spec in [None] + ([speculative_config(json.loads(a.spec), a.model, model)] if a.spec else []):
         llm = LLM(model, max_num_seqs=max(sizes), speculative_config=spec, **extra)
         counter = StepCounter(llm.engine.core.runner)
         inputs = [llm.apply_chat_template([{"role": "user", "content": p + INSTRUCTION}]) for p in prompts]
@@ -173,7 +198,7 @@ def main() -> None:
             for _ in range(a.rounds):
                 for name, params in (("free", free), ("json_schema", constrained)):
                     runs[name].append(run_arm(llm, inputs[:b], params, repeats, masks, draft_masks, counter))
-            row = dict(spec="none" if spec is None else f"{spec['method']} k={spec.get('num_speculative_tokens')}",
+            row = dict(spec="none" if spec is None else spec_label(spec),
                        batch=b, **{name: median_round(r) for name, r in runs.items()})
             rows.append(row)
             print(json.dumps(row), flush=True)
