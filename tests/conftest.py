@@ -85,11 +85,6 @@ def make_hf_model(path: Path, tokenizer_dir: Path, arch: str = "llama", tie: boo
     return model
 
 
-# Engine arguments for CPU tests that do not test the KV cache's size: room for every such test's requests
-# (128k of tiny_llama's tokens), allocated in milliseconds where the CPU default (2 GiB) takes most of a second.
-TEST_KV = dict(kv_cache_memory_bytes=64 << 20)
-
-
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tokenizer")

@@ -6,13 +6,12 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import TEST_KV
 from specserve import LLM, ConfigError, InvalidRequestError, ModelLoadError, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    return LLM(str(tiny_llama[0]), max_model_len=64, **TEST_KV)
+    return LLM(str(tiny_llama[0]), max_model_len=64)
 
 
 def test_empty_prompt(llm):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import TEST_KV, repetitive_prompts as prompts
+from conftest import repetitive_prompts as prompts
 from heads import save_eagle_head, save_perturbed_copy
 from step_overlap import record_overlap
 from specserve import LLM, ConfigError, SamplingParams
@@ -134,8 +134,8 @@ def test_abort_while_in_flight_leaves_the_others_unchanged(models):
 def test_configuration_is_checked(models):
     with pytest.raises(ConfigError, match="async_scheduling"):
         LLM(str(models["path"]), async_scheduling=True,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **TEST_KV)
-    llm = LLM(str(models["path"]), speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **TEST_KV)
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    llm = LLM(str(models["path"]), speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert llm.engine.config.async_scheduling is False
     assert LLM(str(models["path"])).engine.config.async_scheduling is False  # CPU: off unless asked
 

@@ -5,7 +5,6 @@ import random
 
 import pytest
 
-from conftest import TEST_KV
 from specserve import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -25,8 +24,7 @@ def prompts(tiny_llama):
 @pytest.fixture(scope="module")
 def alone(tiny_llama, prompts):
     """Each prompt run by itself, no chunking, no prefix cache: the reference."""
-    llm = LLM(str(tiny_llama[0]), max_model_len=256, enable_prefix_caching=False, enable_chunked_prefill=False,
-              **TEST_KV)
+    llm = LLM(str(tiny_llama[0]), max_model_len=256, enable_prefix_caching=False, enable_chunked_prefill=False)
     return [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
 
 
@@ -34,7 +32,7 @@ def alone(tiny_llama, prompts):
 def test_batch_of_16_equals_alone(tiny_llama, prompts, alone, chunked):
     # A small token budget forces prompts to be split across steps when chunking is on.
     llm = LLM(str(tiny_llama[0]), max_model_len=256, enable_chunked_prefill=chunked,
-              max_num_batched_tokens=64 if chunked else 256, **TEST_KV)
+              max_num_batched_tokens=64 if chunked else 256)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == alone
     if chunked:
@@ -42,7 +40,7 @@ def test_batch_of_16_equals_alone(tiny_llama, prompts, alone, chunked):
 
 
 def test_prefix_cache_hit_computes_only_the_rest(tiny_llama):
-    llm = LLM(str(tiny_llama[0]), max_model_len=256, block_size=16, **TEST_KV)
+    llm = LLM(str(tiny_llama[0]), max_model_len=256, block_size=16)
     rng = random.Random(1)
     shared = [rng.randrange(3, 300) for _ in range(48)] + [5]  # 3 full blocks + 1 token
     first = shared + [7, 8, 9, 10]
@@ -53,12 +51,12 @@ def test_prefix_cache_hit_computes_only_the_rest(tiny_llama):
     assert b.metrics.num_cached_tokens == 48
     # The model ran the 4 uncached prompt tokens and one token per generated token after the first.
     assert b.metrics.num_model_tokens == len(second) - 48 + GREEDY.max_tokens - 1
-    fresh = LLM(str(tiny_llama[0]), max_model_len=256, enable_prefix_caching=False, **TEST_KV)
+    fresh = LLM(str(tiny_llama[0]), max_model_len=256, enable_prefix_caching=False)
     assert b.outputs[0].token_ids == fresh.generate([second], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_full_prompt_hit_recomputes_last_token(tiny_llama, prompts, alone):
-    llm = LLM(str(tiny_llama[0]), max_model_len=256, block_size=16, **TEST_KV)
+    llm = LLM(str(tiny_llama[0]), max_model_len=256, block_size=16)
     p = prompts[0][:32]  # exactly two blocks
     first = llm.generate([p], GREEDY, use_tqdm=False)[0]
     again = llm.generate([p], GREEDY, use_tqdm=False)[0]
@@ -67,7 +65,7 @@ def test_full_prompt_hit_recomputes_last_token(tiny_llama, prompts, alone):
 
 
 def test_prefix_hit_inside_batch_equals_alone(tiny_llama, prompts, alone):
-    llm = LLM(str(tiny_llama[0]), max_model_len=256, **TEST_KV)
+    llm = LLM(str(tiny_llama[0]), max_model_len=256)
     llm.generate(prompts[:4], GREEDY, use_tqdm=False)  # warms the prefix cache
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert sum(o.metrics.num_cached_tokens for o in outs[:4]) > 0

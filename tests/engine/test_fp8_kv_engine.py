@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TEST_KV, repetitive_prompts
+from conftest import repetitive_prompts
 from heads import save_eagle_head
 from specserve import LLM, ConfigError, SamplingParams
 from specserve.config import EngineConfig
@@ -23,7 +23,7 @@ def fp8_reference(tiny_llama):
     prompts = repetitive_prompts(hf.config.vocab_size)
     outputs = {}
     for kv in ("auto", "fp8"):
-        llm = LLM(str(path), max_model_len=256, kv_cache_dtype=kv, **TEST_KV)
+        llm = LLM(str(path), max_model_len=256, kv_cache_dtype=kv)
         assert llm.engine.runner.kv.stack.dtype == (torch.float8_e4m3fn if kv == "fp8" else torch.float32)
         outputs[kv] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     return path, prompts, outputs["auto"], outputs["fp8"]
@@ -50,7 +50,7 @@ def test_the_triton_kernels_serve_an_fp8_engine(fp8_reference):
     """The Triton backend (interpreted) writes and reads the FP8 cache as the torch reference does: the same
     quantization, attention differing in float32 rounding only."""
     path, prompts, _, fp8 = fp8_reference
-    llm = LLM(str(path), max_model_len=256, kv_cache_dtype="fp8", attention_backend="triton", **TEST_KV)
+    llm = LLM(str(path), max_model_len=256, kv_cache_dtype="fp8", attention_backend="triton")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts[:3], params, use_tqdm=False)]
     assert agreement([r[:8] for r in fp8[:3]], outs) >= 0.9

@@ -7,7 +7,6 @@ from collections import defaultdict
 import pytest
 import torch
 
-from conftest import TEST_KV
 from specserve import LLM, SamplingParams
 from specserve.errors import InvalidRequestError
 from specserve.sampling_params import RequestOutputKind
@@ -45,7 +44,7 @@ def run_kinds(llm: LLM, prompts: list[list[int]], **params) -> dict[tuple[str, i
 def llm(tiny_llama):
     # n-gram drafts make steps that emit several tokens at once.
     return LLM(str(tiny_llama[0]), max_model_len=256,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **TEST_KV)
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
 
 
 def test_kinds_carry_the_same_tokens_text_and_logprobs(llm, tiny_llama):

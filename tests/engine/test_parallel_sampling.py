@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import TEST_KV, hf_greedy
+from conftest import hf_greedy
 from distribution import drafted_tokens, first_two_tokens_test
 from heads import save_eagle_head
 from specserve import LLM, SamplingParams
@@ -186,7 +186,7 @@ def test_sampled_sequences_follow_the_model_distribution(models, tmp_path, specu
         head = save_eagle_head(tmp_path / "head", hf.config, "eagle3", seed=2,
                                draft_token_ids=drafted_tokens(hf, ids, 0.5, 3))
         spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": str(head)}
-    llm = LLM(str(models["path"]), max_model_len=256, max_num_seqs=128, speculative_config=spec, **TEST_KV)
+    llm = LLM(str(models["path"]), max_model_len=256, max_num_seqs=128, speculative_config=spec)
     first_two_tokens_test(llm, models["hf"], PROMPTS[0], params, requests=8, wrong={"temperature": 1.0})
     if speculate:
         stats = llm.engine.spec_stats

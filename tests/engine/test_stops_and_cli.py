@@ -4,14 +4,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TEST_KV, make_hf_model
+from conftest import make_hf_model
 from specserve import LLM, SamplingParams
 from specserve.errors import InvalidRequestError
 from specserve.entrypoints.cli import main
 
 
 def test_stop_token_id_and_max_tokens(tiny_llama):
-    llm = LLM(str(tiny_llama[0]), max_model_len=128, **TEST_KV)
+    llm = LLM(str(tiny_llama[0]), max_model_len=128)
     free = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     tokens = free[0].outputs[0].token_ids
     assert len(tokens) == 10 and free[0].outputs[0].finish_reason == "length"
@@ -31,7 +31,7 @@ def test_sharded_safetensors_load_identically(tiny_llama, tmp_path, tokenizer_di
     for f in path.glob("model.safetensors"):
         f.unlink()
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    llm = LLM(str(path), max_model_len=128, **TEST_KV)
+    llm = LLM(str(path), max_model_len=128)
     got = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
     x = torch.tensor([[5, 6, 7]])
     hf.generation_config.eos_token_id = None
@@ -54,7 +54,7 @@ def test_cli_generate_prints_each_sequence(tiny_llama, capsys):
             "--request-seed", "5"]
     assert main(["generate", "The quick brown fox", "--n", "3", "--stats", *args]) == 0
     out = capsys.readouterr().out
-    expected = LLM(str(tiny_llama[0]), max_model_len=128, **TEST_KV).generate(
+    expected = LLM(str(tiny_llama[0]), max_model_len=128).generate(
         "The quick brown fox", SamplingParams(n=3, temperature=1, max_tokens=6, seed=5), use_tqdm=False)[0]
     assert len({c.text for c in expected.outputs}) == 3
     for c in expected.outputs:
@@ -75,7 +75,7 @@ def test_cli_chat_streams_the_reply(tiny_llama, capsys, monkeypatch):
 
     monkeypatch.setattr("builtins.input", typed)
     assert main(["chat", "--model", str(tiny_llama[0]), "--max-tokens", "8", "--max-model-len", "128"]) == 0
-    llm = LLM(str(tiny_llama[0]), max_model_len=128, **TEST_KV)
+    llm = LLM(str(tiny_llama[0]), max_model_len=128)
     reply = llm.generate(llm.apply_chat_template([{"role": "user", "content": "Hi there"}]),
                          SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
     assert reply and capsys.readouterr().out == reply + "\n"
@@ -89,7 +89,7 @@ def test_cli_reports_bad_input_without_a_traceback(capsys):
 
 
 def test_without_detokenization_the_tokens_are_the_same_and_the_text_empty(tiny_llama):
-    llm = LLM(str(tiny_llama[0]), max_model_len=128, **TEST_KV)
+    llm = LLM(str(tiny_llama[0]), max_model_len=128)
     params = dict(temperature=0, max_tokens=10, ignore_eos=True)
     prompts = [[5, 6, 7], [9, 10]]
     with_text = llm.generate(prompts, SamplingParams(**params), use_tqdm=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TEST_KV, hf_greedy, make_hf_model
+from conftest import hf_greedy, make_hf_model
 from specserve import LLM, SamplingParams
 
 PROMPTS = [
@@ -74,7 +74,7 @@ def capture_hidden(engine, sched):
 
 def test_greedy_matches_transformers(variant):
     path, hf = variant
-    llm = LLM(str(path), max_model_len=256, **TEST_KV)
+    llm = LLM(str(path), max_model_len=256)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     for out in outs:
         assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, 24)

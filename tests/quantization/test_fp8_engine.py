@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from conftest import TEST_KV, repetitive_prompts
+from conftest import repetitive_prompts
 from heads import save_eagle_head
 from specserve import LLM, SamplingParams
 from specserve.quantization.fp8 import FP8_DTYPE
@@ -23,7 +23,7 @@ def _tokens(llm: LLM, prompts) -> list[list[int]]:
 def fp8_target(tiny_llama):
     path, hf = tiny_llama
     prompts = repetitive_prompts(hf.config.vocab_size)
-    llm = LLM(str(path), max_model_len=256, quantization="fp8", **TEST_KV)
+    llm = LLM(str(path), max_model_len=256, quantization="fp8")
     return path, hf, prompts, llm, _tokens(llm, prompts)
 
 
@@ -48,7 +48,7 @@ def test_greedy_output_agrees_with_the_unquantized_model(fp8_target):
     from there on), but most tokens agree; a wrong scale or layout would make them unrelated (a token in
     several hundred agrees by chance)."""
     path, _, prompts, _, fp8 = fp8_target
-    plain = _tokens(LLM(str(path), max_model_len=256, **TEST_KV), prompts)
+    plain = _tokens(LLM(str(path), max_model_len=256), prompts)
     agree = sum(a == b for want, got in zip(plain, fp8) for a, b in zip(want, got))
     total = sum(len(t) for t in plain)
     assert agree / total >= 0.6, f"{agree} of {total} tokens agree"

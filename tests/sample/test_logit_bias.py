@@ -9,7 +9,6 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from distribution import drafted_tokens, first_two_tokens_test
 from heads import save_eagle_head
-from conftest import TEST_KV
 from specserve import LLM, SamplingParams
 from specserve.engine.request import Request
 from specserve.errors import InvalidRequestError
@@ -141,7 +140,7 @@ def test_sampled_distribution_is_softmax_of_biased_logits(models, tmp_path, spec
                                draft_token_ids=drafted_tokens(hf, ids, 0.5, 3, bias))
         spec = ({"method": "eagle3", "num_speculative_tokens": 3, "model": str(head)} if speculate == "chain"
                 else {"method": "eagle3", "model": str(head), "speculative_token_tree": TREE})
-    llm = LLM(str(models["path"]), max_model_len=256, max_num_seqs=128, speculative_config=spec, **TEST_KV)
+    llm = LLM(str(models["path"]), max_model_len=256, max_num_seqs=128, speculative_config=spec)
     first_two_tokens_test(llm, hf, PROMPT, params, requests=8, wrong={"bias": None})
     if speculate:
         stats = llm.engine.spec_stats

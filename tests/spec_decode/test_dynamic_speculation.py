@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from conftest import TEST_KV, repetitive_prompts as prompts
+from conftest import repetitive_prompts as prompts
 from heads import save_eagle_head
 from scripted_policy import scripted
 from specserve import LLM, SamplingParams
@@ -27,7 +27,7 @@ def models(tiny_llama, tmp_path_factory):
     path, hf = tiny_llama
     root = tmp_path_factory.mktemp("dynamic")
     ps = prompts(hf.config.vocab_size)
-    plain = LLM(str(path), max_model_len=256, **TEST_KV)
+    plain = LLM(str(path), max_model_len=256)
     ref = [o.outputs[0].token_ids for o in plain.generate(ps, GREEDY, use_tqdm=False)]
     return {"path": path, "root": root, "prompts": ps, "ref": ref,
             "eagle3": str(save_eagle_head(root / "eagle3", hf.config, "eagle3", seed=2))}
@@ -44,7 +44,7 @@ def dynamic_llm(models, table: str, forced_acceptance_prob: float, **kw) -> LLM:
     """The tiny model with a dynamic EAGLE-3 head at k=3 whose drafts are accepted with the given probability."""
     return LLM(str(models["path"]), max_model_len=256, speculative_config={
         "method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3,
-        "forced_acceptance_prob": forced_acceptance_prob, "dynamic": True, "cost_table": table}, **TEST_KV, **kw)
+        "forced_acceptance_prob": forced_acceptance_prob, "dynamic": True, "cost_table": table}, **kw)
 
 
 def tokens(outs) -> list[list[int]]:
@@ -125,7 +125,7 @@ def test_steps_kept_from_drafting_decode_in_the_whole_plain_step(models, drafts)
             "cost_table": cost_table(models, "any", (1.0,) * 4, (1.5,) * 4)}
     spec.update({"num_speculative_tokens": 3} if drafts == "chain" else {"speculative_token_tree": TREE})
     llm = LLM(str(models["path"]), max_model_len=256, speculative_config=spec, max_num_seqs=4,
-              cudagraph_capture_sizes=[1, 2, 4], **TEST_KV)
+              cudagraph_capture_sizes=[1, 2, 4])
     runner = llm.engine.runner
     runner.capture_graphs(M.FULL_AND_PIECEWISE, EagerRecorder(), llm.engine.attention_backend)
     replays = []
@@ -148,9 +148,8 @@ def test_drafting_follows_the_batch_size_and_output_is_unchanged(models, async_s
             "cost_table": table}
     ps = models["prompts"]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 12, 16, 48, 56, 64)]
-    want = tokens(LLM(str(models["path"]), max_model_len=256, **TEST_KV).generate(ps, params, use_tqdm=False))
-    llm = LLM(str(models["path"]), max_model_len=256, speculative_config=spec, async_scheduling=async_scheduling,
-              **TEST_KV)
+    want = tokens(LLM(str(models["path"]), max_model_len=256).generate(ps, params, use_tqdm=False))
+    llm = LLM(str(models["path"]), max_model_len=256, speculative_config=spec, async_scheduling=async_scheduling)
     assert tokens(llm.generate(ps, params, use_tqdm=False)) == want
     policy = llm.engine.core.scheduler.policy
     assert policy.steps_without_drafts > 0 and policy.steps_drafting > 0
@@ -165,7 +164,7 @@ def test_drafting_follows_the_batch_size_and_output_is_unchanged(models, async_s
 
 def test_step_times_are_measured_at_start_up_and_leave_nothing_behind(models):
     llm = LLM(str(models["path"]), max_model_len=256, max_num_seqs=4, speculative_config={
-        "method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3, "dynamic": True}, **TEST_KV)
+        "method": "eagle3", "model": models["eagle3"], "num_speculative_tokens": 3, "dynamic": True})
     core = llm.engine.core
     costs = core.scheduler.policy.costs
     assert costs.batch_sizes == (1, 2, 4) and costs.draft_counts == (0, 3)
@@ -204,7 +203,7 @@ def test_grammar_steps_stop_drafting_where_their_measured_drafts_do_not_pay(mode
     ps = models["prompts"][:2]
     params = SamplingParams(temperature=0, max_tokens=40, structured_output={"kind": "json_schema",
                                                                               "value": SCHEMAS[0]})
-    want = tokens(LLM(str(models["path"]), max_model_len=256, **TEST_KV).generate(ps, params, use_tqdm=False))
+    want = tokens(LLM(str(models["path"]), max_model_len=256).generate(ps, params, use_tqdm=False))
     table = cost_table(models, "nearly_free", (1.0,) * 4, (1.01,) * 4)
     llm = dynamic_llm(models, table, forced_acceptance_prob=0.0)
     assert tokens(llm.generate(ps, params, use_tqdm=False)) == want

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import TEST_KV, make_hf_model, repetitive_prompts as prompts
+from conftest import make_hf_model, repetitive_prompts as prompts
 from heads import save_eagle_head
 from specserve import LLM, ConfigError, SamplingParams
 
@@ -16,7 +16,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 def target(tiny_llama):
     path, hf = tiny_llama
     ps = prompts(hf.config.vocab_size)
-    llm = LLM(str(path), max_model_len=256, **TEST_KV)
+    llm = LLM(str(path), max_model_len=256)
     ref = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
     return path, hf, ps, ref
 
@@ -65,7 +65,7 @@ def test_greedy_equals_no_speculation(target, spec_models, method, k):
 def test_target_as_its_own_draft_accepts_everything(target):
     path, _, ps, ref = target
     llm = LLM(str(path), max_model_len=256,
-              speculative_config={"method": "draft_model", "model": str(path), "num_speculative_tokens": 4}, **TEST_KV)
+              speculative_config={"method": "draft_model", "model": str(path), "num_speculative_tokens": 4})
     outs = llm.generate(ps, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     stats = llm.engine.spec_stats
@@ -78,8 +78,8 @@ def test_a_prompt_longer_than_a_steps_budget_is_all_in_the_drafters_cache(target
     the target drafting for itself still accepts every draft."""
     path, _, ps, _ = target
     long = [t for p in ps[:4] for t in p]
-    want = LLM(str(path), max_model_len=256, **TEST_KV).generate([long], GREEDY, use_tqdm=False)[0].outputs[0]
-    llm = LLM(str(path), max_model_len=256, max_num_seqs=1, max_num_batched_tokens=16, **TEST_KV,
+    want = LLM(str(path), max_model_len=256).generate([long], GREEDY, use_tqdm=False)[0].outputs[0]
+    llm = LLM(str(path), max_model_len=256, max_num_seqs=1, max_num_batched_tokens=16,
               speculative_config={"method": "draft_model", "model": str(path), "num_speculative_tokens": 4})
     out = llm.generate([long], GREEDY, use_tqdm=False)[0].outputs[0]
     assert len(long) > 3 * 16 and out.token_ids == want.token_ids
@@ -89,7 +89,7 @@ def test_a_prompt_longer_than_a_steps_budget_is_all_in_the_drafters_cache(target
 
 def test_stop_string_inside_accepted_drafts(target):
     path, _, ps, _ = target
-    plain = LLM(str(path), max_model_len=256, **TEST_KV)
+    plain = LLM(str(path), max_model_len=256)
     full = plain.generate([ps[0]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
     text = full.outputs[0].text
     stop = text[len(text) // 2: len(text) // 2 + 3]
@@ -97,7 +97,7 @@ def test_stop_string_inside_accepted_drafts(target):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
     want = plain.generate([ps[0]], params, use_tqdm=False)[0].outputs[0]
     spec = LLM(str(path), max_model_len=256,
-               speculative_config={"method": "draft_model", "model": str(path), "num_speculative_tokens": 5}, **TEST_KV)
+               speculative_config={"method": "draft_model", "model": str(path), "num_speculative_tokens": 5})
     got = spec.generate([ps[0]], params, use_tqdm=False)[0].outputs[0]
     assert spec.engine.spec_stats.num_accepted > 0
     assert got.text == want.text == text[: text.index(stop)]
@@ -108,7 +108,7 @@ def test_stop_string_inside_accepted_drafts(target):
 def test_sampling_with_a_model_drafter_is_seeded_and_runs(target, spec_models, method):
     path, _, ps, _ = target
     params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=12, seed=1234)
-    llm = LLM(str(path), max_model_len=256, speculative_config=spec_config(method, 3, spec_models), **TEST_KV)
+    llm = LLM(str(path), max_model_len=256, speculative_config=spec_config(method, 3, spec_models))
     a = llm.generate(ps[:3], params, use_tqdm=False)
     b = llm.generate(ps[:3], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
@@ -125,7 +125,7 @@ def test_sampling_with_a_model_drafter_is_seeded_and_runs(target, spec_models, m
 ])
 def test_bad_speculative_config(target, cfg, field):
     with pytest.raises(ConfigError) as e:
-        LLM(str(target[0]), max_model_len=256, speculative_config=cfg, **TEST_KV)
+        LLM(str(target[0]), max_model_len=256, speculative_config=cfg)
     assert e.value.field == field
 
 
@@ -134,17 +134,17 @@ def test_head_that_does_not_fit_names_both_sizes(target, tmp_path):
     head = save_eagle_head(tmp_path / "wide", hf.config, "eagle", hidden=hf.config.hidden_size * 2)
     with pytest.raises(ConfigError, match=rf"hidden size {hf.config.hidden_size * 2} .* {hf.config.hidden_size}"):
         LLM(str(path), max_model_len=256,
-            speculative_config={"method": "eagle", "model": str(head), "num_speculative_tokens": 3}, **TEST_KV)
+            speculative_config={"method": "eagle", "model": str(head), "num_speculative_tokens": 3})
 
 
 def test_penalized_request_beside_speculating_ones_keeps_its_penalties(target):
     path, _, ps, ref = target
     penalized = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.8,
                                frequency_penalty=1.0)
-    plain = LLM(str(path), max_model_len=256, **TEST_KV)
+    plain = LLM(str(path), max_model_len=256)
     want = plain.generate([ps[0]], penalized, use_tqdm=False)[0].outputs[0].token_ids
     llm = LLM(str(path), max_model_len=256,
-              speculative_config={"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}, **TEST_KV)
+              speculative_config={"method": "draft_model", "model": str(path), "num_speculative_tokens": 3})
     outs = llm.generate(ps[:4], [penalized] + [GREEDY] * 3, use_tqdm=False)
     assert outs[0].outputs[0].token_ids == want
     assert [o.outputs[0].token_ids for o in outs[1:]] == ref[1:4]

@@ -7,7 +7,6 @@ import pytest
 from heads import save_eagle_head
 from step_drafts import recorded_drafts
 from test_speculative_e2e import GREEDY, target  # noqa: F401 (the target's fixture, with its reference outputs)
-from conftest import TEST_KV
 from specserve import LLM, SamplingParams
 from specserve.worker.cudagraph_mode import CUDAGraphMode as M
 from specserve.worker.graph_recorder import EagerRecorder
@@ -26,8 +25,7 @@ def graphed_tree_llm(path, heads, max_num_seqs: int, mode: M) -> LLM:
     """An EAGLE-3 tree engine with graphs recorded in `mode` by the CPU stand-in (which re-runs each recording)."""
     llm = LLM(str(path), max_model_len=256, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
               cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64],
-              speculative_config={"method": "eagle3", "model": str(heads["eagle3"]), "speculative_token_tree": TREE},
-              **TEST_KV)
+              speculative_config={"method": "eagle3", "model": str(heads["eagle3"]), "speculative_token_tree": TREE})
     llm.engine.runner.capture_graphs(mode, EagerRecorder(), llm.engine.attention_backend)
     return llm
 
@@ -139,7 +137,7 @@ def test_the_whole_sampled_tree_step_draws_what_its_parts_draw(target, heads):
     def tree_llm() -> LLM:
         llm = LLM(str(path), max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, seed=3,
                   cudagraph_capture_sizes=[1, 2, 3, 4], speculative_config={
-                      "method": "eagle3", "model": str(heads["eagle3"]), "speculative_token_tree": TREE}, **TEST_KV)
+                      "method": "eagle3", "model": str(heads["eagle3"]), "speculative_token_tree": TREE})
         llm.engine.runner.capture_graphs(M.FULL_AND_PIECEWISE, EagerRecorder(), llm.engine.attention_backend)
         return llm
 

@@ -12,7 +12,6 @@ import xgrammar as xgr
 
 from heads import save_eagle_head, save_perturbed_copy
 from schemas import SCHEMAS
-from conftest import TEST_KV
 from specserve import LLM, SamplingParams
 from specserve.worker.model_runner import ModelRunner
 from specserve.worker.step_path import Drafting
@@ -38,7 +37,7 @@ def models(tiny_llama, tmp_path_factory):
 
 
 def make_llm(models, spec: str) -> LLM:
-    return LLM(str(models["path"]), max_model_len=256, speculative_config=models[spec], **TEST_KV)
+    return LLM(str(models["path"]), max_model_len=256, speculative_config=models[spec])
 
 
 def schema_params(schema: dict, **kw) -> SamplingParams:
@@ -190,7 +189,7 @@ def test_cuda_masked_drafts_stay_exact_and_grammatical(models, spec, cuda_float3
     constrained output without speculation, and grammatical drafts (host copies and events on the device)."""
     params = [schema_params(s) for s in SCHEMAS]
     prompts = PROMPTS[:1] * len(SCHEMAS)
-    cpu = LLM(str(models["path"]), max_model_len=256, device="cpu", **TEST_KV)
+    cpu = LLM(str(models["path"]), max_model_len=256, device="cpu")
     ref = [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
     llm = LLM(str(models["path"]), max_model_len=256, device="cuda", dtype="float32",
               kv_cache_memory_bytes=256 << 20, speculative_config=models[spec])

@@ -11,7 +11,6 @@ from transformers import AutoTokenizer
 
 from heads import save_eagle_head, save_perturbed_copy
 from schemas import SCHEMAS
-from conftest import TEST_KV
 from specserve import LLM, SamplingParams
 from specserve.structured_output.spec import JSON_LAYOUT
 from specserve.worker.cudagraph_mode import CUDAGraphMode as M
@@ -51,7 +50,7 @@ def setup(tiny_llama, tokenizer_dir, tmp_path_factory):
     """(model path, the transformers references: grammar rows, free rows), and the drafters."""
     path, hf = tiny_llama
     root = tmp_path_factory.mktemp("masked_graphs")
-    llm = LLM(str(path), max_model_len=256, **TEST_KV)
+    llm = LLM(str(path), max_model_len=256)
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=hf.config.vocab_size,
                                               stop_token_ids=sorted(llm.engine.core.eos_token_ids))
@@ -75,7 +74,7 @@ def graphed(setup, drafter) -> tuple[LLM, list]:
     """An engine whose graphs are recorded with the stand-in (FULL), and the list of every step's path."""
     path, _, _, drafters = setup
     llm = LLM(str(path), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
-              cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64], speculative_config=drafters[drafter], **TEST_KV)
+              cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64], speculative_config=drafters[drafter])
     runner = llm.engine.runner
     runner.capture_graphs(M.FULL, EagerRecorder(), llm.engine.attention_backend)
     paths, choose = [], runner._choose_path

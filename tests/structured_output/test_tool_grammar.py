@@ -11,7 +11,6 @@ import pytest
 
 from heads import save_eagle_head, save_perturbed_copy
 from schemas import SCHEMAS
-from conftest import TEST_KV
 from specserve import LLM, SamplingParams
 from specserve.entrypoints.openai.tool_calling import forced_calls
 from specserve.entrypoints.openai.tool_fields import FunctionTool
@@ -46,7 +45,7 @@ def params(grammar, **kw) -> SamplingParams:
 
 @pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
 def test_a_named_function_is_called_with_valid_arguments(path, parser):
-    llm = LLM(str(path), max_model_len=512, **TEST_KV)
+    llm = LLM(str(path), max_model_len=512)
     syntax = TOOL_PARSERS[parser].syntax
     requests = [(tool, PROMPTS[i % 2], temperature) for i, tool in enumerate(TOOLS) for temperature in (0, 1.0)]
     outs = llm.generate([p for _, p, _ in requests],
@@ -62,7 +61,7 @@ def test_a_named_function_is_called_with_valid_arguments(path, parser):
 
 @pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
 def test_required_calls_any_tools_each_valid(path, parser):
-    llm = LLM(str(path), max_model_len=512, **TEST_KV)
+    llm = LLM(str(path), max_model_len=512)
     syntax = TOOL_PARSERS[parser].syntax
     toolsets = [TOOLS[i:i + 4] for i in range(0, len(TOOLS), 4)]
     for single in (False, True):
@@ -88,7 +87,7 @@ SPEC_PROMPTS = [p for p in PROMPTS for _ in SPEC_GRAMMARS]
 
 @pytest.fixture(scope="module")
 def without_speculation(path):
-    llm = LLM(str(path), max_model_len=512, **TEST_KV)
+    llm = LLM(str(path), max_model_len=512)
     return [o.outputs[0] for o in llm.generate(SPEC_PROMPTS, [params(g) for _ in PROMPTS for g in SPEC_GRAMMARS],
                                                use_tqdm=False)]
 
@@ -104,7 +103,7 @@ def test_forced_calls_with_speculation_equal_without(path, tiny_llama, tmp_path_
         "ngram": lambda: {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                           "prompt_lookup_max": 3},
     }[spec]()
-    llm = LLM(str(path), max_model_len=512, speculative_config=config, **TEST_KV)
+    llm = LLM(str(path), max_model_len=512, speculative_config=config)
     drafted = [o.outputs[0] for o in llm.generate(SPEC_PROMPTS, [params(g) for _ in PROMPTS for g in SPEC_GRAMMARS],
                                                   use_tqdm=False)]
     assert [o.token_ids for o in drafted] == [o.token_ids for o in without_speculation]

@@ -11,7 +11,6 @@ import torch
 
 from heads import save_eagle_head
 from step_drafts import recorded_drafts
-from conftest import TEST_KV
 from specserve import LLM, SamplingParams
 from specserve.worker.cudagraph import CUDAGraphMismatchError
 from specserve.worker.cudagraph_mode import CUDAGraphMode as M
@@ -26,7 +25,7 @@ def case(tiny_llama, tmp_path_factory):
     path, hf = tiny_llama
     rng = random.Random(5)
     prompts = [[rng.randrange(3, hf.config.vocab_size) for _ in range(rng.randint(2, 40))] for _ in range(7)]
-    plain = LLM(str(path), max_model_len=256, **TEST_KV)
+    plain = LLM(str(path), max_model_len=256)
     ref = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
     head = save_eagle_head(tmp_path_factory.mktemp("g") / "eagle3", hf.config, "eagle3", seed=4)
     return path, prompts, ref, head
@@ -36,7 +35,7 @@ def graphed_llm(case, mode: M, k: int = 3) -> tuple[LLM, list]:
     path, _, _, head = case
     llm = LLM(str(path), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
               cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64],
-              speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": k}, **TEST_KV)
+              speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": k})
     engine = llm.engine
     engine.runner.capture_graphs(mode, EagerRecorder(), engine.attention_backend)
     used = []
@@ -83,7 +82,7 @@ def test_graph_modes_keep_greedy_output_and_dispatch_as_designed(case, mode):
 def test_greedy_decode_samples_in_its_own_graph_and_others_do_not(case, mode):
     path, prompts, ref, _ = case
     llm = LLM(str(path), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
-              cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64], **TEST_KV)
+              cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64])
     runner = llm.engine.runner
     runner.capture_graphs(mode, EagerRecorder(), llm.engine.attention_backend)
     replays = record_greedy_replays(llm)
@@ -148,11 +147,11 @@ def test_a_prefill_as_long_as_a_verification_samples_without_verifying(case, mod
     runs that full graph, but nothing is drafted yet, so its token must be sampled, not verified."""
     path, _, _, head = case
     prompts = [[5, 9, 17, 33], [40, 41, 42, 43]]
-    plain = LLM(str(path), max_model_len=256, **TEST_KV)
+    plain = LLM(str(path), max_model_len=256)
     ref = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
     llm = LLM(str(path), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
               cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64],
-              speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}, **TEST_KV)
+              speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
     llm.engine.runner.capture_graphs(mode, EagerRecorder(), llm.engine.attention_backend)
     replays = record_greedy_replays(llm)
     for prompt, want in zip(prompts, ref):
@@ -164,7 +163,7 @@ def test_forced_acceptance_takes_the_same_draws_in_the_verification_graph(case):
     path, prompts, _, head = case
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "forced_acceptance_prob": 0.5}
     eager, graphed = (LLM(str(path), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
-                          cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64], speculative_config=spec, **TEST_KV)
+                          cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64], speculative_config=spec)
                       for _ in range(2))
     graphed.engine.runner.capture_graphs(M.FULL_DECODE_ONLY, EagerRecorder(), graphed.engine.attention_backend)
     replays = record_greedy_replays(graphed)
@@ -179,7 +178,7 @@ def test_forced_acceptance_takes_the_same_draws_in_the_verification_graph(case):
 def test_greedy_loop_graph_drafts_what_eager_drafting_drafts(case, k):
     path, prompts, _, head = case
     eager = LLM(str(path), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
-                speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": k}, **TEST_KV)
+                speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": k})
     llm, used = graphed_llm(case, M.FULL_DECODE_ONLY, k)
     # Draft 1 comes from the prefill's hidden state copied into the loop's buffer: a stale or poisoned
     # row there would change the drafts.
