@@ -154,8 +154,8 @@ def speculative_config(spec: dict, model: str, model_path: str) -> dict:
     if spec.get("model") != RANDOM_HEAD:
         return spec
     if model not in SHAPES:
-        raise SystemExit(f"--spec's model {RANDOM_HEAD!r} is a random head for a shape; {model} has weights of its own, "
-                         "so name its trained head")
+        raise SystemExit(f"--spec's model {RANDOM_HEAD!r} is a random head for a shape; {model} has weights of its "
+                         "own, so name its trained head")
     target = json.loads((Path(model_path) / "config.json").read_text())
     head = write_random_eagle3_head(Path(tempfile.mkdtemp()) / "head", target, torch.bfloat16,
                                     "cuda" if torch.cuda.is_available() else "cpu")

@@ -25,7 +25,8 @@ from specserve.models.arch_config import ArchConfig
 from specserve.models.layers import (FusableModule, GatedMLP, RMSNorm, RotaryEmbedding, add_and_norm, folds_fp8_norm,
                                      folds_norm, fp8_qkv_kernel_args, fuses_neighbours, output_projection,
                                      prologue_args)
-from specserve.models.parallel_layers import ParallelLMHead, TargetEmbedding, VocabParallelEmbedding, shard_arch, shard_weight
+from specserve.models.parallel_layers import (ParallelLMHead, TargetEmbedding, VocabParallelEmbedding, shard_arch,
+                                             shard_weight)
 from specserve.models.weight_loading import load_hf_weights
 
 SINGLE = TPGroup(0, 1)

@@ -33,8 +33,7 @@ class KVCacheLayout:
         return cls(num_layers or arch.num_layers, arch.num_kv_heads, arch.head_dim)
 
     def block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * elem
+        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """One tensor [layers, 2, num_blocks + 1, block_size, kv heads, head dim] whose entries are the layers'
@@ -51,7 +50,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     but multiplied by zero), so they must hold finite values: zeros, never uninitialised memory."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
