@@ -4,7 +4,7 @@ steps' grammar masks: the target's (StepMasks.build) and, with speculation, the 
 DraftMasks._build, once its drafts are back).
 
     python benchmarks/structured_output_cost.py --model smollm2-135m --dataset mt_bench.jsonl \
-        [--spec '{"method": "eagle3", "model": "smollm2-135m-eagle3", "num_speculative_tokens": 3}'] \
+        [--spec '{"method": "eagle3", "model": "smollm2-135m-eagle3", "num_speculative_tokens": 3}' [--spec ...]] \
         [--batch-sizes 1,64] [--max-tokens 256] [--json OUT.json]
     python benchmarks/structured_output_cost.py --model llama3-8b --tokenizer smollm2-135m --dataset ... \
         [--spec '{"method": "eagle3", "model": "random", "num_speculative_tokens": 3, "forced_acceptance_prob": 0.8}']
@@ -146,7 +146,8 @@ def engine_source(model: str, tokenizer: str | None) -> tuple[str, dict]:
 def spec_label(spec: dict) -> str:
     forced = spec.get("forced_acceptance_prob")
     return (f"{spec['method']} k={spec.get('num_speculative_tokens')}"
-            + ("" if forced is None else f" forced p={forced:g}"))
+            + ("" if forced is None else f" forced p={forced:g}")
+            + (" unmasked drafts" if spec.get("mask_drafts") is False else ""))
 
 
 def speculative_config(spec: dict, model: str, model_path: str) -> dict:
@@ -167,7 +168,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tokenizer", help="the tokenizer, in place of the model's own; needed for a shape")
     ap.add_argument("--dataset", required=True)
-    ap.add_argument("--spec", help="speculative_config JSON measured besides no speculation")
+    ap.add_argument("--spec", action="append", default=[],
+                    help="a speculative_config JSON measured besides no speculation; repeat for more")
     ap.add_argument("--batch-sizes", default="1,64")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--min-tokens-per-size", type=int, default=4096,
@@ -186,7 +188,7 @@ def main() -> None:
     free = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     model, extra = engine_source(a.model, a.tokenizer)
     rows = []
-    for spec in [None] + ([speculative_config(json.loads(a.spec), a.model, model)] if a.spec else []):
+    for spec in [None] + [speculative_config(json.loads(s), a.model, model) for s in a.spec]:
         llm = LLM(model, max_num_seqs=max(sizes), speculative_config=spec, **extra)
         counter = StepCounter(llm.engine.core.runner)
         inputs = [llm.apply_chat_template([{"role": "user", "content": p + INSTRUCTION}]) for p in prompts]

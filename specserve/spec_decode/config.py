@@ -45,6 +45,13 @@ class SpeculativeConfig:
     # target's --quantization fp8 does; None keeps them in the model's dtype (a draft model's FP8 checkpoint
     # loads as FP8 either way). Chosen apart from the target's.
     quantization: str | None = None
+    # A device drafter's drafts for requests with a grammar (docs/design.md, 'Structured output'): true, the
+    # drafter's logits are masked by each draft path's grammar state, so every draft is one the grammar allows,
+    # at the cost of the host building each depth's masks while the drafter waits for them; false, the drafts
+    # come unmasked from the drafter's graphs, as for requests without a grammar, and only the verification's
+    # masks keep the output the grammar's (fewer drafts accepted, no wait). None: true. Either way the output is
+    # exactly constrained decoding's.
+    mask_drafts: bool | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> None:
@@ -93,10 +100,23 @@ class SpeculativeConfig:
             if not Path(self.cost_table).expanduser().is_file():
                 bad("cost_table", f"{self.cost_table!r} is not a file; give the JSON that StepCosts.save wrote, "
                     "or leave it out to measure the step times at start-up")
+        if self.mask_drafts is not None:
+            if not isinstance(self.mask_drafts, bool):
+                bad("mask_drafts", f"must be true or false, got {self.mask_drafts!r}")
+            if self.mask_drafts and self.method == "ngram":
+                bad("mask_drafts", "n-gram drafts are copied from the context, never masked; drop it")
+            if not self.mask_drafts and p is not None:
+                bad("mask_drafts", "false lets drafts the grammar refuses reach the verification, where "
+                    "forced_acceptance_prob would accept them; drop one of the two")
         n = self.disable_by_batch_size
         if n is not None and (type(n) is not int or n < 1):
             bad("disable_by_batch_size", f"must be an integer >= 1 (the batch size from which no step drafts), "
                 f"got {n!r}")
+
+    @property
+    def masks_drafts(self) -> bool:
+        """Whether a grammar request's drafts are masked by its grammar (mask_drafts, by default true)."""
+        return self.mask_drafts is not False and self.method != "ngram"
 
     @property
     def tree(self) -> DraftTree | None:

@@ -88,6 +88,8 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         spec = config.speculative_config
         # A tree of drafts (spec_decode/tree.py) instead of a chain, and its tables on the device.
         self.tree = spec.tree if spec else None
+        # Whether grammar requests' drafts are masked by their grammars (SpeculativeConfig.mask_drafts).
+        self.mask_drafts = spec is None or spec.masks_drafts
         self.tree_tables = TreeTables.build(self.tree, self.device) if self.tree else None
         # This step's accepted paths (token indices), accepted counts, emitted tokens and cache moves.
         self._tree_step: TreeOutcome | None = None
@@ -230,7 +232,7 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
             drafting=kind is SpeculatorKind.ON_DEVICE and spec.has_drafting_graph(rows.num_sampling),
             sampled_tree=kind is SpeculatorKind.ON_DEVICE and spec.has_sampled_tree_graph(rows.num_sampling),
             drafter_cache=whole_step_drafts)
-        return choose_step_path(desc, rows, graphs, kind, self.tree is not None)
+        return choose_step_path(desc, rows, graphs, kind, self.tree is not None, self.mask_drafts)
 
     def dispatch(self, num_tokens: int, query_lens: list[int]) -> BatchDescriptor:
         """How this step's target forward runs: the graph descriptor where graphs are recorded."""

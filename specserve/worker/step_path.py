@@ -70,7 +70,8 @@ class Drafting(Enum):
     TREE_PASSES = "tree passes"
     # A step with a grammar request: the drafter's logits are masked by each draft path's grammar state,
     # which the host builds from each depth's drafts, read back as they are picked (structured_output/
-    # draft_masks.py): one decode step per draft, or a tree's passes, eagerly.
+    # draft_masks.py): one decode step per draft, or a tree's passes, eagerly. Without mask_drafts a grammar step
+    # drafts as a step without a grammar does, in the graphs above.
     MASKED_STEPS = "masked steps"
     MASKED_TREE_PASSES = "masked tree passes"
     # No drafts this step (none yields tokens, or the policy keeps it from drafting), but it ran prompt tokens: the
@@ -199,8 +200,10 @@ class StepPath:
 
 
 def choose_step_path(desc: BatchDescriptor, rows: StepRows, graphs: GraphsReady, speculator: SpeculatorKind,
-                     trees: bool) -> StepPath:
-    """The path the step takes. desc: its target's batch descriptor; trees: the speculator drafts trees.
+                     trees: bool, mask_drafts: bool = True) -> StepPath:
+    """The path the step takes. desc: its target's batch descriptor; trees: the speculator drafts trees;
+    mask_drafts: a device drafter's drafts for grammar requests are masked by their grammars (SpeculativeConfig.
+    mask_drafts), else they are drafted as without a grammar.
 
     A step runs whole when it has a whole-step graph, every request yields tokens, greedily, without
     logprobs or a grammar, and a verifying batch verifies exactly the drafts its graph verifies: the conditions
@@ -217,16 +220,16 @@ def choose_step_path(desc: BatchDescriptor, rows: StepRows, graphs: GraphsReady,
             return StepPath(desc.mode, WholeStep.TREE if trees else WholeStep.CHAIN,
                             Sampling.IN_WHOLE_STEP if rows.num_sample else Sampling.NONE,
                             Verification.IN_WHOLE_STEP if rows.num_verify else Verification.NONE,
-                            _drafting(rows, graphs, speculator, trees, in_whole_step=True))
+                            _drafting(rows, graphs, speculator, trees, mask_drafts, in_whole_step=True))
     if (graphs.plain_step and speculator is SpeculatorKind.NONE and everyone and desc.query_len == 1
             and both.samples_argmax and not both.grammar):
         return StepPath(desc.mode, WholeStep.PLAIN, Sampling.IN_WHOLE_STEP, Verification.NONE, Drafting.NONE)
     if (trees and graphs.whole_sampled_tree and everyone and rows.all_verify(desc.query_len)
             and _draws_in_graph(both)):
         return StepPath(desc.mode, WholeStep.SAMPLED_TREE, Sampling.NONE, Verification.IN_WHOLE_STEP,
-                        _drafting(rows, graphs, speculator, trees, in_whole_step=True))
+                        _drafting(rows, graphs, speculator, trees, mask_drafts, in_whole_step=True))
     return StepPath(desc.mode, WholeStep.NONE, _sampling(desc, rows, graphs), _verification(desc, rows, graphs, trees),
-                    _drafting(rows, graphs, speculator, trees, in_whole_step=False),
+                    _drafting(rows, graphs, speculator, trees, mask_drafts, in_whole_step=False),
                     masked=both.grammar)
 
 
@@ -260,7 +263,7 @@ def _verification(desc: BatchDescriptor, rows: StepRows, graphs: GraphsReady, tr
     return Verification.GREEDY
 
 
-def _drafting(rows: StepRows, graphs: GraphsReady, speculator: SpeculatorKind, trees: bool,
+def _drafting(rows: StepRows, graphs: GraphsReady, speculator: SpeculatorKind, trees: bool, mask_drafts: bool,
               in_whole_step: bool) -> Drafting:
     if not rows.num_sampling or speculator is SpeculatorKind.NONE:
         return Drafting.PREFILL_ONLY if graphs.drafter_cache and rows.prompt_tokens else Drafting.NONE
@@ -269,7 +272,7 @@ def _drafting(rows: StepRows, graphs: GraphsReady, speculator: SpeculatorKind, t
     if in_whole_step:
         return Drafting.IN_WHOLE_STEP
     both = rows.sample | rows.verify
-    if both.grammar:
+    if both.grammar and mask_drafts:
         return Drafting.MASKED_TREE_PASSES if trees else Drafting.MASKED_STEPS
     greedy = both.all_greedy
     if trees:

@@ -11,7 +11,7 @@ import pytest
 from heads import save_eagle_head, save_perturbed_copy
 from schemas import SCHEMAS
 from specserve import LLM, SamplingParams
-from specserve.worker.step_path import Sampling, Verification, WholeStep
+from specserve.worker.step_path import Drafting, Sampling, Verification, WholeStep
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_float32")]
 PROMPTS = ["Give me JSON:", "Numbers: 1 2 3", "The quick brown fox"]
@@ -60,14 +60,14 @@ def recorded_paths(llm: LLM) -> list:
     return paths
 
 
-@pytest.mark.parametrize("spec", [None, "eagle3", "near"])
+@pytest.mark.parametrize("spec", [None, "eagle3", "eagle3_unmasked", "near"])
 def test_cuda_greedy_grammar_steps_replay_the_masked_greedy_graph_as_eager_runs(case, tiny_llama, tmp_path, spec):
     """The greedy graph (decode, chain verification) applies the masks on the device: the same tokens as an engine
-    on the same device without graphs, and as the CPU's."""
+    on the same device without graphs, and as the CPU's; with unmasked drafts the drafter's loop graph drafts."""
     path, near, prompts, params, ref, _ = case
-    cfg = {None: None,
-           "eagle3": {"method": "eagle3", "num_speculative_tokens": 3,
-                      "model": str(save_eagle_head(tmp_path / "eagle3", tiny_llama[1].config, "eagle3", seed=2))},
+    head = {"method": "eagle3", "num_speculative_tokens": 3,
+            "model": str(save_eagle_head(tmp_path / "eagle3", tiny_llama[1].config, "eagle3", seed=2))}
+    cfg = {None: None, "eagle3": head, "eagle3_unmasked": head | {"mask_drafts": False},
            "near": {"method": "draft_model", "model": str(near), "num_speculative_tokens": 3}}[spec]
     kw = dict(max_model_len=256, device="cuda", dtype="float32", **SMALL_KV, speculative_config=cfg)
     eager = LLM(str(path), cudagraph_mode="NONE", **kw)
@@ -81,3 +81,5 @@ def test_cuda_greedy_grammar_steps_replay_the_masked_greedy_graph_as_eager_runs(
     assert masked and all(p.whole is WholeStep.NONE for p in masked)
     greedy_graph = Verification.GREEDY_GRAPH if spec else Sampling.GREEDY_GRAPH
     assert any(greedy_graph in (p.sampling, p.verification) for p in masked)
+    drafting = {p.drafting for p in masked}
+    assert (Drafting.GREEDY_LOOP_GRAPH in drafting) == (spec == "eagle3_unmasked")

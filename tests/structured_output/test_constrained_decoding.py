@@ -1,5 +1,5 @@
 """End to end: grammar-constrained outputs match their grammar (20 JSON schemas validated with jsonschema), with
-and without speculation (chains and trees of drafts, the drafter's logits masked by the grammar), and
+and without speculation (chains and trees of drafts, the drafter's logits masked by the grammar or not), and
 speculation keeps constrained decoding exact: greedy output equals constrained output without drafts token for
 token, and sampled output has the same distribution."""
 from __future__ import annotations
@@ -14,6 +14,8 @@ from scipy.stats import chi2_contingency
 from heads import save_eagle_head, save_perturbed_copy
 from schemas import SCHEMAS
 from specserve import LLM, SamplingParams
+from specserve.errors import ConfigError
+from specserve.spec_decode.config import SpeculativeConfig
 from step_overlap import record_overlap
 
 PROMPTS = ["Give me JSON:", "Numbers: 1 2 3", "The quick brown fox"]
@@ -28,7 +30,8 @@ def schema_params(schema: dict, **kw) -> SamplingParams:
 @pytest.fixture(scope="module")
 def models(tiny_llama, tmp_path_factory):
     """The target; a random EAGLE-3 head (its drafts, masked by the grammar, grammatical but often not the
-    target's), as a chain and as a tree, a perturbed copy of the target as a draft model (drafts often accepted)
+    target's), as a chain and as a tree, each also with its drafts unmasked (mask_drafts false: drafts the grammar
+    refuses reach the verification), a perturbed copy of the target as a draft model (drafts often accepted)
     and n-gram drafts (unmasked)."""
     path, hf = tiny_llama
     root = tmp_path_factory.mktemp("structured")
@@ -38,6 +41,9 @@ def models(tiny_llama, tmp_path_factory):
         None: None,
         "eagle3": {"method": "eagle3", "num_speculative_tokens": 3, "model": head},
         "eagle3_tree": {"method": "eagle3", "model": head, "speculative_token_tree": TREE},
+        "eagle3_unmasked": {"method": "eagle3", "num_speculative_tokens": 3, "model": head, "mask_drafts": False},
+        "eagle3_tree_unmasked": {"method": "eagle3", "model": head, "speculative_token_tree": TREE,
+                                 "mask_drafts": False},
         "near": {"method": "draft_model", "num_speculative_tokens": 3,
                  "model": str(save_perturbed_copy(root / "near", path))},
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
@@ -67,7 +73,8 @@ def test_every_schema_yields_valid_json_without_speculation(reference):
     assert_valid(reference)
 
 
-@pytest.mark.parametrize("spec", ["eagle3", "eagle3_tree", "near", "ngram"])
+@pytest.mark.parametrize("spec", ["eagle3", "eagle3_tree", "eagle3_unmasked", "eagle3_tree_unmasked", "near",
+                                  "ngram"])
 def test_greedy_with_speculation_equals_without(models, reference, spec):
     """Small token budget (chunked prefill) and pool (preemption) in the mix; with asynchronous scheduling too,
     where each step's masks wait for the step before it only once its forward is launched."""
@@ -82,6 +89,30 @@ def test_greedy_with_speculation_equals_without(models, reference, spec):
             assert sum(overlapped) > len(overlapped) // 2
         assert_valid(outs)
         assert llm.engine.spec_stats.num_drafted > 0
+
+
+def test_unmasked_drafts_draft_what_the_grammar_refuses_and_masked_ones_never_do(models):
+    """With a random head the unmasked drafts are mostly ones the grammar refuses, so fewer are accepted than of the
+    masked drafts, which the grammar allows (the same outputs: test_greedy_with_speculation_equals_without)."""
+    accepted = {}
+    for spec in ("eagle3", "eagle3_unmasked"):
+        llm = make_llm(models, spec)
+        llm.generate(PROMPTS, [schema_params(SCHEMAS[0])] * len(PROMPTS), use_tqdm=False)
+        stats = llm.engine.spec_stats
+        accepted[spec] = stats.num_accepted / stats.num_drafted
+    assert accepted["eagle3_unmasked"] < accepted["eagle3"], accepted
+
+
+@pytest.mark.parametrize("extra,why", [
+    ({"method": "ngram", "prompt_lookup_min": 1, "mask_drafts": True}, "never masked"),
+    ({"mask_drafts": False, "forced_acceptance_prob": 0.5}, "drop one of the two"),
+    ({"mask_drafts": "no"}, "true or false"),
+])
+def test_mask_drafts_it_cannot_honour_is_a_config_error(models, extra, why):
+    fields = {"method": "eagle3", "num_speculative_tokens": 3, "model": models["eagle3"]["model"], **extra}
+    with pytest.raises(ConfigError, match=why) as e:
+        SpeculativeConfig.parse(fields)
+    assert e.value.field == "speculative_config.mask_drafts"
 
 
 @pytest.mark.parametrize("spec", ["near", "eagle3_tree"])
@@ -117,7 +148,7 @@ def sampled_texts(llm: LLM, n: int) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize("spec", ["eagle3", "eagle3_tree", "near"])
+@pytest.mark.parametrize("spec", ["eagle3", "eagle3_tree", "eagle3_unmasked", "near"])
 def test_sampled_distribution_with_speculation_equals_without(models, reference_samples, spec):
     """The letter at each position, with speculation against without (the later ones are drafted)."""
     llm = make_llm(models, spec)

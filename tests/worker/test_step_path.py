@@ -27,11 +27,11 @@ def full(n: int, q: int) -> BatchDescriptor:
     return BatchDescriptor(M.FULL, n * q, n, q)
 
 
-def path(desc, rows, graphs=None, speculator=SpeculatorKind.ON_DEVICE, trees=False) -> StepPath:
+def path(desc, rows, graphs=None, speculator=SpeculatorKind.ON_DEVICE, trees=False, mask_drafts=True) -> StepPath:
     """By default every graph that can serve desc: whole-step and greedy graphs are full graphs."""
     if graphs is None:
         graphs = EVERY_GRAPH if desc.mode is M.FULL else GraphsReady(drafting=True)
-    return choose_step_path(desc, rows, graphs, speculator, trees)
+    return choose_step_path(desc, rows, graphs, speculator, trees, mask_drafts)
 
 
 def test_a_greedy_decode_batch_with_a_whole_step_graph_runs_whole():
@@ -279,3 +279,18 @@ def test_grammar_steps_draft_masked_steps_and_tree_passes_and_others_keep_their_
     assert path(full(4, 1), decode(4, grammar), speculator=SpeculatorKind.ON_HOST).drafting is Drafting.ON_HOST
     assert path(full(4, 1), decode(4), GraphsReady(greedy=True, drafting=True)).drafting is Drafting.GREEDY_LOOP_GRAPH
     assert path(desc, verify(2, 5), trees=True).drafting is Drafting.TREE_GRAPH
+
+
+def test_grammar_steps_without_masked_drafts_draft_in_the_graphs_but_still_build_masks():
+    """With mask_drafts false a grammar step drafts as a step without a grammar does (the loop or tree graph), and
+    still masks its sampling and verification; it never runs the whole step, whose graph applies no masks."""
+    grammar = RowsSampling(grammar=True)
+    chain = path(full(4, 4), verify(4, 3, grammar), mask_drafts=False)
+    assert (chain.whole, chain.verification, chain.drafting, chain.masked) == (
+        WholeStep.NONE, Verification.GREEDY_GRAPH, Drafting.GREEDY_LOOP_GRAPH, True)
+    assert path(full(4, 1), decode(4, grammar), mask_drafts=False).drafting is Drafting.GREEDY_LOOP_GRAPH
+    desc = BatchDescriptor(M.PIECEWISE, 16, 2)
+    tree = path(desc, verify(2, 5, grammar), trees=True, mask_drafts=False)
+    assert (tree.verification, tree.drafting, tree.masked) == (Verification.TREE_ARGMAX, Drafting.TREE_GRAPH, True)
+    sampled = RowsSampling(all_greedy=False, grammar=True)
+    assert path(full(4, 4), verify(4, 3, sampled), mask_drafts=False).drafting is Drafting.STEPS
