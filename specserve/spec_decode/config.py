@@ -49,8 +49,8 @@ class SpeculativeConfig:
     # drafter's logits are masked by each draft path's grammar state, so every draft is one the grammar allows,
     # at the cost of the host building each depth's masks while the drafter waits for them; false, the drafts
     # come unmasked from the drafter's graphs, as for requests without a grammar, and only the verification's
-    # masks keep the output the grammar's (fewer drafts accepted, no wait). None: true. Either way the output is
-    # exactly constrained decoding's.
+    # masks keep the output the grammar's (fewer drafts accepted, no wait). Either way the output is exactly
+    # constrained decoding's. None: as masks_drafts says.
     mask_drafts: bool | None = None
 
     def __post_init__(self) -> None:
@@ -115,8 +115,13 @@ class SpeculativeConfig:
 
     @property
     def masks_drafts(self) -> bool:
-        """Whether a grammar request's drafts are masked by its grammar (mask_drafts, by default true)."""
-        return self.mask_drafts is not False and self.method != "ngram"
+        """Whether a grammar request's drafts are masked by its grammar: mask_drafts where given. By default not,
+        the faster on the default model at batch 1 and 64 (BENCHMARKS.md, 'Structured output'), but under
+        forced_acceptance_prob, which accepts drafts whatever the target's masked logits say, so only drafts the
+        grammar allows may reach it. N-gram drafts are never masked."""
+        if self.method == "ngram":
+            return False
+        return self.forced_acceptance_prob is not None if self.mask_drafts is None else self.mask_drafts
 
     @property
     def tree(self) -> DraftTree | None:

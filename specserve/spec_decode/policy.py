@@ -43,7 +43,7 @@ class StepKind(Enum):
     """What a step's cost with drafts and without depends on, by what its requests that yield tokens need."""
 
     GREEDY = "greedy"  # greedy, no grammar: the steps the start-up table times (whole-step graphs)
-    GRAMMAR = "grammar"  # a request has a grammar: masks on the host, masked drafting
+    GRAMMAR = "grammar"  # a request has a grammar: masks on the host (and masked drafting, mask_drafts)
     SAMPLING = "sampling"  # a request samples
 
     @classmethod

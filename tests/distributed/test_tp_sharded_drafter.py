@@ -102,7 +102,7 @@ def test_sharded_drafter_takes_rank0s_masked_drafts(tiny_llama, heads, tree):
     its unmasked logits, the drafts would differ from those of the head whole on rank 0."""
     path, _ = tiny_llama
     params = SamplingParams(temperature=0, max_tokens=40, structured_output={"kind": "json_schema", "value": SCHEMA})
-    spec = _spec(heads, "eagle3", tree)
+    spec = {**_spec(heads, "eagle3", tree), "mask_drafts": True}
     common = dict(tensor_parallel_size=2, max_model_len=256)
     want = _run(path, ["Give me JSON:", "Numbers: 1 2 3"], params, speculative_config=spec, **common)
     got = _run(path, ["Give me JSON:", "Numbers: 1 2 3"], params,

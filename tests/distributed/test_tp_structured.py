@@ -1,5 +1,5 @@
 """Grammar-constrained decoding under tensor parallelism (masks applied on rank 0, which alone samples), with a
-draft model and n-gram drafts on rank 0: TP=2's greedy outputs equal TP=1's and match their schema."""
+draft model (its drafts unmasked, the default, and masked) and n-gram drafts on rank 0: TP=2's greedy outputs equal TP=1's and match their schema."""
 from __future__ import annotations
 
 import json
@@ -31,9 +31,9 @@ def _texts(path, **kwargs):
         llm.engine.core.close()
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
-def test_tp2_constrained_outputs_equal_tp1(tiny_llama, near, method):
-    spec = {"method": method, "num_speculative_tokens": 3}
+@pytest.mark.parametrize("method, mask_drafts", [("draft_model", None), ("draft_model", True), ("ngram", None)])
+def test_tp2_constrained_outputs_equal_tp1(tiny_llama, near, method, mask_drafts):
+    spec = {"method": method, "num_speculative_tokens": 3, "mask_drafts": mask_drafts}
     spec.update(model=near) if method == "draft_model" else spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
     want, _ = _texts(tiny_llama[0], speculative_config=spec)
     got, stats = _texts(tiny_llama[0], speculative_config=spec, tensor_parallel_size=2)

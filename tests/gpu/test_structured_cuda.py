@@ -39,7 +39,8 @@ def case(tiny_llama, tmp_path_factory):
 @pytest.mark.parametrize("spec", [None, "near"])
 def test_cuda_constrained_equals_cpu_beside_free_requests(case, spec):
     path, near, prompts, params, ref, free_ref = case
-    cfg = None if spec is None else {"method": "draft_model", "model": str(near), "num_speculative_tokens": 3}
+    cfg = None if spec is None else {"method": "draft_model", "model": str(near), "num_speculative_tokens": 3,
+                                     "mask_drafts": True}
     llm = LLM(str(path), max_model_len=256, device="cuda", dtype="float32", **SMALL_KV, speculative_config=cfg,
               cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32])
     outs = llm.generate(prompts + PROMPTS, params + [FREE] * len(PROMPTS), use_tqdm=False)
@@ -60,15 +61,17 @@ def recorded_paths(llm: LLM) -> list:
     return paths
 
 
-@pytest.mark.parametrize("spec", [None, "eagle3", "eagle3_unmasked", "near"])
+@pytest.mark.parametrize("spec", [None, "eagle3", "eagle3_masked", "near_masked"])
 def test_cuda_greedy_grammar_steps_replay_the_masked_greedy_graph_as_eager_runs(case, tiny_llama, tmp_path, spec):
     """The greedy graph (decode, chain verification) applies the masks on the device: the same tokens as an engine
-    on the same device without graphs, and as the CPU's; with unmasked drafts the drafter's loop graph drafts."""
+    on the same device without graphs, and as the CPU's; with unmasked drafts (the default) the drafter's loop graph
+    drafts."""
     path, near, prompts, params, ref, _ = case
     head = {"method": "eagle3", "num_speculative_tokens": 3,
             "model": str(save_eagle_head(tmp_path / "eagle3", tiny_llama[1].config, "eagle3", seed=2))}
-    cfg = {None: None, "eagle3": head, "eagle3_unmasked": head | {"mask_drafts": False},
-           "near": {"method": "draft_model", "model": str(near), "num_speculative_tokens": 3}}[spec]
+    cfg = {None: None, "eagle3": head, "eagle3_masked": head | {"mask_drafts": True},
+           "near_masked": {"method": "draft_model", "model": str(near), "num_speculative_tokens": 3,
+                           "mask_drafts": True}}[spec]
     kw = dict(max_model_len=256, device="cuda", dtype="float32", **SMALL_KV, speculative_config=cfg)
     eager = LLM(str(path), cudagraph_mode="NONE", **kw)
     eager_tokens = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
@@ -82,4 +85,4 @@ def test_cuda_greedy_grammar_steps_replay_the_masked_greedy_graph_as_eager_runs(
     greedy_graph = Verification.GREEDY_GRAPH if spec else Sampling.GREEDY_GRAPH
     assert any(greedy_graph in (p.sampling, p.verification) for p in masked)
     drafting = {p.drafting for p in masked}
-    assert (Drafting.GREEDY_LOOP_GRAPH in drafting) == (spec == "eagle3_unmasked")
+    assert (Drafting.GREEDY_LOOP_GRAPH in drafting) == (spec == "eagle3")

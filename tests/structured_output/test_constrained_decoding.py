@@ -29,25 +29,22 @@ def schema_params(schema: dict, **kw) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def models(tiny_llama, tmp_path_factory):
-    """The target; a random EAGLE-3 head (its drafts, masked by the grammar, grammatical but often not the
-    target's), as a chain and as a tree, each also with its drafts unmasked (mask_drafts false: drafts the grammar
-    refuses reach the verification), a perturbed copy of the target as a draft model (drafts often accepted)
-    and n-gram drafts (unmasked)."""
+    """The target; a random EAGLE-3 head, as a chain and as a tree, its drafts unmasked (the default: drafts the
+    grammar refuses reach the verification) or masked by the grammar (grammatical but often not the target's); a
+    perturbed copy of the target as a draft model (drafts often accepted), unmasked and masked; n-gram drafts (never
+    masked)."""
     path, hf = tiny_llama
     root = tmp_path_factory.mktemp("structured")
     head = str(save_eagle_head(root / "eagle3", hf.config, "eagle3", seed=2))
-    return {
-        "path": path,
-        None: None,
+    specs = {
         "eagle3": {"method": "eagle3", "num_speculative_tokens": 3, "model": head},
         "eagle3_tree": {"method": "eagle3", "model": head, "speculative_token_tree": TREE},
-        "eagle3_unmasked": {"method": "eagle3", "num_speculative_tokens": 3, "model": head, "mask_drafts": False},
-        "eagle3_tree_unmasked": {"method": "eagle3", "model": head, "speculative_token_tree": TREE,
-                                 "mask_drafts": False},
         "near": {"method": "draft_model", "num_speculative_tokens": 3,
                  "model": str(save_perturbed_copy(root / "near", path))},
-        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
     }
+    return {"path": path, None: None, **specs, **{f"{name}_masked": spec | {"mask_drafts": True}
+                                                  for name, spec in specs.items()},
+            "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}}
 
 
 def make_llm(models, spec: str | None, **kw) -> LLM:
@@ -73,8 +70,8 @@ def test_every_schema_yields_valid_json_without_speculation(reference):
     assert_valid(reference)
 
 
-@pytest.mark.parametrize("spec", ["eagle3", "eagle3_tree", "eagle3_unmasked", "eagle3_tree_unmasked", "near",
-                                  "ngram"])
+@pytest.mark.parametrize("spec", ["eagle3", "eagle3_masked", "eagle3_tree", "eagle3_tree_masked", "near",
+                                  "near_masked", "ngram"])
 def test_greedy_with_speculation_equals_without(models, reference, spec):
     """Small token budget (chunked prefill) and pool (preemption) in the mix; with asynchronous scheduling too,
     where each step's masks wait for the step before it only once its forward is launched."""
@@ -92,15 +89,27 @@ def test_greedy_with_speculation_equals_without(models, reference, spec):
 
 
 def test_unmasked_drafts_draft_what_the_grammar_refuses_and_masked_ones_never_do(models):
-    """With a random head the unmasked drafts are mostly ones the grammar refuses, so fewer are accepted than of the
-    masked drafts, which the grammar allows (the same outputs: test_greedy_with_speculation_equals_without)."""
+    """With a random head the unmasked drafts (the default) are mostly ones the grammar refuses, so fewer are
+    accepted than of the masked drafts, which the grammar allows (the same outputs:
+    test_greedy_with_speculation_equals_without)."""
     accepted = {}
-    for spec in ("eagle3", "eagle3_unmasked"):
+    for spec in ("eagle3", "eagle3_masked"):
         llm = make_llm(models, spec)
         llm.generate(PROMPTS, [schema_params(SCHEMAS[0])] * len(PROMPTS), use_tqdm=False)
         stats = llm.engine.spec_stats
         accepted[spec] = stats.num_accepted / stats.num_drafted
-    assert accepted["eagle3_unmasked"] < accepted["eagle3"], accepted
+    assert accepted["eagle3"] < accepted["eagle3_masked"], accepted
+
+
+def test_drafts_are_unmasked_by_default_but_under_forced_acceptance(models):
+    """Forced acceptance accepts a draft whatever the target's masked logits say, so its drafts must be ones the
+    grammar allows."""
+    def masks(**extra) -> bool:
+        return SpeculativeConfig.parse({**models["eagle3"], **extra}).masks_drafts
+
+    assert not masks() and masks(mask_drafts=True) and masks(forced_acceptance_prob=0.5)
+    assert masks(forced_acceptance_prob=0.5, mask_drafts=True) and not masks(mask_drafts=False)
+    assert not SpeculativeConfig.parse(models["ngram"]).masks_drafts
 
 
 @pytest.mark.parametrize("extra,why", [
@@ -115,7 +124,7 @@ def test_mask_drafts_it_cannot_honour_is_a_config_error(models, extra, why):
     assert e.value.field == "speculative_config.mask_drafts"
 
 
-@pytest.mark.parametrize("spec", ["near", "eagle3_tree"])
+@pytest.mark.parametrize("spec", ["near_masked", "eagle3_tree_masked", "eagle3_tree"])
 def test_requests_without_a_grammar_are_unchanged_beside_grammar_requests(models, spec):
     llm = make_llm(models, spec)
     free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -148,7 +157,7 @@ def sampled_texts(llm: LLM, n: int) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize("spec", ["eagle3", "eagle3_tree", "eagle3_unmasked", "near"])
+@pytest.mark.parametrize("spec", ["eagle3", "eagle3_masked", "eagle3_tree_masked", "near_masked"])
 def test_sampled_distribution_with_speculation_equals_without(models, reference_samples, spec):
     """The letter at each position, with speculation against without (the later ones are drafted)."""
     llm = make_llm(models, spec)

@@ -1,5 +1,5 @@
-"""The drafter's logits of a grammar request are masked along each draft path (chains and trees): every draft it
-proposes is one the grammar allows after the tokens and drafts before it, sampled drafts are verified against
+"""With mask_drafts, the drafter's logits of a grammar request are masked along each draft path (chains and trees):
+every draft it proposes is one the grammar allows after the tokens and drafts before it, sampled drafts are verified against
 the masked, renormalised draft distribution they were drawn from, and acceptance under a grammar rises over an
 unmasked drafter's while the output stays the target's own."""
 from __future__ import annotations
@@ -14,7 +14,6 @@ from heads import save_eagle_head, save_perturbed_copy
 from schemas import SCHEMAS
 from specserve import LLM, SamplingParams
 from specserve.worker.model_runner import ModelRunner
-from specserve.worker.step_path import Drafting
 
 TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
 PROMPTS = ["Give me JSON:", "Numbers: 1 2 3", "The quick brown fox"]
@@ -23,21 +22,21 @@ PROMPTS = ["Give me JSON:", "Numbers: 1 2 3", "The quick brown fox"]
 @pytest.fixture(scope="module")
 def models(tiny_llama, tmp_path_factory):
     """The target; a random EAGLE-3 head (unmasked, its drafts are almost never grammatical), as a chain and as
-    a tree, and a perturbed copy of the target as a draft model."""
+    a tree, and a perturbed copy of the target as a draft model, each with its drafts masked."""
     path, hf = tiny_llama
     root = tmp_path_factory.mktemp("masked_drafts")
     head = str(save_eagle_head(root / "eagle3", hf.config, "eagle3", seed=2))
     return {
         "path": path,
-        "eagle3": {"method": "eagle3", "num_speculative_tokens": 3, "model": head},
-        "eagle3_tree": {"method": "eagle3", "model": head, "speculative_token_tree": TREE},
-        "near": {"method": "draft_model", "num_speculative_tokens": 3,
+        "eagle3": {"method": "eagle3", "num_speculative_tokens": 3, "model": head, "mask_drafts": True},
+        "eagle3_tree": {"method": "eagle3", "model": head, "speculative_token_tree": TREE, "mask_drafts": True},
+        "near": {"method": "draft_model", "num_speculative_tokens": 3, "mask_drafts": True,
                  "model": str(save_perturbed_copy(root / "near", path))},
     }
 
 
-def make_llm(models, spec: str) -> LLM:
-    return LLM(str(models["path"]), max_model_len=256, speculative_config=models[spec])
+def make_llm(models, spec: str, **extra) -> LLM:
+    return LLM(str(models["path"]), max_model_len=256, speculative_config=models[spec] | extra)
 
 
 def schema_params(schema: dict, **kw) -> SamplingParams:
@@ -154,28 +153,14 @@ def test_drafts_of_grammar_requests_are_grammatical(models, spec):
     assert all(o.outputs[0].finish_reason == "stop" for o in outs[:-1])
 
 
-def unmasked_drafts(monkeypatch) -> None:
-    """Grammar steps draft as steps without a grammar do (the drafter's logits unmasked): the baseline."""
-    original = ModelRunner._choose_path
-
-    def choose(self, desc, sched):
-        path = original(self, desc, sched)
-        if path.drafting.masked:
-            path = dataclasses.replace(path, drafting=Drafting.TREE_PASSES if self.tree else Drafting.STEPS)
-        return path
-
-    monkeypatch.setattr(ModelRunner, "_choose_path", choose)
-
-
 @pytest.mark.parametrize("spec", ["eagle3", "eagle3_tree"])
-def test_masked_drafts_raise_acceptance_and_keep_the_output(models, spec, monkeypatch):
+def test_masked_drafts_raise_acceptance_and_keep_the_output(models, spec):
     """A random EAGLE-3 head unmasked proposes illegal JSON tokens almost always; masked, its drafts are
     grammatical and many are the target's own. The greedy output is the same either way."""
     params = [schema_params(s) for s in SCHEMAS for _ in PROMPTS[:2]]
     masked = make_llm(models, spec)
     with_masks = masked.generate(PROMPTS[:2] * len(SCHEMAS), params, use_tqdm=False)
-    unmasked_drafts(monkeypatch)
-    unmasked = make_llm(models, spec)
+    unmasked = make_llm(models, spec, mask_drafts=False)
     without = unmasked.generate(PROMPTS[:2] * len(SCHEMAS), params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in with_masks] == [o.outputs[0].token_ids for o in without]
     rate, baseline = masked.engine.spec_stats.acceptance_rate, unmasked.engine.spec_stats.acceptance_rate

@@ -15,7 +15,7 @@ from specserve import LLM, SamplingParams
 from specserve.structured_output.spec import JSON_LAYOUT
 from specserve.worker.cudagraph_mode import CUDAGraphMode as M
 from specserve.worker.graph_recorder import EagerRecorder
-from specserve.worker.step_path import Sampling, Verification, WholeStep
+from specserve.worker.step_path import Drafting, Sampling, Verification, WholeStep
 
 PROMPTS = [[5, 9, 33, 2, 17], [40, 41, 42], [7, 7, 7, 7, 7, 7, 8], [100, 3, 250, 12]]
 GRAMMARS = SCHEMAS[:4]
@@ -63,8 +63,8 @@ def setup(tiny_llama, tokenizer_dir, tmp_path_factory):
         None: None,
         "eagle3": {"method": "eagle3", "num_speculative_tokens": 3,
                    "model": str(save_eagle_head(root / "eagle3", hf.config, "eagle3", seed=2))},
-        # Drafts often accepted: verification's masks at every position count.
-        "near": {"method": "draft_model", "num_speculative_tokens": 3,
+        # Masked drafts, often accepted: verification's masks at every position count.
+        "near": {"method": "draft_model", "num_speculative_tokens": 3, "mask_drafts": True,
                  "model": str(save_perturbed_copy(root / "near", path))},
     }
     return path, grammar_ref, free_ref, drafters
@@ -105,6 +105,8 @@ def test_greedy_graphs_apply_the_grammar_masks(setup, drafter):
         assert llm.engine.spec_stats.num_drafted > 0
     if drafter == "near":
         assert llm.engine.spec_stats.num_accepted > 0
+    # The head's drafts are unmasked (the default): drafted in the loop graph, as without a grammar.
+    assert any(p.drafting is Drafting.GREEDY_LOOP_GRAPH for p in masked) == (drafter == "eagle3")
     # The same graphs, with the masks switched off by the staged header: free rows are the model's own.
     paths.clear()
     assert tokens(llm, PROMPTS, FREE) == free_ref
