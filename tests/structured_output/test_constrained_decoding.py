@@ -157,7 +157,7 @@ def sampled_texts(llm: LLM, n: int) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize("spec", ["eagle3", "eagle3_masked", "eagle3_tree_masked", "near_masked"])
+@pytest.mark.parametrize("spec", ["eagle3", "eagle3_masked", "eagle3_tree", "eagle3_tree_masked", "near_masked"])
 def test_sampled_distribution_with_speculation_equals_without(models, reference_samples, spec):
     """The letter at each position, with speculation against without (the later ones are drafted)."""
     llm = make_llm(models, spec)
