@@ -95,14 +95,16 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"], "additionalProperties": False}
 
 
-@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
-def test_sharded_drafter_takes_rank0s_masked_drafts(tiny_llama, heads, tree):
+@pytest.mark.parametrize("tree, mask_drafts", [(None, True), (TREE, True), (None, False)],
+                         ids=["chain", "tree", "chain-unmasked"])
+def test_sharded_drafter_takes_rank0s_masked_drafts(tiny_llama, heads, tree, mask_drafts):
     """Under a grammar only rank 0 masks the head's logits (it alone holds the grammars): each draft, or each
     depth of a tree's guesses, is rank 0's, broadcast before the other rank drafts on from it; had it drafted from
-    its unmasked logits, the drafts would differ from those of the head whole on rank 0."""
+    its unmasked logits, the drafts would differ from those of the head whole on rank 0. Unmasked, every rank
+    takes the argmax of the same logits, as without a grammar."""
     path, _ = tiny_llama
     params = SamplingParams(temperature=0, max_tokens=40, structured_output={"kind": "json_schema", "value": SCHEMA})
-    spec = {**_spec(heads, "eagle3", tree), "mask_drafts": True}
+    spec = {**_spec(heads, "eagle3", tree), "mask_drafts": mask_drafts}
     common = dict(tensor_parallel_size=2, max_model_len=256)
     want = _run(path, ["Give me JSON:", "Numbers: 1 2 3"], params, speculative_config=spec, **common)
     got = _run(path, ["Give me JSON:", "Numbers: 1 2 3"], params,
