@@ -4,12 +4,12 @@ measured to yield with drafts and without (docs/design.md, 'Dynamic speculation'
 What a step costs with drafts and without is more than its forward passes: the host's work for each token it
 emits, prompt chunks that join a batch, and, for two kinds of step, more again (policy.StepKind): a grammar step,
 whose host builds a mask for every verified position (and, with masked drafts, drafts depth by depth, waiting for
-each depth's drafts; docs/design.md, 'Structured output'); and a step with a request that samples. Where that outweighs what the
-drafts gain, drafting makes requests slower than no speculation. So the policy measures instead of predicting:
-each step's time (under asynchronous scheduling from its launch to the next, the whole loop of the engine and
-its caller; launch to results otherwise) and the tokens it emitted, as moving averages per decision (drafts or
-none) and batch bucket (batch sizes up to the next power of two), and it takes the decision of the more tokens a
-second.
+each depth's drafts; docs/design.md, 'Structured output'); and a step with a request that samples. Where that
+outweighs what the drafts gain, drafting makes requests slower than no speculation. So the policy measures instead
+of predicting: each step's time (under asynchronous scheduling from its launch to the next, the whole loop of the
+engine and its caller; launch to results otherwise) and the tokens it emitted, as moving averages per decision
+(drafts or none) and batch bucket (batch sizes up to the next power of two), and it takes the decision of the more
+tokens a second.
 
 What must hold:
 - A measurement counts only where every step whose work it holds made the same decision: a step's tokens come

@@ -200,7 +200,7 @@ class StepPath:
 
 
 def choose_step_path(desc: BatchDescriptor, rows: StepRows, graphs: GraphsReady, speculator: SpeculatorKind,
-                     trees: bool, mask_drafts: bool = True) -> StepPath:
+                     trees: bool, mask_drafts: bool) -> StepPath:
     """The path the step takes. desc: its target's batch descriptor; trees: the speculator drafts trees;
     mask_drafts: a device drafter's drafts for grammar requests are masked by their grammars (SpeculativeConfig.
     mask_drafts), else they are drafted as without a grammar.
