@@ -9,9 +9,12 @@ The three engines are built first (each with max_num_seqs the largest batch size
 (batch, temperature) through each of them in turn, so a host that slows during the process slows them alike. A run
 at batch B generates B prompts at once, all to --max-tokens tokens (EOS ignored, so the batch stays full), and
 repeats with the next B prompts of the file until it has --min-tokens tokens. Round 0 is a warm-up, untimed: the
-dynamic policy measures its decisions online, and what it keeps is what serving it for a while gets. Reported:
-each engine's median round, the speedups over no speculation, the share of the dynamic engine's steps that
-drafted, and what its policy measured last in each batch bucket. The table goes to stdout.
+dynamic policy measures its decisions online, and what it keeps is what serving it for a while gets. The engines
+run in turn, in the opposite order every other round, so each engine's run sits beside no speculation's of the
+same round. Reported: each engine's median round; its speedup over no speculation, the median over rounds of the
+round's ratio (the host's speed drifts between rounds far more than within one, so paired ratios cancel most of
+it) with the least and the most in brackets; the share of the dynamic engine's steps that drafted; and what its
+policy measured last in each batch bucket. The table goes to stdout.
 """
 from __future__ import annotations
 
@@ -42,10 +45,16 @@ class Cell:
     def median(self, engine: str) -> float:
         return statistics.median(self.rounds[engine])
 
+    def ratios(self, engine: str) -> list[float]:
+        """Each timed round's tokens/s of engine over no speculation's in the same round."""
+        return [r / n for r, n in zip(self.rounds[engine], self.rounds["none"])]
+
     def against_none(self, engine: str) -> str:
         if not self.rounds[engine]:
             return "-"
-        return f"{self.median(engine):,.0f} ({self.median(engine) / self.median('none'):.2f}x)"
+        ratios = self.ratios(engine)
+        return (f"{self.median(engine):,.0f} ({statistics.median(ratios):.2f}x; "
+                f"{min(ratios):.2f}-{max(ratios):.2f})")
 
     def row(self) -> str:
         steps = self.steps_drafting + self.steps_without_drafts
@@ -112,7 +121,7 @@ def main() -> None:
             params = SamplingParams(temperature=cell.temperature, max_tokens=a.max_tokens, ignore_eos=True)
             start = r * cell.batch
             drafting, without = (policy.steps_drafting, policy.steps_without_drafts) if policy else (0, 0)
-            for name in engines:
+            for name in (list(engines) if r % 2 else list(engines)[::-1]):
                 rate = timed(engines[name], prompts, start, cell.batch, params, a.min_tokens)
                 if r:
                     cell.rounds[name].append(rate)
@@ -120,8 +129,8 @@ def main() -> None:
                 cell.steps_drafting += policy.steps_drafting - drafting
                 cell.steps_without_drafts += policy.steps_without_drafts - without
         print(f"round {r}{' (warm-up)' if r == 0 else ''} done", flush=True)
-    print("| batch | T | no speculation tok/s | always drafting (x none) | dynamic (x none) "
-          "| dynamic's steps drafting |")
+    print("| batch | T | no speculation tok/s | always drafting (x none: median; range of rounds) "
+          "| dynamic (x none: median; range of rounds) | dynamic's steps drafting |")
     print("|---|---|---|---|---|---|")
     for cell in cells:
         print(cell.row())
