@@ -1,7 +1,7 @@
 """Host time of a step's grammar masks (StepMasks.build) on this machine's CPU, and the sweep that writes the
 engine's thread counts for xgrammar's batch filler (structured_output/fill_threads.py).
 
-    python benchmarks/step_masks_host.py [--model smollm2-135m] [--rows 1,8,64] [--drafts 3] [--repeats 200]
+    python benchmarks/step_masks_host.py [--model smollm2-135m] [--rows 1,8,64] [--drafts 3] [--tree FILE] [--repeats 200]
     python benchmarks/step_masks_host.py --sweep [--rows 1,8,16,32,64,128,256] [--threads 1,2,4,8,16] [--write]
 
 Each request is under structured_output_cost.py's JSON schema. --states random (default): each at the end of its
@@ -15,7 +15,10 @@ thread (what is left is Python around it); one accept_token a row and a rollback
 outside StepMasks); and with --drafts k, StepMasks.build for that many rows verifying chains of k drafts (the
 model's own continuation, every draft accepted), the same with the drafter's masks of the step before
 carried (only the position after the last draft filled), and the drafter's masks of the k drafts that follow
-(DraftMasks.masks at each depth, after the step's new token, the same continuation drafted).
+(DraftMasks.masks at each depth, after the step's new token, the same continuation drafted). With --tree FILE (a
+speculative_token_tree, e.g. benchmarks/trees/*.txt), StepMasks.build for that many rows verifying that tree of
+drafts (each node's guess the r-th token its parent's state allows, r its rank among its siblings), as the engine
+builds it (tree_masks.py), and the same tree walked in Python per request (RequestGrammar.fill_masks).
 
 --sweep times one bare batch fill of each row count on each thread count (at most this process's CPUs) and
 prints the table with the thread count chosen for each row count: the fewest within SAME_WITHIN of the fastest.
@@ -28,6 +31,7 @@ import json
 import random
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,6 +41,7 @@ from specserve.engine.request import Request
 from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.models.loader import load_tokenizer, open_model_source
 from specserve.sampling_params import SamplingParams
+from specserve.spec_decode.tree import DraftTree
 from specserve.structured_output.draft_masks import DraftMasks
 from specserve.structured_output.fill_threads import SAME_WITHIN, FillThreads, fill_threads, usable_cpus, write_table
 from specserve.structured_output.manager import StructuredOutputManager
@@ -117,9 +122,11 @@ def buffer_for(rows: int, vocab: int) -> TokenBitmaskBuffer:
     return TokenBitmaskBuffer(host, host, torch.ones(1, dtype=torch.int64))
 
 
-def step_times(gs: list[RequestGrammar], vocab: int, rows: list[int], drafts: int, repeats: int) -> None:
+def step_times(gs: list[RequestGrammar], vocab: int, rows: list[int], drafts: int, tree: DraftTree | None,
+               repeats: int) -> None:
     print(f"{'rows':>5} {'threads':>7} {'StepMasks.build':>16} {'bare fill, 1 thread':>20} {'accepts + rollback':>19}"
           + (f" {f'build, {drafts} drafts':>16} {'carried':>8} {f'drafter, {drafts} drafts':>18}" if drafts else "")
+          + (f" {f'build, tree of {tree.num_nodes}':>18} {'walked in Python':>16}" if tree else "")
           + "   (median us a step)")
     scratch = xgr.allocate_token_bitmask(1, vocab)
     one = xgr.BatchGrammarMatcher(max_threads=1)
@@ -146,7 +153,38 @@ def step_times(gs: list[RequestGrammar], vocab: int, rows: list[int], drafts: in
             carried = carried_masks(verifying, drafts, vocab)
             line += f" {median_us(lambda: StepMasks.build(verifying, [], list(range(n)), buffer, lambda s: s.spec_token_ids, None, carried), repeats):8.1f}"
             line += f" {median_us(drafter_masks(group, drafts, vocab, scratch), repeats):18.1f}"
+        if tree:
+            trees = SchedulerOutput([scheduled(g, i, tree_continuation(g, tree, vocab, scratch))
+                                     for i, g in enumerate(group)])
+            tree_buffer = buffer_for(n * (1 + tree.num_nodes), vocab)
+            line += f" {median_us(lambda: StepMasks.build(trees, [], list(range(n)), tree_buffer, lambda s: s.spec_token_ids, tree.parents), repeats):18.1f}"
+
+            def walked() -> None:
+                tree_buffer.allow_all(0, n * (1 + tree.num_nodes))
+                for i, s in enumerate(trees.scheduled):
+                    s.request.grammar.fill_masks(tree_buffer.host, i * (1 + tree.num_nodes), s.spec_token_ids,
+                                                 tree.parents)
+            line += f" {median_us(walked, repeats):16.1f}"
         print(line)
+
+
+def tree_continuation(grammar: RequestGrammar, tree: DraftTree, vocab: int, scratch: torch.Tensor) -> list[int]:
+    """A token for each node of the tree: the r-th its parent's state allows (r: its rank among its siblings; the
+    last allowed where there are fewer), or 0 below a state that ended."""
+    m, drafts = grammar.matcher, []
+    for j in range(1, len(tree.parents)):
+        path, node = [], tree.parents[j]
+        while node:
+            path.append(drafts[node - 1])
+            node = tree.parents[node]
+        taken = grammar.walk(path[::-1])
+        if taken == len(path) and not m.is_terminated():
+            options = allowed_tokens(m, scratch, vocab)
+            drafts.append(int(options[min(tree.ranks[j], len(options) - 1)]))
+        else:
+            drafts.append(0)
+        m.rollback(taken)
+    return drafts
 
 
 def carried_masks(verifying: SchedulerOutput, drafts: int, vocab: int):
@@ -214,6 +252,7 @@ def main() -> None:
     ap.add_argument("--states", choices=("random", "text"), default="random")
     ap.add_argument("--rows", help="row counts (default 1,8,64; with --sweep 1,8,16,32,64,128,256)")
     ap.add_argument("--drafts", type=int, default=0, help="also time rows verifying chains of this many drafts")
+    ap.add_argument("--tree", help="also time rows verifying this tree of drafts (a speculative_token_tree file)")
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--sweep", action="store_true", help="time the batch fill on each thread count")
     ap.add_argument("--threads", default="1,2,4,8,16", help="thread counts of the sweep")
@@ -226,7 +265,8 @@ def main() -> None:
     gs, vocab = grammars(a.model, max(rows), a.states)
     print(f"{a.states} states, vocabulary {vocab}, {usable_cpus()} usable CPUs")
     if not a.sweep:
-        step_times(gs, vocab, rows, a.drafts, a.repeats)
+        tree = DraftTree.build(Path(a.tree).read_text().strip()) if a.tree else None
+        step_times(gs, vocab, rows, a.drafts, tree, a.repeats)
         return
     buckets = sweep(gs, vocab, rows, [int(t) for t in a.threads.split(",")], a.repeats)
     print("choices: " + ", ".join(f"up to {b.max_rows} rows: {b.threads}" for b in buckets))

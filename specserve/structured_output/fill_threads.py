@@ -1,5 +1,6 @@
-"""xgrammar's batch filler (BatchGrammarMatcher), through which every grammar mask is filled (batch_fill), and how
-many threads it fills on, by the number of rows one call fills (docs/design.md, 'Structured output').
+"""xgrammar's batch filler (BatchGrammarMatcher), through which every grammar mask is filled (batch_fill) but a
+verified tree's (tree_masks.py, one call per tree, spread over as many threads), and how many threads it fills on,
+by the number of rows one call fills (docs/design.md, 'Structured output').
 
 The choice is data, measured on the host: `benchmarks/step_masks_host.py --sweep --write` times the batch fill
 at each row count on each thread count and writes, for the CPUs the process may run on, `structured_output/

@@ -24,6 +24,7 @@ from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.sample.token_bitmask import TokenMask
 from specserve.structured_output.draft_masks import CarriedDraftMasks
 from specserve.structured_output.fill_threads import batch_fill
+from specserve.structured_output.tree_masks import fill_tree_masks
 from specserve.worker.input_buffers import TokenBitmaskBuffer
 
 
@@ -105,9 +106,9 @@ def _fill_verify(buffer: TokenBitmaskBuffer, first: int, requests: list[Schedule
     if tree_parents is None:
         _fill_chains(buffer, first, width, requests, drafts, carried, taken)
         return len(requests) * width
-    for i, s in enumerate(requests):
-        if _live(s):
-            s.request.grammar.fill_masks(buffer.host, first + i * width, drafts[i], tree_parents)
+    live = [i for i, s in enumerate(requests) if _live(s)]
+    fill_tree_masks([requests[i].request.grammar for i in live], buffer.host, [first + i * width for i in live],
+                    [drafts[i] for i in live], tree_parents)
     return len(requests) * width
 
 
