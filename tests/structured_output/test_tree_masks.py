@@ -31,11 +31,7 @@ def tree_drafts(m, parents: tuple[int, ...], vocab: int, rng: random.Random) -> 
         while node:
             path.append(drafts[node - 1])
             node = parents[node]
-        taken = 0
-        for t in reversed(path):
-            if m.is_terminated() or not m.accept_token(t):
-                break
-            taken += 1
+        taken = RequestGrammar(m).walk(path[::-1])
         if taken == len(path) and not m.is_terminated():
             m.fill_next_token_bitmask(mask, 0)
             drafts.append(rng.choice(allowed(mask, 0, vocab)))
