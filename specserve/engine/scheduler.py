@@ -278,7 +278,8 @@ class Scheduler:
             emitted += req.num_output_tokens - before
             # A request already scheduled again verifies these drafts from the device.
             if not req.is_finished and not req.num_inflight_tokens:
-                req.spec_token_ids = result.drafts.get(req.request_id, [])[: self._num_drafts(req, req.num_tokens)]
+                drafts = result.drafts.get(req.request_id)
+                req.spec_token_ids = drafts[: self._num_drafts(req, req.num_tokens)] if drafts else []
             updated.append(req)
         if step_stats is not None and step_stats.num_steps:
             self.policy.observe(step_stats)

@@ -314,7 +314,10 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         ids, qlens_np, slens = (np.array(ids, dtype=np.int64), np.array(qlens, dtype=np.int64),
                                 np.array(slens, dtype=np.int64))
         table = self.host_block_table.gather(rows)
-        tree_layout = self.tree_layout.stage(sched, offset) if self.tree_layout else (None, None)
+        # A step that verifies no tree stages no layout: every token's shift is then 0 and its bits -1, as stage()
+        # would give them.
+        tree_layout = (self.tree_layout.stage(sched, offset) if self.tree_layout
+                       and path.verification is not Verification.NONE else (None, None))
         metadata = self.buffers.prepare(ids, qlens_np, slens, table, self.block_size, plan.extras, *tree_layout,
                                         masked=path.masked)
         b = self.buffers
@@ -381,18 +384,20 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
             return out
         if handle.event is not None:
             handle.event.synchronize()
-        table = handle.host.tolist()
+        path = handle.path
         k = self.outputs.max_accepted
+        table = handle.host[:, :self.outputs.columns_written(path.verification is not Verification.NONE,
+                                                             path.drafts_on_device)].tolist()
         scheduled = handle.sched.scheduled
         for i in handle.sampling:
             row = table[i]
             rid = scheduled[i].request.request_id
             out.sampled[rid] = row[1:row[0] + 2]
-            if handle.path.drafts_on_device:
+            if path.drafts_on_device:
                 out.drafts[rid] = row[k + 2:]
         for logprobs in handle.logprobs:
             logprobs.collect(table, handle.sched, out.logprobs)
-        if handle.path.drafting is Drafting.ON_HOST:
+        if path.drafting is Drafting.ON_HOST:
             reqs = [scheduled[i].request for i in handle.sampling]
             contexts = [r.all_token_ids + out.sampled[r.request_id] for r in reqs]
             for req, d in zip(reqs, self.speculator.propose_from_contexts(contexts)):

@@ -33,6 +33,14 @@ class StepOutputs:
         self._stream = torch.cuda.current_stream(device) if cuda else None
         self._next = 0
 
+    def columns_written(self, verified: bool, drafted: bool) -> int:
+        """The leading columns a step's rows hold: the accepted count and the tokens emitted (one a row where the
+        step verified no drafts), then the drafts where it drafted on the device. The host reads no more, since
+        turning each column of a row into Python costs host time every step."""
+        if drafted:
+            return self.packed.shape[1]
+        return 2 + self.max_accepted if verified else 2
+
     def copy_to_host(self, num_rows: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start copying rows [0, num_rows) to the host; the copy is complete once the event is."""
         i = self._next
