@@ -38,6 +38,7 @@ from specserve.entrypoints.openai.bench_serve import load_prompts
 from specserve.llm import LLM
 from specserve.models.loader import load_tokenizer, open_model_source
 from specserve.sampling_params import SamplingParams
+from specserve.spec_decode.tree import DraftTree
 from specserve.structured_output.spec import StructuredOutput, StructuredOutputKind
 from specserve.structured_output.draft_masks import DraftMasks
 from specserve.structured_output.step_masks import StepMasks
@@ -145,7 +146,9 @@ def engine_source(model: str, tokenizer: str | None) -> tuple[str, dict]:
 
 def spec_label(spec: dict) -> str:
     forced = spec.get("forced_acceptance_prob")
-    return (f"{spec['method']} k={spec.get('num_speculative_tokens')}"
+    tree = spec.get("speculative_token_tree")
+    drafts = f"k={spec.get('num_speculative_tokens')}" if tree is None else f"tree of {DraftTree.build(tree).num_nodes}"
+    return (f"{spec['method']} {drafts}"
             + ("" if forced is None else f" forced p={forced:g}")
             + (" unmasked drafts" if spec.get("mask_drafts") is False else ""))
 
