@@ -5,6 +5,7 @@ to rank 0's listener (rendezvous.py)."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import traceback
 
@@ -34,6 +35,10 @@ def run_worker(config: EngineConfig, source: ModelSource, rank: int, local_rank:
     # Ctrl-C reaches the whole process group; rank 0 decides when the workers stop (its connection's end).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config.device = rank_device(config.device, local_rank)
+    if config.device == "cpu":
+        # The ranks of a node share its cores: each taking all of them (torch's default) spins against the others
+        # at every collective, several times slower than a share each. Rank 0 keeps its process's own setting.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (config.tensor_parallel_size // config.nnodes)))
     init_tp_group(rank, config.tensor_parallel_size, init_method, config.device)
     try:
         join_all_reduce(config.all_reduce, config.device)

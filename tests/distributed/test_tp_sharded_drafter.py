@@ -1,6 +1,7 @@
 """The drafter sharded like the target (draft_tensor_parallel_size 2) on the CPU, two ranks over gloo: every rank
 runs its shard of the EAGLE head in lockstep with rank 0, chains and trees of drafts, and the float32 greedy
-tokens, drafts and acceptances equal TP=1's and TP=2's with the head whole on rank 0."""
+tokens, drafts and acceptances equal TP=1's (test_tp_speculative.py: TP=2 with the head whole on rank 0 equals
+TP=1 too) or, where rank 0 samples or masks, TP=2's with the head whole on rank 0."""
 from __future__ import annotations
 
 import pytest
@@ -56,7 +57,7 @@ def _spec(heads, method: str, tree: str | None) -> dict:
     ("eagle3", TREE, False), ("eagle3", TREE, True), ("eagle", TREE, True)],
     ids=["eagle3-chain", "eagle3-chain-async", "eagle-chain-async", "eagle3-tree", "eagle3-tree-async",
          "eagle-tree-async"])
-def test_sharded_drafter_equals_tp1_and_drafter_on_rank0(tiny_llama, heads, method, tree, async_scheduling):
+def test_sharded_drafter_equals_tp1(tiny_llama, heads, method, tree, async_scheduling):
     """A tree's other rank retraces rank 0's walk from the outputs rank 0 shares, and moves its shards of the
     target's and the head's caches as rank 0 does: a wrong move or path would change its later drafts and, with
     asynchronous scheduling, the tokens its forward runs."""
@@ -65,12 +66,11 @@ def test_sharded_drafter_equals_tp1_and_drafter_on_rank0(tiny_llama, heads, meth
     spec = _spec(heads, method, tree)
     common = dict(async_scheduling=async_scheduling, **SMALL)
     want = _run(path, prompts, GREEDY, speculative_config=spec, **common)
-    on_rank0 = _run(path, prompts, GREEDY, speculative_config=spec, tensor_parallel_size=2, **common)
     sharded = _run(path, prompts, GREEDY, speculative_config={**spec, "draft_tensor_parallel_size": 2},
                    tensor_parallel_size=2, **common)
-    assert sharded[0] == want[0] == on_rank0[0]
-    assert sharded[1] == want[1] == on_rank0[1]  # as many drafts proposed and accepted
-    assert sharded[2] == on_rank0[2]  # the same drafts
+    assert sharded[0] == want[0]
+    assert sharded[1] == want[1]  # as many drafts proposed and accepted
+    assert sharded[2] == want[2]  # the same drafts, step by step
     assert sharded[1][1] > 0 if method == "eagle3" else sharded[1][0] > 0
 
 
