@@ -29,6 +29,16 @@ _group = TPGroup(0, 1)
 COLLECTIVE_TIMEOUT_S = 120.0
 
 
+def share_cpu_cores(device: str, tensor_parallel_size: int, nnodes: int, data_parallel_size: int) -> None:
+    """On the CPU, have this process (a rank's, or a replica's engine core) take its share of the node's cores,
+    where the engine runs several processes on it: each taking all of them (torch's default) spins against the
+    others at every collective, several times slower than a share each. A process of an engine of one leaves
+    torch's choice alone, as does the caller's own process (rank 0 of an engine in it)."""
+    processes = data_parallel_size * (tensor_parallel_size // nnodes)
+    if device == "cpu" and processes > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
+
+
 def rank_device(device: str, local_rank: int) -> str:
     """The device of the rank that is its node's local_rank-th: cuda:local_rank on GPUs (every rank, rank 0
     included, binds its own with set_device, so that NCCL and the kernels of one process never touch another

@@ -5,7 +5,6 @@ to rank 0's listener (rendezvous.py)."""
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import traceback
 
@@ -18,7 +17,7 @@ from specserve.distributed.communication import broadcast_from_rank0
 from specserve.distributed.graph_following import CaptureDone, CaptureGraphs, GraphFollower, require_graph
 from specserve.distributed.messages import WorkerFailed, WorkerLoaded, WorkerReady, WorkerStep
 from specserve.distributed.parallel_state import (destroy_tp_group, init_tp_group, join_all_reduce, rank_device,
-                                                  tp_group)
+                                                  share_cpu_cores, tp_group)
 from specserve.models.loader import ModelSource, build_model
 from specserve.spec_decode.factory import build_speculator
 from specserve.spec_decode.tree_verify import move_kv
@@ -35,10 +34,7 @@ def run_worker(config: EngineConfig, source: ModelSource, rank: int, local_rank:
     # Ctrl-C reaches the whole process group; rank 0 decides when the workers stop (its connection's end).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config.device = rank_device(config.device, local_rank)
-    if config.device == "cpu":
-        # The ranks of a node share its cores: each taking all of them (torch's default) spins against the others
-        # at every collective, several times slower than a share each. Rank 0 keeps its process's own setting.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (config.tensor_parallel_size // config.nnodes)))
+    share_cpu_cores(config.device, config.tensor_parallel_size, config.nnodes, config.data_parallel_size)
     init_tp_group(rank, config.tensor_parallel_size, init_method, config.device)
     try:
         join_all_reduce(config.all_reduce, config.device)

@@ -57,6 +57,8 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, max_waiting:
     encoder = msgspec.msgpack.Encoder()
     core = None
     try:
+        from specserve.distributed.parallel_state import share_cpu_cores
+        share_cpu_cores(config.device, config.tensor_parallel_size, config.nnodes, config.data_parallel_size)
         if core_factory is None:
             from specserve.engine.core import EngineCore
             core_factory = EngineCore
