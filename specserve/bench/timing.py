@@ -79,6 +79,10 @@ def time_engine(engine, prompts: list[list[int]], new_tokens: int) -> DecodeTimi
     return DecodeTiming(total - before, seconds, accept, share)
 
 
+# Runs of each length that time_hf takes the fastest of.
+HF_RUNS = 5
+
+
 def time_hf(hf, prompts: list[list[int]], new_tokens: int, device: str) -> DecodeTiming:
     x = torch.tensor(prompts, device=device)
 
@@ -91,8 +95,10 @@ def time_hf(hf, prompts: list[list[int]], new_tokens: int, device: str) -> Decod
         _sync(device)
         return time.perf_counter() - start
 
-    # The fastest of a few runs each: one run's noise can exceed a short decode on a small model.
-    decode = min(generate(new_tokens) for _ in range(3)) - min(generate(1) for _ in range(3))
+    # The fastest of a few runs each, the two lengths alternating so that a busy spell of the machine slows both
+    # alike: one run's noise can exceed a short decode on a small model.
+    runs = [(generate(new_tokens), generate(1)) for _ in range(HF_RUNS)]
+    decode = min(full for full, _ in runs) - min(first for _, first in runs)
     if decode <= 0:
         raise RuntimeError("transformers' decode time came out non-positive; use more --hf-new-tokens")
     return DecodeTiming(len(prompts) * (new_tokens - 1), decode)
