@@ -9,7 +9,9 @@ import torch
 
 pytest_plugins = ["entrypoints.shared_servers"]
 
-torch.set_num_threads(min(4, os.cpu_count() or 1))
+# pytest-xdist's workers (pytest_xdist_auto_num_workers) split the cores between them: a thread more than its
+# share spins against the other worker's at every torch op, several times slower than one thread each.
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 # Without a GPU, Triton kernels run in Triton's interpreter, which is chosen when a kernel is defined (when
 # its module is first imported): switched on here, before any test module imports one.
 if not torch.cuda.is_available():
@@ -17,6 +19,13 @@ if not torch.cuda.is_available():
     from triton_interpreter import speed_up_patching
 
     speed_up_patching()
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (addopts): two workers on the CPU, where most tests are one thread of host Python (Triton's
+    interpreter, tiny models); none with a GPU, whose tests share one device and time it."""
+    return 0 if torch.cuda.is_available() else min(2, os.cpu_count() or 1)
+
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
