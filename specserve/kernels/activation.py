@@ -6,9 +6,11 @@ One pass over [tokens, 2 * inter] instead of torch's chunk, silu and multiply
 silu(gate) is rounded to the input dtype before the multiply, and the product
 to the input dtype too. The FP8 output is that rounded product quantized as
 kernels/fp8_rows.py does (its scale rule and e4m3 rounding), so it is
-bit-equal to quantize_rows of silu_and_mul's output: one program a row, a pass
-for the row's largest magnitude, then a pass that recomputes the product (its
-inputs reread from L2) and quantizes it. Launches depend on shapes only
+bit-equal to quantize_rows of silu_and_mul's output: one program a row, its
+products held in registers for the row's largest magnitude and their rounding
+where the row fits one block (fp8_rows.row_block), else a pass for the largest
+magnitude and a pass that recomputes the products (their inputs reread from
+L2) and quantizes them. Launches depend on shapes only
 (CUDA-graph capturable).
 """
 from __future__ import annotations
@@ -18,7 +20,8 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.fp8_kv import quantize_e4m3
-from specserve.kernels.fp8_rows import row_block, row_scale
+from specserve.kernels.fp8_rows import row_block, row_scale, row_warps
+from specserve.kernels.pdl import launch_pdl, wait_for_previous
 from specserve.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Rows
 
 _BLOCK = 1024
@@ -34,7 +37,8 @@ def _silu_mul(row, cols, mask, inter, dtype: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     tok = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -44,10 +48,18 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, inter, BLOCK: tl.const
 
 @triton.jit
 def _silu_and_mul_fp8_kernel(gate_up_ptr, q_ptr, scale_ptr, stride_in, inter, fp8_max, min_scale,
-                             BLOCK: tl.constexpr):
+                             BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     tok = tl.program_id(0).to(tl.int64)
     row = gate_up_ptr + tok * stride_in
     dtype = gate_up_ptr.dtype.element_ty
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK)
+        out = _silu_mul(row, cols, cols < inter, inter, dtype)
+        scale = row_scale(tl.max(tl.abs(out.to(tl.float32)), 0), fp8_max, min_scale)
+        tl.store(scale_ptr + tok, scale)
+        tl.store(q_ptr + tok * inter + cols, quantize_e4m3(out, scale, q_ptr.dtype.element_ty), mask=cols < inter)
+        return
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK):
         cols = k0 + tl.arange(0, BLOCK)
@@ -74,8 +86,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows, inter = _rows(gate_up)
     out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
     if out.numel():
+        pdl = launch_pdl(gate_up.device)
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inter, _BLOCK))](rows, out, rows.stride(0), inter,
-                                                                          BLOCK=_BLOCK)
+                                                                          BLOCK=_BLOCK, PDL=pdl, launch_pdl=pdl)
     return out
 
 
@@ -87,6 +100,8 @@ def silu_and_mul_fp8_rows(gate_up: torch.Tensor) -> Fp8Rows:
     q = torch.empty((rows.shape[0], inter), dtype=FP8_DTYPE, device=gate_up.device)
     scale = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=gate_up.device)
     if q.numel():
+        block = row_block(inter, gate_up.device)
         _silu_and_mul_fp8_kernel[(rows.shape[0],)](rows, q, scale, rows.stride(0), inter, FP8_MAX, MIN_SCALE,
-                                                   BLOCK=row_block(inter, gate_up.device), num_warps=4)
+                                                   BLOCK=block, ONE_PASS=inter <= block, num_warps=row_warps(block),
+                                                   PDL=launch_pdl(gate_up.device), launch_pdl=launch_pdl(gate_up.device))
     return Fp8Rows(q, scale, gate_up.dtype)

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.fp8_gemm_choice import DEFAULT_DOT_TILE, Fp8DotTile
+from specserve.kernels.pdl import launch_pdl, wait_for_previous
 from specserve.kernels.small_m_prologue import split_k_range
 from specserve.kernels.split_parts import counts_in_last, split_counters, sum_parts
 
@@ -31,10 +32,11 @@ def _fp8_dot_kernel(
     M, N, K, k_per, stride_xm, stride_wn, stride_om,
     DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PROMOTE_K: tl.constexpr,
+    PROMOTE_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (m tile, n tile, part): the m tiles of one n tile are neighbours in the launch order, so a
     weight tile read by one is in L2 for the next."""
+    wait_for_previous(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -104,6 +106,7 @@ def fp8_dot(
         out.stride(0), DOT_FP32=x.device.type == "cpu", EVEN_K=k_per % tile.block_k == 0 and k % tile.block_k == 0,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SPLIT_K=tile.split_k,
         PROMOTE_K=tile.promote_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        PDL=launch_pdl(x.device), launch_pdl=launch_pdl(x.device),
     )
     return out
 

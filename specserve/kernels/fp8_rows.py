@@ -1,11 +1,13 @@
 """Per-token (row) FP8 quantization of activations in one Triton launch: quantization/fp8.py's
 quantize_per_token, which as torch operations is five kernels and a temporary the size of x.
 
-One program a row: a pass over the row for its largest magnitude, then a pass that divides by the row's scale
-(amax / 448, at least MIN_SCALE) and rounds to e4m3 as the FP8 KV cache's writers do (kernels/fp8_kv.py:
-divided exactly, clamped, rounded to nearest even): each value and scale equals the torch reference's on the
-CPU; on CUDA torch divides a scale by 448 as a multiply by its reciprocal, a last-bit difference. The second
-pass rereads the row from L2. Launches depend on shapes only (CUDA-graph capturable).
+One program a row: the row's largest magnitude, then each value divided by the row's scale (amax / 448, at
+least MIN_SCALE) and rounded to e4m3 as the FP8 KV cache's writers do (kernels/fp8_kv.py: divided exactly,
+clamped, rounded to nearest even): each value and scale equals the torch reference's on the CPU; on CUDA torch
+divides a scale by 448 as a multiply by its reciprocal, a last-bit difference. A row of up to ONE_PASS_MAX
+elements is read once and held in registers for both (a decode batch's rows: one program a row, so a loop of
+chunks is a chain of dependent loads on one SM); a longer one takes two passes over chunks, the second
+rereading the row from L2. Launches depend on shapes only (CUDA-graph capturable).
 """
 from __future__ import annotations
 
@@ -14,11 +16,13 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.fp8_kv import quantize_e4m3
+from specserve.kernels.pdl import launch_pdl, wait_for_previous
 from specserve.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
-# Elements of a row per loop iteration on a GPU; the interpreter takes short ones, so that test rows span
-# several chunks and the masks.
+# Elements of a row per loop iteration on a GPU for a row longer than ONE_PASS_MAX; the interpreter takes short
+# ones, so that test rows span several chunks and the masks, and a row of at most 64 takes the one pass.
 BLOCK_K = 2048
+ONE_PASS_MAX = 16384
 INTERPRETER_BLOCK_K = 64
 
 
@@ -29,15 +33,32 @@ def row_scale(amax, fp8_max, min_scale):
 
 
 def row_block(k: int, device: torch.device) -> int:
-    """Elements of a row per loop iteration of a kernel over rows of k elements on device."""
-    return INTERPRETER_BLOCK_K if device.type == "cpu" else min(BLOCK_K, triton.next_power_of_2(k))
+    """Elements of a row per loop iteration of a kernel over rows of k elements on device: the whole row (one
+    pass, k <= the block) up to ONE_PASS_MAX on a GPU."""
+    if device.type == "cpu":
+        return INTERPRETER_BLOCK_K
+    whole = triton.next_power_of_2(k)
+    return whole if whole <= ONE_PASS_MAX else BLOCK_K
+
+
+def row_warps(block: int) -> int:
+    """Warps for a program holding block elements of a row: 16 to 32 elements a thread, 4 to 16 warps."""
+    return min(max(block // 512, 4), 16)
 
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, fp8_max, min_scale,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
+    if ONE_PASS:
+        offs = tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0)
+        scale = row_scale(tl.max(tl.abs(x.to(tl.float32)), 0), fp8_max, min_scale)
+        tl.store(scale_ptr + row, scale)
+        tl.store(q_ptr + row * stride_qm + offs, quantize_e4m3(x, scale, q_ptr.dtype.element_ty), mask=offs < K)
+        return
     amax = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
@@ -60,6 +81,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m and k:
+        block = row_block(k, x.device)
         _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX, MIN_SCALE,
-                                    BLOCK_K=row_block(k, x.device), num_warps=4)
+                                    BLOCK_K=block, ONE_PASS=k <= block, num_warps=row_warps(block),
+                                    PDL=launch_pdl(x.device), launch_pdl=launch_pdl(x.device))
     return q, scale

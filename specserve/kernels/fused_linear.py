@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.argmax import pick_chunks
+from specserve.kernels.pdl import PREFETCH_LINES, launch_pdl, prefetch_weight_rows, wait_for_previous
 from specserve.kernels.small_m_configs import SmallMConfig, linear_config
 from specserve.kernels.small_m_prologue import (MAX_ROWS, check_prologue, dot_in_float32, input_chunk,
                                                  prologue_meta, prologue_rows, row_rstd, split_k_range,
@@ -48,7 +49,8 @@ def _fused_linear_kernel(
     ADD: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, TOP: tl.constexpr, DOT_FP32: tl.constexpr,
     W_SCALED: tl.constexpr, X_SCALED: tl.constexpr,
     COMPACT: tl.constexpr, ROWS: tl.constexpr, PRE_K: tl.constexpr, SLICE_K: tl.constexpr, LATE_RSTD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
 ):
     """With SPLIT_K > 1 (plain projections only), program (pid, s) of the grid (column tiles, SPLIT_K) sums
     K from s * k_per (a multiple of BLOCK_K) into part_ptr's float32 [SPLIT_K, M, N]; counter_ptr holds a
@@ -57,6 +59,13 @@ def _fused_linear_kernel(
     both operands are widened exactly to the dot's dtype and the float32 sums scaled once, after the K loop."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start, k_end = split_k_range(K, k_per, tl.program_id(1), SPLIT_K)
+    if PDL and PREFETCH_LINES > 0:
+        # The weight is no kernel's output: its first lines may be asked for before the wait.
+        prefetch_weight_rows(w_ptr, offs_n, N, stride_wn, k_start, K, PREFETCH_LINES)
+        if SILU_MUL:
+            prefetch_weight_rows(w_ptr, offs_n + N, 2 * N, stride_wn, k_start, K, PREFETCH_LINES)
+    wait_for_previous(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     w_ty = w_ptr.dtype.element_ty
     # An FP8 weight multiplies in the output's dtype, into which e4m3 widens exactly; with an FP8 input too, in
@@ -73,7 +82,6 @@ def _fused_linear_kernel(
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_start, k_end = split_k_range(K, k_per, tl.program_id(1), SPLIT_K)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if X_SCALED:
@@ -268,5 +276,6 @@ def _launch(x, weight, norm_weight, eps, residual, silu_mul, config, n, out, fir
         W_SCALED=weight_scale is not None, X_SCALED=x_scale is not None,
         **prologue_meta(x, norm, cfg.compact, grid), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=launch_pdl(x.device), launch_pdl=launch_pdl(x.device), PREFETCH_LINES=PREFETCH_LINES,
     )
     return residual_out

@@ -21,10 +21,6 @@ programs on 132 SMs), so the config may split K over SPLIT_K programs per (head,
 fused_linear.py splits plain projections: every part redoes the prologue's row statistics (a few KB of x
 from L2), stores its float32 partial sums to a workspace and counts itself in; the last adds the parts in
 part order (the same sum every run) and runs the epilogue. Part 0 alone stores its slice of x + residual.
-
-An FP8 layer's qkv (quantization/fp8_linear.py) comes in as FP8 rows that its norm wrote (e4m3, a scale per
-token) against an e4m3 weight with a scale per row: no prologue, both widened exactly to float16 for the dot
-as fused_linear.fp8_linear widens them, the sums scaled once before the epilogue.
 """
 from __future__ import annotations
 
@@ -33,12 +29,11 @@ import triton
 import triton.language as tl
 
 from specserve.attention.metadata import PAD_SLOT_ID
-from specserve.kernels.fp8_gemm import check_fp8_operands
 from specserve.kernels.fp8_kv import cache_scales, store_to_cache
+from specserve.kernels.pdl import PREFETCH_LINES, launch_pdl, prefetch_weight_rows, wait_for_previous
 from specserve.kernels.small_m_configs import SmallMConfig, qkv_config
-from specserve.kernels.small_m_prologue import (MAX_ROWS, check_prologue, dot_in_float32, input_chunk,
-                                                 prologue_meta, prologue_rows, row_rstd, split_k_range,
-                                                 store_residual_slice)
+from specserve.kernels.small_m_prologue import (check_prologue, dot_in_float32, input_chunk, prologue_meta,
+                                                 prologue_rows, row_rstd, split_k_range, store_residual_slice)
 from specserve.kernels.split_parts import counts_in_last, split_counters, sum_parts
 
 
@@ -65,26 +60,30 @@ def _store_cache(cache_ptr, scale_ptr, lo, hi, slots, kv_head, offs_p, half, row
 def _qkv_rotary_cache_kernel(
     x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, bias_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     k_scale_ptr, v_scale_ptr, cos_ptr, sin_ptr, positions_ptr, slot_mapping_ptr, part_ptr, counter_ptr,
-    w_scale_ptr, x_scale_ptr,
     M, N, K, k_per, num_slots, stride_xm, stride_rm, stride_rom, stride_wn, stride_qm, stride_qh, stride_pos,
     stride_cb, stride_cs, stride_ch,  # the key and value caches share one layout
     block_size, num_heads, num_kv_heads, half, eps,
     ADD: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr, DOT_FP32: tl.constexpr, PAD_SLOT: tl.constexpr,
     COMPACT: tl.constexpr, ROWS: tl.constexpr, PRE_K: tl.constexpr, SLICE_K: tl.constexpr, LATE_RSTD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8: tl.constexpr, SPLIT_K: tl.constexpr, FP8_ROWS: tl.constexpr,
+    FP8: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
 ):
     """With SPLIT_K > 1, program (head, pair_tile, s) sums K from s * k_per (a multiple of BLOCK_K) into
     part_ptr's float32 [SPLIT_K, M, N] (N: the weight's rows); counter_ptr holds a zero per (head, pair_tile),
-    back at zero when the launch ends. With FP8_ROWS, x is e4m3 rows with a float32 scale each (x_scale_ptr
-    [M]) and the weight e4m3 with one per row (w_scale_ptr [N]), no prologue: both are widened exactly to
-    float16 for the dot (as fused_linear.fp8_linear's) and the float32 sums scaled once, after the K loop."""
+    back at zero when the launch ends."""
     head = tl.program_id(0)  # q heads, then k heads, then v heads, as the fused weight's rows
     pair_tile = tl.program_id(1)
     offs_p = pair_tile * BLOCK_P + tl.arange(0, BLOCK_P)
     p_mask = offs_p < half
     lo_cols = head * 2 * half + offs_p
+    k_start, k_end = split_k_range(K, k_per, tl.program_id(2), SPLIT_K)
+    if PDL and PREFETCH_LINES > 0:
+        # The weight is no kernel's output: its first lines may be asked for before the wait.
+        prefetch_weight_rows(w_ptr, lo_cols, N, stride_wn, k_start, K, PREFETCH_LINES)
+        prefetch_weight_rows(w_ptr, lo_cols + half, N, stride_wn, k_start, K, PREFETCH_LINES)
+    wait_for_previous(PDL)
     w_ty = w_ptr.dtype.element_ty
-    dot_ty = tl.float32 if DOT_FP32 else (tl.float16 if FP8_ROWS else w_ty)
+    dot_ty = tl.float32 if DOT_FP32 else w_ty
     lo_rows = w_ptr + lo_cols.to(tl.int64)[None, :] * stride_wn
     hi_rows = lo_rows + half * stride_wn
 
@@ -112,15 +111,10 @@ def _qkv_rotary_cache_kernel(
 
     acc_lo = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
-    k_start, k_end = split_k_range(K, k_per, tl.program_id(2), SPLIT_K)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        if FP8_ROWS:
-            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=row_mask[:, None] & (offs_k[None, :] < K), other=0.0).to(dot_ty)
-        else:
-            a = input_chunk(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, M, K, stride_xm, stride_rm,
-                            ADD, NORM, COMPACT, ROWS, BLOCK_M, LATE_RSTD).to(dot_ty)
+        a = input_chunk(x_ptr, res_ptr, norm_w_ptr, rstd, offs_k, M, K, stride_xm, stride_rm,
+                        ADD, NORM, COMPACT, ROWS, BLOCK_M, LATE_RSTD).to(dot_ty)
         w_mask = (offs_k[:, None] < K) & p_mask[None, :]
         w_lo = tl.load(lo_rows + offs_k[:, None], mask=w_mask, other=0.0)
         w_hi = tl.load(hi_rows + offs_k[:, None], mask=w_mask, other=0.0)
@@ -141,12 +135,6 @@ def _qkv_rotary_cache_kernel(
             return
         acc_lo = sum_parts(lo_parts, part_mask, M * N, SPLIT_K, BLOCK_M, BLOCK_P)
         acc_hi = sum_parts(lo_parts + half, part_mask, M * N, SPLIT_K, BLOCK_M, BLOCK_P)
-
-    if FP8_ROWS:
-        # In fp8_linear's order: the weight's scale, then the row's.
-        x_scale = tl.load(x_scale_ptr + offs_m, mask=row_mask, other=0.0)[:, None]
-        acc_lo = acc_lo * tl.load(w_scale_ptr + lo_cols, mask=p_mask, other=0.0)[None, :] * x_scale
-        acc_hi = acc_hi * tl.load(w_scale_ptr + lo_cols + half, mask=p_mask, other=0.0)[None, :] * x_scale
 
     out_ty = q_ptr.dtype.element_ty
     lo = _finish_half(acc_lo, bias_ptr, lo_cols, p_mask, q_ptr, BIAS)
@@ -184,23 +172,12 @@ def qkv_rotary_cache(
     residual: torch.Tensor | None = None,
     config: SmallMConfig | None = None,
     scales=None,  # attention/kv_quant.KVScales, for an FP8 kv_cache
-    fp8_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # (x_scale [M, 1], weight_scale [N]) float32
-    out_dtype: torch.dtype | None = None,  # q's and the cache's dtype with FP8 x and weight; else x's
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(rotated q [M, num_heads, head_dim], x + residual or None); rotated k and v go to kv_cache only.
 
-    The prologue is fused_linear's: norm_weight RMS-normalises x (x + residual, given one) first. With
-    fp8_scales, x is e4m3 rows quantized per token (quantization/fp8.Fp8Rows) and weight an e4m3 weight with a
-    scale per row (quantization/fp8_linear.Fp8Linear), no prologue; q comes out in out_dtype.
+    The prologue is fused_linear's: norm_weight RMS-normalises x (x + residual, given one) first.
     """
-    if fp8_scales is not None:
-        check_fp8_operands(x, weight, fp8_scales[1], fp8_scales[0], out_dtype)
-        if norm_weight is not None or residual is not None or x.shape[0] > MAX_ROWS:
-            raise ValueError(f"FP8 rows come normed already (the norm wrote them), at most {MAX_ROWS} of them: no "
-                             f"norm_weight or residual, got {x.shape[0]} rows")
-    else:
-        check_prologue(x, weight, norm_weight, residual)
-    out_dtype = out_dtype if fp8_scales is not None else x.dtype
+    check_prologue(x, weight, norm_weight, residual)
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.stride(4) != 1:
         raise ValueError("kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], unit stride last")
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
@@ -208,8 +185,8 @@ def qkv_rotary_cache(
         raise ValueError(f"weight rows {weight.shape[0]} are not (num_heads {num_heads} + 2 x num_kv_heads "
                          f"{num_kv_heads}) x even head_dim {head_dim}")
     k_scale, v_scale, fp8 = cache_scales(kv_cache, scales)
-    if kv_cache.dtype != out_dtype and not fp8:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype} differs from q's {out_dtype} (and is not FP8)")
+    if kv_cache.dtype != x.dtype and not fp8:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} differs from x's {x.dtype} (and is not FP8)")
     half = head_dim // 2
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != half or cos.stride() != sin.stride() \
             or cos.stride(1) != 1 or cos.dtype != torch.float32:
@@ -220,7 +197,7 @@ def qkv_rotary_cache(
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous [{weight.shape[0]}] vector")
 
-    q = torch.empty((m, num_heads, head_dim), dtype=out_dtype, device=x.device)
+    q = torch.empty((m, num_heads, head_dim), dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(x) if residual is not None else None
     if m == 0:
         return q, residual_out
@@ -238,16 +215,14 @@ def qkv_rotary_cache(
         x, residual if residual is not None else x, residual_out if residual_out is not None else q,
         norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
         q, k_cache, v_cache, k_scale, v_scale, cos, sin, positions, slot_mapping, parts, counters,
-        *(fp8_scales[::-1] if fp8_scales is not None else (q, q)),
         m, weight.shape[0], k, k_per, min(slot_mapping.shape[0], m), x.stride(0), residual.stride(0) if residual is not None else 0,
         residual_out.stride(0) if residual_out is not None else 0, weight.stride(0), q.stride(0), q.stride(1),
         cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         kv_cache.shape[2], num_heads, num_kv_heads, half, eps,
         ADD=residual is not None, NORM=norm, BIAS=bias is not None,
-        DOT_FP32=dot_in_float32(x, out_dtype if fp8_scales is not None else None),
-        PAD_SLOT=PAD_SLOT_ID,
+        DOT_FP32=dot_in_float32(x), PAD_SLOT=PAD_SLOT_ID,
         **prologue_meta(x, norm, cfg.compact, grid[0] * grid[1]), BLOCK_P=cfg.block_n, BLOCK_K=cfg.block_k,
-        FP8=fp8, SPLIT_K=cfg.split_k, FP8_ROWS=fp8_scales is not None, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        FP8=fp8, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=launch_pdl(x.device), launch_pdl=launch_pdl(x.device), PREFETCH_LINES=PREFETCH_LINES,
     )
     return q, residual_out

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from specserve.attention.metadata import PAD_SLOT_ID
 from specserve.kernels.fp8_kv import cache_scales, store_to_cache
+from specserve.kernels.pdl import launch_pdl, wait_for_previous
 
 
 @triton.jit
@@ -42,8 +43,9 @@ def _rotary_cache_kernel(
     stride_cb, stride_cs, stride_ch,  # the key and value caches share one layout
     num_slots, block_size, num_heads, num_kv_heads, half,
     PAD_SLOT: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     tok = tl.program_id(0)
     tok64 = tok.to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
@@ -97,5 +99,5 @@ def rotary_and_cache(
         PAD_SLOT=PAD_SLOT_ID,
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half), FP8=fp8,
+        BLOCK_HALF=triton.next_power_of_2(half), FP8=fp8, PDL=launch_pdl(q.device), launch_pdl=launch_pdl(q.device),
     )

@@ -9,7 +9,6 @@ interpreter switched on before that happens.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -92,23 +91,6 @@ def takes_fp8_rows(linear: nn.Module) -> bool:
     from specserve.quantization.fp8_linear import Fp8Activation, Fp8Linear  # which imports this module
 
     return isinstance(linear, Fp8Linear) and linear.fused and linear.activation is Fp8Activation.DYNAMIC
-
-
-def fp8_qkv_kernel_args(linear: nn.Module, rows) -> dict | None:
-    """qkv_rotary_cache's arguments for an FP8 qkv projection (takes_fp8_rows) over FP8 rows (quantization/fp8.
-    Fp8Rows) where its GEMM is the small-M kernel (Fp8Linear.route), whose K loop the qkv kernel repeats with
-    rotary and the cache write in its epilogue (one launch fewer), in the same tile; None where it is another
-    GEMM. The one place that decides."""
-    from specserve.kernels.fp8_gemm_choice import TRITON
-
-    if not small_m(linear, rows.q):
-        return None
-    route = linear.route(rows.q.shape[0], rows.dtype, x_scaled=True)
-    if route.kernel != TRITON:
-        return None
-    # The qkv kernel's block_n counts rotary pairs, half of its columns (tl.dot takes at least 16).
-    config = None if route.tile is None else replace(route.tile, block_n=max(16, route.tile.block_n // 2))
-    return dict(fp8_scales=(rows.scale, linear.weight_scale), out_dtype=rows.dtype, config=config)
 
 
 def folds_fp8_norm(norm: nn.Module, linear: nn.Module) -> bool:

@@ -23,8 +23,7 @@ from specserve.sample.argmax import greedy_argmax
 from specserve.sample.token_bitmask import TokenMask
 from specserve.models.arch_config import ArchConfig
 from specserve.models.layers import (FusableModule, GatedMLP, RMSNorm, RotaryEmbedding, add_and_norm, folds_fp8_norm,
-                                     folds_norm, fp8_qkv_kernel_args, fuses_neighbours, output_projection,
-                                     prologue_args)
+                                     folds_norm, fuses_neighbours, output_projection, prologue_args)
 from specserve.models.parallel_layers import (ParallelLMHead, TargetEmbedding, VocabParallelEmbedding, shard_arch,
                                              shard_weight)
 from specserve.models.weight_loading import load_hf_weights
@@ -53,18 +52,13 @@ class Attention(FusableModule):
                         metadata: AttentionMetadata):
         """(self(norm(x + residual), ...), x + residual), as add_and_norm. At small M the norm folds into one
         kernel with the qkv projection, its bias, rotary and the KV-cache write (not with a per-head q/k norm);
-        before an FP8 qkv projection it writes the projection's quantized input (folds_fp8_norm), which the qkv
-        kernel takes where the projection runs the small-M kernel (fp8_qkv_kernel_args)."""
+        before an FP8 qkv projection it writes the projection's quantized input (folds_fp8_norm)."""
         if not self.qk_norm and folds_norm(self, norm, self.qkv_proj, x):
             out, total = self._qkv_kernel_and_attend(x, positions, rotary, kv_cache, metadata,
                                                      **prologue_args(norm, residual))
             return out, x if total is None else total
         if folds_fp8_norm(norm, self.qkv_proj):
             rows, residual = norm.forward_fp8_rows(x, residual)
-            fp8_qkv = None if self.qk_norm else fp8_qkv_kernel_args(self.qkv_proj, rows)
-            if fp8_qkv is not None:
-                return self._qkv_kernel_and_attend(rows.q, positions, rotary, kv_cache, metadata, **fp8_qkv)[0], \
-                    residual
             return self._attend_projected(self.qkv_proj.forward_rows(rows), positions, rotary, kv_cache,
                                           metadata), residual
         x, residual = add_and_norm(norm, x, residual)
@@ -73,7 +67,7 @@ class Attention(FusableModule):
     def _qkv_kernel_and_attend(self, x, positions, rotary: RotaryEmbedding, kv_cache, metadata: AttentionMetadata,
                                **kernel_args):
         """(attention output, x + residual or None): the small-M qkv kernel (with prologue's norm, see
-        prologue_args; or over FP8 rows, fp8_qkv_kernel_args) writes the cache, then _attend_cached."""
+        prologue_args) writes the cache, then _attend_cached."""
         from specserve.kernels.qkv_rotary_cache import qkv_rotary_cache
 
         q, total = qkv_rotary_cache(x, self.qkv_proj.weight, positions, rotary.cos, rotary.sin, kv_cache,

@@ -101,9 +101,10 @@ def kernels():
     # The per-token quantization of an FP8 layer's input (quantization/fp8_linear.py).
     from specserve.kernels import fp8_rows
 
-    yield fp8_rows._quantize_rows_kernel, dict(
-        x_ptr=bf16, q_ptr="*fp8e4nv", scale_ptr=f32, K=i32, stride_xm=i32, stride_qm=i32, fp8_max="fp32",
-        min_scale="fp32", BLOCK_K=fp8_rows.BLOCK_K)
+    for block, one_pass in ((fp8_rows.BLOCK_K, False), (fp8_rows.ONE_PASS_MAX, True)):
+        yield fp8_rows._quantize_rows_kernel, dict(
+            x_ptr=bf16, q_ptr="*fp8e4nv", scale_ptr=f32, K=i32, stride_xm=i32, stride_qm=i32, fp8_max="fp32",
+            min_scale="fp32", BLOCK_K=block, ONE_PASS=one_pass)
     # FP8 by FP8 from 16 rows (kernels/fp8_gemm.py): e4m3 dots on the tensor cores, unsplit and split over K,
     # their sums promoted every MMA and every K chunk.
     from specserve.kernels import fp8_gemm
@@ -132,7 +133,7 @@ def kernels():
         stride_qh=i32, stride_pos=i32, stride_cb=i32, stride_cs=i32, stride_ch=i32, block_size=i32,
         num_heads=i32, num_kv_heads=i32, half=i32, eps="fp32", ADD=True, NORM=True, BIAS=False, DOT_FP32=False,
         PAD_SLOT=PAD_SLOT_ID, ROWS=1, BLOCK_M=16, k_scale_ptr=f32, v_scale_ptr=f32, FP8=False,
-        part_ptr=f32, counter_ptr=p32, N=i32, k_per=i32, SPLIT_K=1, w_scale_ptr=f32, x_scale_ptr=f32, FP8_ROWS=False)
+        part_ptr=f32, counter_ptr=p32, N=i32, k_per=i32, SPLIT_K=1)
     for rows, cfg in ((1, tiles["qkv_norm_small_one_token"]), (16, tiles["qkv_norm_small"])):
         yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
             qkv, ROWS=rows, COMPACT=cfg.compact, PRE_K=4096 // rows, SLICE_K=64, LATE_RSTD=True, BLOCK_P=cfg.block_n,
@@ -148,10 +149,6 @@ def kernels():
     # A rank's qkv at TP=2 (48 programs), K split over 2 programs each (atomics, L2 loads, a barrier).
     yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
         qkv, COMPACT=False, PRE_K=4096, SLICE_K=64, LATE_RSTD=False, BLOCK_P=32, BLOCK_K=256, SPLIT_K=2)
-    # An FP8 layer's qkv (its norm wrote e4m3 rows), K split over 2 (quantization/fp8_linear.py).
-    yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
-        qkv, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", ADD=False, NORM=False, COMPACT=False, ROWS=16, PRE_K=256,
-        SLICE_K=64, LATE_RSTD=False, BLOCK_P=16, BLOCK_K=256, SPLIT_K=2, FP8_ROWS=True)
     # Into an FP8 (e4m3) KV cache, quantized with the layer's scales.
     fp8, scale = "*fp8e4nv", dict(k_scale_ptr=f32, v_scale_ptr=f32, FP8=True)
     yield qkv_rotary_cache._qkv_rotary_cache_kernel, dict(
@@ -206,9 +203,10 @@ def kernels():
 
     yield activation._silu_and_mul_kernel, dict(gate_up_ptr=bf16, out_ptr=bf16, stride_in=i32, inter=i32,
                                                 BLOCK=activation._BLOCK)
-    yield activation._silu_and_mul_fp8_kernel, dict(
-        gate_up_ptr=bf16, q_ptr="*fp8e4nv", scale_ptr=f32, stride_in=i32, inter=i32, fp8_max="fp32",
-        min_scale="fp32", BLOCK=fp8_rows.BLOCK_K)
+    for block, one_pass in ((fp8_rows.BLOCK_K, False), (fp8_rows.ONE_PASS_MAX, True)):
+        yield activation._silu_and_mul_fp8_kernel, dict(
+            gate_up_ptr=bf16, q_ptr="*fp8e4nv", scale_ptr=f32, stride_in=i32, inter=i32, fp8_max="fp32",
+            min_scale="fp32", BLOCK=block, ONE_PASS=one_pass)
     from specserve.kernels import argmax
 
     yield argmax._chunk_argmax_kernel, dict(x_ptr=bf16, stride_x=i32, n_cols=i32, val_ptr=f32, idx_ptr=p32,
@@ -236,6 +234,14 @@ def kernels():
 
 def compile_for_hopper(index: int) -> None:
     fn, args = list(kernels())[index]
+    if "PDL" in fn.arg_names:
+        # As a Hopper launches it (kernels/pdl.py): waiting for the kernel ahead, a projection asking for its
+        # weight's first lines before.
+        from specserve.kernels import pdl
+
+        args = dict(args, PDL=True)
+        if "PREFETCH_LINES" in fn.arg_names:
+            args["PREFETCH_LINES"] = pdl.PREFETCH_LINES
     signature = {name: ("constexpr" if not isinstance(v, str) else v) for name, v in args.items()}
     constexprs = {name: v for name, v in args.items() if not isinstance(v, str)}
     triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=HOPPER)

@@ -11,13 +11,12 @@ from specserve.kernels.fp8_rows import quantize_rows
 from specserve.kernels.rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_fp8_rows
 from specserve.models import layers
 from specserve.models.layers import set_fused_kernels
-from specserve.models import llama
 from specserve.models.llama import LlamaForCausalLM
 from specserve.quantization.fp8 import MIN_SCALE
 from specserve.quantization.fp8_linear import Fp8Activation, Fp8Linear
 from specserve.quantization.fp8_model import quantize_projections
 
-from .test_fused_model import STEPS, assert_near, count_calls, randomize, run_target, tiny_arch
+from .test_fused_model import STEPS, count_calls, randomize, run_target, tiny_arch
 from .util import DEVICE, DTYPES, poison_intact, poisoned_view
 
 EPS = 1e-5
@@ -124,9 +123,6 @@ def test_fp8_model_is_the_same_with_the_quantization_folded(monkeypatch, dtype):
     and down_proj (o_proj alone quantizes its input), and its logits, so its greedy tokens, are bit for bit
     those of the path that quantizes in launches of their own."""
     model, arch = _fp8_model(dtype)
-    # The qkv projection apart from rotary and the cache write, as the unfolded path runs it (the qkv kernel over
-    # FP8 rows is the next test's).
-    monkeypatch.setattr(llama, "fp8_qkv_kernel_args", lambda linear, rows: None)
     calls = count_calls(monkeypatch, {"norm": (rmsnorm, "rms_norm_fp8_rows"),
                                       "silu": (activation, "silu_and_mul_fp8_rows"),
                                       "rows": (fp8_rows, "quantize_rows")})
@@ -138,24 +134,4 @@ def test_fp8_model_is_the_same_with_the_quantization_folded(monkeypatch, dtype):
     assert calls["rows"] == 5 * arch.num_layers * len(STEPS)
     for got, want in zip(folded, unfolded):
         assert torch.equal(got, want)
-        assert torch.equal(got.argmax(-1), want.argmax(-1))
-
-
-def test_the_qkv_kernel_takes_fp8_rows_where_qkv_runs_the_small_m_kernel(monkeypatch):
-    """A float32 FP8 model's qkv projection runs the small-M kernel up to 32 rows (torch._scaled_mm takes
-    bfloat16 only), so there the qkv kernel takes the norm's FP8 rows, with rotary and the cache write in its
-    epilogue, a launch fewer, in every layer of both steps. Its logits stay within float32's tolerance of the
-    path with qkv apart (the same sums, in another order), and so do its greedy tokens."""
-    from specserve.kernels import qkv_rotary_cache
-
-    model, arch = _fp8_model(torch.float32)
-    calls = count_calls(monkeypatch, {"qkv": (qkv_rotary_cache, "qkv_rotary_cache")})
-    folded = _run(model, arch, torch.float32)
-    small_steps = sum(sum(step.get("q_lens")) + step.get("pad_tokens", 0) <= 32 for step in STEPS)
-    assert small_steps and calls["qkv"] == arch.num_layers * small_steps
-    monkeypatch.setattr(llama, "fp8_qkv_kernel_args", lambda linear, rows: None)
-    apart = _run(model, arch, torch.float32)
-    assert calls["qkv"] == arch.num_layers * small_steps
-    for got, want in zip(folded, apart):
-        assert_near(got, want)
         assert torch.equal(got.argmax(-1), want.argmax(-1))

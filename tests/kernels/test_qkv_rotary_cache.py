@@ -122,56 +122,6 @@ def test_split_k(split_k, prologue, m, dtype):
     check_qkv(m, 3, 1, 48, dtype, prologue, config=config)  # two programs share each head
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m", [1, 5, 17])
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_fp8_rows_and_weight(split_k, m, dtype):
-    """FP8 rows quantized per token (as the norm before qkv writes them) by an FP8 weight with a scale per row:
-    q, k and v against float64 from the dequantized operands, with bias, K whole or split."""
-    from specserve.quantization.fp8 import quantize_per_channel, quantize_per_token
-
-    num_heads, num_kv_heads, head_dim = 4, 2, 16
-    gen = torch.Generator().manual_seed(5)
-    rows = (num_heads + 2 * num_kv_heads) * head_dim
-    xq, x_scale = quantize_per_token(torch.randn(m, K, generator=gen).to(DEVICE))
-    wq, w_scale = quantize_per_channel((K**-0.5 * torch.randn(rows, K, generator=gen)).to(DEVICE))
-    bias = (0.5 * torch.randn(rows, generator=gen)).to(DEVICE, dtype)
-    rotary = RotaryEmbedding(head_dim, MAX_POSITIONS, 10000.0, {}).to(DEVICE)
-    positions = torch.randint(0, MAX_POSITIONS, (m,), generator=gen).to(DEVICE)
-    num_blocks = -(-m // BLOCK_SIZE) + 1
-    kv_cache = torch.full((2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim), math.nan, dtype=dtype, device=DEVICE)
-    slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen)[:m].to(DEVICE)
-    config = replace(INTERPRETER_QKV, split_k=split_k)
-    for _ in range(2):  # a split launch finds the counts back at zero
-        q, total = qkv_rotary_cache(xq, wq, positions, rotary.cos, rotary.sin, kv_cache, slots, num_heads,
-                                    bias=bias, config=config, fp8_scales=(x_scale, w_scale), out_dtype=dtype)
-    qkv = (xq.double() * x_scale.double()) @ (wq.double() * w_scale.double()[:, None]).T + bias.double()
-    q_ref, k_ref, v_ref = qkv.view(m, -1, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
-    cos, sin = rotary.cos[positions], rotary.sin[positions]
-    assert total is None and q.dtype == dtype
-    assert_close(q, rotate(q_ref, cos, sin), terms=K)
-    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
-    assert_close(flat[0, slots], rotate(k_ref, cos, sin), terms=K)
-    assert_close(flat[1, slots], v_ref, terms=K)
-
-
-def test_fp8_operands_are_checked():
-    from specserve.quantization.fp8 import quantize_per_channel, quantize_per_token
-
-    xq, x_scale = quantize_per_token(torch.randn(2, 8))
-    wq, w_scale = quantize_per_channel(torch.randn((4 + 2 * 2) * 16, 8))
-    cache = torch.zeros(2, 3, 4, 2, 16)
-    table = torch.zeros(10, 8)
-    args = (torch.zeros(2, dtype=torch.long), table, table, cache, torch.zeros(2, dtype=torch.long), 4)
-    with pytest.raises(ValueError, match="x_scale \\[2, 1\\]"):
-        qkv_rotary_cache(xq, wq, *args, fp8_scales=(x_scale[:1], w_scale), out_dtype=torch.float32)
-    with pytest.raises(ValueError, match="normed already"):
-        qkv_rotary_cache(xq, wq, *args, fp8_scales=(x_scale, w_scale), out_dtype=torch.float32,
-                         norm_weight=torch.ones(8))
-    with pytest.raises(ValueError, match="x \\[M, K\\] and weight \\[N, K\\]"):
-        qkv_rotary_cache(xq.float(), wq, *args, fp8_scales=(x_scale, w_scale), out_dtype=torch.float32)
-
-
 @pytest.mark.parametrize("num_slots", [0, 2])
 def test_tokens_past_slot_mapping_write_nothing(num_slots):
     check_qkv(4, 2, 1, 32, torch.float32, num_slots=num_slots)
