@@ -45,7 +45,7 @@ import triton.language as tl
 from specserve.attention.kv_quant import KVScales
 from specserve.attention.metadata import AttentionMetadata
 from specserve.kernels.fp8_kv import cache_scales
-from specserve.kernels.pdl import launch_pdl, wait_for_previous
+from specserve.kernels.pdl import pdl_args, wait_for_previous
 from specserve.kernels.reshape_and_cache import write_kv_cache_triton
 
 
@@ -328,7 +328,7 @@ class TritonAttentionBackend:
             part_sum_ptr=parts[2], counter_ptr=counters,
             tree_bits_ptr=out if metadata.tree_bits is None else metadata.tree_bits, tree_offset=metadata.tree_offset,
             TREE=metadata.tree_bits is not None, k_scale_ptr=k_scale, v_scale_ptr=v_scale, FP8=fp8,
-            PDL=launch_pdl(q.device), launch_pdl=launch_pdl(q.device),
+            **pdl_args(q.device),
         )
         return out
 

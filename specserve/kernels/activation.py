@@ -21,7 +21,7 @@ import triton.language as tl
 
 from specserve.kernels.fp8_kv import quantize_e4m3
 from specserve.kernels.fp8_rows import row_block, row_scale, row_warps
-from specserve.kernels.pdl import launch_pdl, wait_for_previous
+from specserve.kernels.pdl import pdl_args, wait_for_previous
 from specserve.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Rows
 
 _BLOCK = 1024
@@ -86,9 +86,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows, inter = _rows(gate_up)
     out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
     if out.numel():
-        pdl = launch_pdl(gate_up.device)
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inter, _BLOCK))](rows, out, rows.stride(0), inter,
-                                                                          BLOCK=_BLOCK, PDL=pdl, launch_pdl=pdl)
+                                                                          BLOCK=_BLOCK, **pdl_args(gate_up.device))
     return out
 
 
@@ -103,5 +102,5 @@ def silu_and_mul_fp8_rows(gate_up: torch.Tensor) -> Fp8Rows:
         block = row_block(inter, gate_up.device)
         _silu_and_mul_fp8_kernel[(rows.shape[0],)](rows, q, scale, rows.stride(0), inter, FP8_MAX, MIN_SCALE,
                                                    BLOCK=block, ONE_PASS=inter <= block, num_warps=row_warps(block),
-                                                   PDL=launch_pdl(gate_up.device), launch_pdl=launch_pdl(gate_up.device))
+                                                   **pdl_args(gate_up.device))
     return Fp8Rows(q, scale, gate_up.dtype)

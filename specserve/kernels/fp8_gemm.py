@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.fp8_gemm_choice import DEFAULT_DOT_TILE, Fp8DotTile
-from specserve.kernels.pdl import launch_pdl, wait_for_previous
+from specserve.kernels.pdl import pdl_args, wait_for_previous
 from specserve.kernels.small_m_prologue import split_k_range
 from specserve.kernels.split_parts import counts_in_last, split_counters, sum_parts
 
@@ -106,7 +106,7 @@ def fp8_dot(
         out.stride(0), DOT_FP32=x.device.type == "cpu", EVEN_K=k_per % tile.block_k == 0 and k % tile.block_k == 0,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SPLIT_K=tile.split_k,
         PROMOTE_K=tile.promote_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
-        PDL=launch_pdl(x.device), launch_pdl=launch_pdl(x.device),
+        **pdl_args(x.device),
     )
     return out
 

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.fp8_kv import quantize_e4m3
-from specserve.kernels.pdl import launch_pdl, wait_for_previous
+from specserve.kernels.pdl import pdl_args, wait_for_previous
 from specserve.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 # Elements of a row per loop iteration on a GPU for a row longer than ONE_PASS_MAX; the interpreter takes short
@@ -84,5 +84,5 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block = row_block(k, x.device)
         _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX, MIN_SCALE,
                                     BLOCK_K=block, ONE_PASS=k <= block, num_warps=row_warps(block),
-                                    PDL=launch_pdl(x.device), launch_pdl=launch_pdl(x.device))
+                                    **pdl_args(x.device))
     return q, scale

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.argmax import pick_chunks
-from specserve.kernels.pdl import PREFETCH_LINES, launch_pdl, prefetch_weight_rows, wait_for_previous
+from specserve.kernels.pdl import PREFETCH_LINES, pdl_args, prefetch_weight_rows, wait_for_previous
 from specserve.kernels.small_m_configs import SmallMConfig, linear_config
 from specserve.kernels.small_m_prologue import (MAX_ROWS, check_prologue, dot_in_float32, input_chunk,
                                                  prologue_meta, prologue_rows, row_rstd, split_k_range,
@@ -276,6 +276,6 @@ def _launch(x, weight, norm_weight, eps, residual, silu_mul, config, n, out, fir
         W_SCALED=weight_scale is not None, X_SCALED=x_scale is not None,
         **prologue_meta(x, norm, cfg.compact, grid), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        PDL=launch_pdl(x.device), launch_pdl=launch_pdl(x.device), PREFETCH_LINES=PREFETCH_LINES,
+        **pdl_args(x.device), PREFETCH_LINES=PREFETCH_LINES,
     )
     return residual_out

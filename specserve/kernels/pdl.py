@@ -7,7 +7,7 @@ on Hopper, a kernel is placed once every program of the kernel ahead has passed 
 (or ended), and its programs wait in wait_for_previous until that kernel has ended and its writes are
 visible.
 
-What must hold: a kernel launched with PDL (`launch_pdl(device)` true, its `PDL` argument true) calls
+What must hold: a kernel launched with PDL (`pdl_args(device)`: its launch option and `PDL` flag) calls
 wait_for_previous before it reads or writes global memory, so it reads what the kernels ahead wrote and
 overwrites nothing they still read. That holds transitively: the kernel ahead ended only after its own wait
 returned. Letting the next kernel be placed early is safe anywhere (it only waits there); every program of a
@@ -34,6 +34,13 @@ PREFETCH_LINES = 4
 def launch_pdl(device: torch.device) -> bool:
     """Whether kernels on device launch with PDL: a CUDA device of compute capability 9 or more."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_args(device: torch.device) -> dict:
+    """A launch's keyword arguments for PDL on device: the kernel's PDL flag and the launch option, always
+    equal (a kernel launched with PDL must wait in wait_for_previous)."""
+    on = launch_pdl(device)
+    return dict(PDL=on, launch_pdl=on)
 
 
 @triton.jit

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from specserve.attention.metadata import PAD_SLOT_ID
 from specserve.kernels.fp8_kv import cache_scales, store_to_cache
-from specserve.kernels.pdl import PREFETCH_LINES, launch_pdl, prefetch_weight_rows, wait_for_previous
+from specserve.kernels.pdl import PREFETCH_LINES, pdl_args, prefetch_weight_rows, wait_for_previous
 from specserve.kernels.small_m_configs import SmallMConfig, qkv_config
 from specserve.kernels.small_m_prologue import (check_prologue, dot_in_float32, input_chunk, prologue_meta,
                                                  prologue_rows, row_rstd, split_k_range, store_residual_slice)
@@ -223,6 +223,6 @@ def qkv_rotary_cache(
         DOT_FP32=dot_in_float32(x), PAD_SLOT=PAD_SLOT_ID,
         **prologue_meta(x, norm, cfg.compact, grid[0] * grid[1]), BLOCK_P=cfg.block_n, BLOCK_K=cfg.block_k,
         FP8=fp8, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        PDL=launch_pdl(x.device), launch_pdl=launch_pdl(x.device), PREFETCH_LINES=PREFETCH_LINES,
+        **pdl_args(x.device), PREFETCH_LINES=PREFETCH_LINES,
     )
     return q, residual_out

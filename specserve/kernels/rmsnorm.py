@@ -17,7 +17,7 @@ import triton.language as tl
 
 from specserve.kernels.fp8_kv import quantize_e4m3
 from specserve.kernels.fp8_rows import row_scale
-from specserve.kernels.pdl import launch_pdl, wait_for_previous
+from specserve.kernels.pdl import pdl_args, wait_for_previous
 from specserve.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Rows
 
 
@@ -76,7 +76,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             x, x if residual is None else residual, weight, out, scale,
             heads, stride_xt, stride_xh, stride_rt, stride_rh, n, eps, FP8_MAX, MIN_SCALE,
             ADD=residual is not None, QUANTIZE=quantize, BLOCK=block, num_warps=min(max(block // 256, 1), 8),
-            PDL=launch_pdl(x.device), launch_pdl=launch_pdl(x.device),
+            **pdl_args(x.device),
         )
     return Fp8Rows(out, scale, x.dtype) if quantize else out
 

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from specserve.attention.metadata import PAD_SLOT_ID
 from specserve.kernels.fp8_kv import cache_scales, store_to_cache
-from specserve.kernels.pdl import launch_pdl, wait_for_previous
+from specserve.kernels.pdl import pdl_args, wait_for_previous
 
 
 @triton.jit
@@ -99,5 +99,5 @@ def rotary_and_cache(
         PAD_SLOT=PAD_SLOT_ID,
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half), FP8=fp8, PDL=launch_pdl(q.device), launch_pdl=launch_pdl(q.device),
+        BLOCK_HALF=triton.next_power_of_2(half), FP8=fp8, **pdl_args(q.device),
     )
