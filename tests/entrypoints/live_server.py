@@ -97,3 +97,16 @@ class LiveServer:
         """Wait until nothing runs or waits and the KV cache is empty again."""
         return self.wait_for(lambda m: (m["specserve:num_requests_running"], m["specserve:num_requests_waiting"],
                                         m["specserve:kv_cache_usage_perc"]) == (0, 0, 0), timeout)
+
+
+def connect(server: LiveServer) -> socket.socket:
+    """A raw connection to the server, for requests no HTTP client would send."""
+    host, port = server.url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data

@@ -2,7 +2,6 @@
 off unless asked for, and clients that do not send their request whole in time disconnected."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -12,7 +11,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from core_factories import FixedTimeCore
-from live_server import LiveServer, one_torch_thread
+from live_server import LiveServer, connect, one_torch_thread, read_until_closed
 from specserve.config import EngineConfig
 from specserve.entrypoints.cli import build_parser
 from specserve.entrypoints.openai.api_server import ServerConfig, build_app, build_engine
@@ -35,19 +34,6 @@ def server(tiny_llama):
 
 def client(server: LiveServer, key: str = KEY) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=30)
-
-
-def connect(server: LiveServer) -> socket.socket:
-    host, port = server.url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)), timeout=10)
-    return sock
-
-
-def read_until_closed(sock: socket.socket) -> bytes:
-    data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
-    return data
 
 
 @pytest.mark.parametrize("method, path", ROUTES)
