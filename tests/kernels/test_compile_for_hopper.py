@@ -21,6 +21,8 @@ from triton.compiler import ASTSource  # noqa: E402
 from specserve.attention.metadata import PAD_SLOT_ID  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
+# One worker runs them all, so the compile_errors fixture compiles every kernel once.
+pytestmark = pytest.mark.xdist_group("compile_for_hopper")
 ROOT = Path(__file__).resolve().parents[2]
 
 
