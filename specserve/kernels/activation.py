@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.fp8_kv import quantize_e4m3
-from specserve.kernels.fp8_rows import row_block, row_scale, row_warps
+from specserve.kernels.fp8_rows import row_block, row_scale, row_warps, store_quantized_row
 from specserve.kernels.pdl import pdl_args, wait_for_previous
 from specserve.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Rows
 
@@ -56,9 +56,7 @@ def _silu_and_mul_fp8_kernel(gate_up_ptr, q_ptr, scale_ptr, stride_in, inter, fp
     if ONE_PASS:
         cols = tl.arange(0, BLOCK)
         out = _silu_mul(row, cols, cols < inter, inter, dtype)
-        scale = row_scale(tl.max(tl.abs(out.to(tl.float32)), 0), fp8_max, min_scale)
-        tl.store(scale_ptr + tok, scale)
-        tl.store(q_ptr + tok * inter + cols, quantize_e4m3(out, scale, q_ptr.dtype.element_ty), mask=cols < inter)
+        store_quantized_row(out, q_ptr + tok * inter + cols, cols < inter, scale_ptr + tok, fp8_max, min_scale)
         return
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK):

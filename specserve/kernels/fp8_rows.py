@@ -32,6 +32,15 @@ def row_scale(amax, fp8_max, min_scale):
     return tl.maximum(tl.math.div_rn(amax, fp8_max), min_scale)
 
 
+@triton.jit
+def store_quantized_row(x, q_ptrs, mask, scale_ptr, fp8_max, min_scale):
+    """Quantize a row held whole in registers (x, 0 where mask is off) with its own scale: the scale to
+    scale_ptr, the e4m3 values to q_ptrs."""
+    scale = row_scale(tl.max(tl.abs(x.to(tl.float32)), 0), fp8_max, min_scale)
+    tl.store(scale_ptr, scale)
+    tl.store(q_ptrs, quantize_e4m3(x, scale, q_ptrs.dtype.element_ty), mask=mask)
+
+
 def row_block(k: int, device: torch.device) -> int:
     """Elements of a row per loop iteration of a kernel over rows of k elements on device: the whole row (one
     pass, k <= the block) up to ONE_PASS_MAX on a GPU."""
@@ -55,9 +64,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, fp8_
     if ONE_PASS:
         offs = tl.arange(0, BLOCK_K)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0)
-        scale = row_scale(tl.max(tl.abs(x.to(tl.float32)), 0), fp8_max, min_scale)
-        tl.store(scale_ptr + row, scale)
-        tl.store(q_ptr + row * stride_qm + offs, quantize_e4m3(x, scale, q_ptr.dtype.element_ty), mask=offs < K)
+        store_quantized_row(x, q_ptr + row * stride_qm + offs, offs < K, scale_ptr + row, fp8_max, min_scale)
         return
     amax = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

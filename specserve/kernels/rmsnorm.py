@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.fp8_kv import quantize_e4m3
-from specserve.kernels.fp8_rows import row_scale
+from specserve.kernels.fp8_rows import store_quantized_row
 from specserve.kernels.pdl import pdl_args, wait_for_previous
 from specserve.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Rows
 
@@ -46,9 +45,7 @@ def _rms_norm_kernel(
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype)  # 0 past n (w is)
     if QUANTIZE:
-        scale = row_scale(tl.max(tl.abs(y.to(tl.float32)), 0), fp8_max, min_scale)
-        tl.store(scale_ptr + row, scale)
-        tl.store(out_ptr + row * n + cols, quantize_e4m3(y, scale, out_ptr.dtype.element_ty), mask=mask)
+        store_quantized_row(y, out_ptr + row * n + cols, mask, scale_ptr + row, fp8_max, min_scale)
     else:
         tl.store(out_ptr + row * n + cols, y, mask=mask)
 
