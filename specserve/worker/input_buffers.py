@@ -14,6 +14,9 @@ import numpy as np
 import torch
 
 from specserve.attention.metadata import PAD_SLOT_ID, AttentionMetadata
+from specserve.config import EngineConfig
+from specserve.spec_decode.config import MAX_DRAFT_TOKENS
+from specserve.spec_decode.tree import DraftTree
 from specserve.transfer import to_device
 from specserve.worker.staged_inputs import (HEADER_SLOTS, MASKED, StagedExtra, StagedLayout, pack_step_inputs,
                                             scatter_staged_inputs)
@@ -69,6 +72,25 @@ class TokenBitmaskBuffer:
 
 
 class InputBuffers:
+    @classmethod
+    def for_engine(cls, config: EngineConfig, tree: DraftTree | None, max_blocks_per_req: int, vocab_size: int,
+                   device: torch.device) -> InputBuffers:
+        """The buffers an engine's steps need: its batch limits, its drafts (a chain or tree) and their masks."""
+        spec = config.speculative_config
+        # Extras a step stages beside its inputs, per request at most: the in-flight row (5), sampling or
+        # verification indices (k + 4), the drafter's request row (5) and its rows (2); and one value of
+        # alignment padding per extra.
+        extras = config.max_num_seqs * (16 + MAX_DRAFT_TOKENS) + 16
+        # A grammar mask row per verified token: 1 + the drafts of each request.
+        bitmask_rows = config.max_num_seqs * (1 + (spec.num_draft_tokens if spec else 0))
+        # The drafter's mask rows a request: a chain keeps one a draft (the next step verifies them), a tree
+        # one a node of its widest level.
+        draft_rows = 0 if spec is None else spec.num_draft_tokens if tree is None else max(
+            len(tree.level(d)) for d in range(tree.depth))
+        return cls(config.max_num_seqs, config.max_num_batched_tokens, max_blocks_per_req, device,
+                   extra_capacity=extras, trees=tree is not None, bitmask_rows=bitmask_rows,
+                   draft_bitmask_rows=config.max_num_seqs * draft_rows, vocab_size=vocab_size)
+
     def __init__(self, max_num_reqs: int, max_num_tokens: int, max_blocks_per_req: int, device: torch.device,
                  extra_capacity: int = 0, trees: bool = False, bitmask_rows: int = 0, draft_bitmask_rows: int = 0,
                  vocab_size: int = 0):

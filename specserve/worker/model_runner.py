@@ -94,19 +94,7 @@ class ModelRunner(TargetGraphs, SampleAndVerify, DraftProposal):
         # This step's accepted paths (token indices), accepted counts, emitted tokens and cache moves.
         self._tree_step: TreeOutcome | None = None
         self.tree_layout = TreeLayout.of(self.tree) if self.tree else None
-        # Extras a step stages beside its inputs, per request at most: the in-flight row (5), sampling or
-        # verification indices (k + 4), the drafter's request row (5) and its rows (2); and one value of
-        # alignment padding per extra.
-        extras = config.max_num_seqs * (16 + MAX_DRAFT_TOKENS) + 16
-        # A grammar mask row per verified token: 1 + the drafts of each request.
-        bitmask_rows = config.max_num_seqs * (1 + (spec.num_draft_tokens if spec else 0))
-        # The drafter's mask rows a request: a chain keeps one a draft (the next step verifies them), a tree
-        # one a node of its widest level.
-        draft_rows = 0 if spec is None else spec.num_draft_tokens if self.tree is None else max(
-            len(self.tree.level(d)) for d in range(self.tree.depth))
-        self.buffers = InputBuffers(config.max_num_seqs, config.max_num_batched_tokens, max_blocks_per_req, self.device,
-                                    extra_capacity=extras, trees=self.tree is not None, bitmask_rows=bitmask_rows,
-                                    draft_bitmask_rows=config.max_num_seqs * draft_rows, vocab_size=arch.vocab_size)
+        self.buffers = InputBuffers.for_engine(config, self.tree, max_blocks_per_req, arch.vocab_size, self.device)
         self.outputs = StepOutputs(config.max_num_seqs, spec.num_draft_tokens if spec else 0, self.device,
                                    max_accepted=spec.num_speculative_tokens if spec else 0)
         # Every rank reads a step's in-flight inputs from the previous step's outputs (asynchronous scheduling),
