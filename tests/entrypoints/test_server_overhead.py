@@ -26,7 +26,7 @@ from specserve.engine.engine import LLMEngine
 
 CONCURRENCY, NUM_PROMPTS, MAX_TOKENS = 16, 64, 96
 ATTEMPTS = 3
-# An idle machine keeps 80%; the suite's other worker takes a core from the served run's three processes.
+# Below what an idle machine keeps: the suite's other worker takes a core from the served run's three processes.
 RATIO = 0.65
 ENGINE = dict(max_model_len=512, num_kv_blocks=1024, max_num_seqs=CONCURRENCY)
 
