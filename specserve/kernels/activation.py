@@ -6,11 +6,11 @@ One pass over [tokens, 2 * inter] instead of torch's chunk, silu and multiply
 silu(gate) is rounded to the input dtype before the multiply, and the product
 to the input dtype too. The FP8 output is that rounded product quantized as
 kernels/fp8_rows.py does (its scale rule and e4m3 rounding), so it is
-bit-equal to quantize_rows of silu_and_mul's output: one program a row, its
-products held in registers for the row's largest magnitude and their rounding
-where the row fits one block (fp8_rows.row_block), else a pass for the largest
-magnitude and a pass that recomputes the products (their inputs reread from
-L2) and quantizes them. Launches depend on shapes only
+bit-equal to quantize_rows of silu_and_mul's output. A decode batch has few
+rows: a row is spread over programs of a chunk each (one program a row
+streamed it from one SM), so the row's scale, which needs all its products,
+comes from a second kernel that reads the chunks' largest magnitudes
+(fp8_rows.quantize_chunked_rows). Launches depend on shapes only
 (CUDA-graph capturable).
 """
 from __future__ import annotations
@@ -19,10 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.fp8_kv import quantize_e4m3
-from specserve.kernels.fp8_rows import row_block, row_scale, row_warps, store_quantized_row
+from specserve.kernels.fp8_rows import chunk_columns, quantize_chunked_rows
 from specserve.kernels.pdl import pdl_args, wait_for_previous
-from specserve.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Rows
+from specserve.quantization.fp8 import FP8_DTYPE, Fp8Rows
 
 _BLOCK = 1024
 
@@ -47,27 +46,17 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, inter, BLOCK: tl.const
 
 
 @triton.jit
-def _silu_and_mul_fp8_kernel(gate_up_ptr, q_ptr, scale_ptr, stride_in, inter, fp8_max, min_scale,
-                             BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr):
+def _silu_and_mul_amax_kernel(gate_up_ptr, out_ptr, amax_ptr, stride_in, inter, BLOCK: tl.constexpr,
+                              PDL: tl.constexpr):
+    """Program (row, chunk): the chunk's products, and their largest magnitude into amax [rows, chunks]."""
     wait_for_previous(PDL)
     tok = tl.program_id(0).to(tl.int64)
-    row = gate_up_ptr + tok * stride_in
-    dtype = gate_up_ptr.dtype.element_ty
-    if ONE_PASS:
-        cols = tl.arange(0, BLOCK)
-        out = _silu_mul(row, cols, cols < inter, inter, dtype)
-        store_quantized_row(out, q_ptr + tok * inter + cols, cols < inter, scale_ptr + tok, fp8_max, min_scale)
-        return
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK):
-        cols = k0 + tl.arange(0, BLOCK)
-        amax = tl.maximum(amax, tl.abs(_silu_mul(row, cols, cols < inter, inter, dtype).to(tl.float32)))
-    scale = row_scale(tl.max(amax, 0), fp8_max, min_scale)
-    tl.store(scale_ptr + tok, scale)
-    for k0 in range(0, inter, BLOCK):
-        cols = k0 + tl.arange(0, BLOCK)
-        out = _silu_mul(row, cols, cols < inter, inter, dtype)
-        tl.store(q_ptr + tok * inter + cols, quantize_e4m3(out, scale, q_ptr.dtype.element_ty), mask=cols < inter)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    out = _silu_mul(gate_up_ptr + tok * stride_in, cols, mask, inter, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + tok * inter + cols, out, mask=mask)
+    tl.store(amax_ptr + tok * tl.num_programs(1) + chunk, tl.max(tl.abs(out.to(tl.float32)), 0))
 
 
 def _rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -90,15 +79,18 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_fp8_rows(gate_up: torch.Tensor) -> Fp8Rows:
-    """quantize_rows(silu_and_mul(gate_up)) in one kernel, for gate_up = [tokens, 2 * inter]."""
+    """quantize_rows(silu_and_mul(gate_up)) for gate_up = [tokens, 2 * inter], each row spread over programs of
+    chunk_columns(device) products: the products and each chunk's largest magnitude, then their quantization."""
     if gate_up.dim() != 2:
         raise ValueError(f"gate_up must be [tokens, 2 * inter], got {tuple(gate_up.shape)}")
     rows, inter = _rows(gate_up)
-    q = torch.empty((rows.shape[0], inter), dtype=FP8_DTYPE, device=gate_up.device)
-    scale = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=gate_up.device)
-    if q.numel():
-        block = row_block(inter, gate_up.device)
-        _silu_and_mul_fp8_kernel[(rows.shape[0],)](rows, q, scale, rows.stride(0), inter, FP8_MAX, MIN_SCALE,
-                                                   BLOCK=block, ONE_PASS=inter <= block, num_warps=row_warps(block),
-                                                   **pdl_args(gate_up.device))
+    products = torch.empty((rows.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
+    if not products.numel():
+        return Fp8Rows(torch.empty(products.shape, dtype=FP8_DTYPE, device=gate_up.device),
+                       torch.empty((rows.shape[0], 1), dtype=torch.float32, device=gate_up.device), gate_up.dtype)
+    block = chunk_columns(gate_up.device)
+    amax = torch.empty((rows.shape[0], triton.cdiv(inter, block)), dtype=torch.float32, device=gate_up.device)
+    _silu_and_mul_amax_kernel[amax.shape](rows, products, amax, rows.stride(0), inter, BLOCK=block,
+                                          **pdl_args(gate_up.device))
+    q, scale = quantize_chunked_rows(products, amax, block)
     return Fp8Rows(q, scale, gate_up.dtype)

@@ -200,15 +200,17 @@ def kernels():
                 min_scale="fp32", ADD=True, QUANTIZE=False, BLOCK=1024)
     yield rmsnorm._rms_norm_kernel, norm
     yield rmsnorm._rms_norm_kernel, dict(norm, out_ptr="*fp8e4nv", scale_ptr=f32, QUANTIZE=True, BLOCK=4096)
-    # SiLU-and-mul, plain and writing down_proj's FP8 input rows.
+    # SiLU-and-mul, plain and writing down_proj's FP8 input rows (its products and chunks' largest magnitudes, then
+    # their quantization).
     from specserve.kernels import activation
 
     yield activation._silu_and_mul_kernel, dict(gate_up_ptr=bf16, out_ptr=bf16, stride_in=i32, inter=i32,
                                                 BLOCK=activation._BLOCK)
-    for block, one_pass in ((fp8_rows.BLOCK_K, False), (fp8_rows.ONE_PASS_MAX, True)):
-        yield activation._silu_and_mul_fp8_kernel, dict(
-            gate_up_ptr=bf16, q_ptr="*fp8e4nv", scale_ptr=f32, stride_in=i32, inter=i32, fp8_max="fp32",
-            min_scale="fp32", BLOCK=block, ONE_PASS=one_pass)
+    yield activation._silu_and_mul_amax_kernel, dict(gate_up_ptr=bf16, out_ptr=bf16, amax_ptr=f32, stride_in=i32,
+                                                     inter=i32, BLOCK=fp8_rows.CHUNK_COLUMNS)
+    yield fp8_rows._quantize_chunked_rows_kernel, dict(
+        x_ptr=bf16, amax_ptr=f32, q_ptr="*fp8e4nv", scale_ptr=f32, K=i32, num_chunks=i32, fp8_max="fp32",
+        min_scale="fp32", BLOCK=fp8_rows.CHUNK_COLUMNS, CHUNKS=16)
     from specserve.kernels import argmax
 
     yield argmax._chunk_argmax_kernel, dict(x_ptr=bf16, stride_x=i32, n_cols=i32, val_ptr=f32, idx_ptr=p32,
