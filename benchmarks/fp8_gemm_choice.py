@@ -52,8 +52,11 @@ TILES = [None] + [SmallMConfig(*tile) for tile in [(32, 512, 4, 4), (64, 256, 8,
     [SmallMConfig(32, 256, 4, 4, split_k=2), SmallMConfig(16, 512, 4, 4, split_k=2), SmallMConfig(32, 256, 4, 4, split_k=4)]
 # The FP8 dot kernel's tiles, block_m aside (the token count's: 16 to 64 rows, then 64 or 128):
 # (block_n, block_k, num_warps, num_stages, split_k), each promoting its sums every FP8 MMA and every block_k.
+# Every program rereads the input's rows from L2 for its block_n weight rows: wide tiles read fewer input
+# bytes per weight byte, and K split over 2 or 4 programs gives them enough programs to fill the SMs.
 DOT_TILES = [(32, 256, 4, 4, 1), (64, 128, 4, 4, 1), (64, 256, 4, 3, 1), (128, 128, 4, 4, 1), (128, 128, 8, 3, 1),
-             (64, 128, 4, 6, 1), (32, 128, 4, 6, 1), (64, 128, 4, 4, 2), (32, 256, 4, 4, 2), (64, 256, 4, 3, 4)]
+             (64, 128, 4, 6, 1), (32, 128, 4, 6, 1), (64, 128, 4, 4, 2), (32, 256, 4, 4, 2), (64, 256, 4, 3, 4),
+             (32, 256, 4, 6, 1), (64, 256, 4, 4, 2), (128, 128, 4, 4, 2), (128, 128, 4, 4, 4), (128, 256, 8, 3, 4)]
 # The FP8 dot kernel's fewest rows: below, a 16-row MMA tile would be mostly padding.
 DOT_MIN_ROWS = 16
 # A tile is kept only if its largest error against float64 is at most this many times cuBLAS's on the same
