@@ -1,6 +1,6 @@
 """Per-token FP8 quantization folded into the RMSNorm and SiLU-and-mul kernels: bit for bit the norm or activation
-kernel followed by the row-quantization kernel, and an FP8 model whose folding is on gives what it gives with
-the folding off (docs/design.md, 'FP8 weights')."""
+kernel followed by the row-quantization kernel (a compiled norm of float32 rows: within its last bits), and an
+FP8 model whose folding is on gives what it gives with the folding off (docs/design.md, 'FP8 weights')."""
 import pytest
 import torch
 
@@ -30,10 +30,19 @@ def _rows(cols: int, dtype, seed: int) -> torch.Tensor:
     return x
 
 
-def assert_same_rows(rows, want_q: torch.Tensor, want_scale: torch.Tensor, dtype) -> None:
+def assert_same_rows(rows, want_q: torch.Tensor, want_scale: torch.Tensor, dtype, exact: bool = True) -> None:
+    """exact=False: each scale within two float32 ulps of the reference's, and any e4m3 value that differs (at
+    most one in a thousand) only the next e4m3 value of the same sign."""
     assert rows.dtype == dtype and rows.q.shape == want_q.shape and rows.scale.shape == want_scale.shape
-    assert torch.equal(rows.scale, want_scale)
-    assert torch.equal(rows.q.view(torch.uint8), want_q.view(torch.uint8))
+    if exact:
+        assert torch.equal(rows.scale, want_scale)
+        assert torch.equal(rows.q.view(torch.uint8), want_q.view(torch.uint8))
+        return
+    torch.testing.assert_close(rows.scale, want_scale, rtol=2 ** -22, atol=0)
+    codes, want_codes = rows.q.view(torch.uint8).int(), want_q.view(torch.uint8).int()
+    differ = codes != want_codes
+    assert differ.float().mean().item() <= 1e-3
+    assert ((codes - want_codes).abs()[differ] == 1).all(), "a differing value must be the next e4m3 value"
 
 
 def check_norm_fp8_rows(n: int, dtype, add: bool) -> None:
@@ -48,7 +57,9 @@ def check_norm_fp8_rows(n: int, dtype, add: bool) -> None:
         normed = rms_norm(x, weight, EPS)
     want_q, want_scale = quantize_rows(normed)
     rows = rms_norm_fp8_rows(x, residual, weight, EPS)
-    assert_same_rows(rows, want_q, want_scale, dtype)
+    # Compiled, each variant of the norm kernel sums the squares in the order of the layout Triton gives it: an
+    # rstd a last bit apart, which a float32 row (unlike a narrower one) keeps up to its scale.
+    assert_same_rows(rows, want_q, want_scale, dtype, exact=dtype != torch.float32 or DEVICE == "cpu")
     assert torch.equal(x, x_before), "x is an input only"
     if add:
         assert torch.equal(residual, residual_want), "the residual stream is written as fused_add_rms_norm writes it"
