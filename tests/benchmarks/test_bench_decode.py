@@ -16,8 +16,9 @@ from specserve.engine import core
 from specserve.engine.step_costs_measure import measured_batch_sizes
 from specserve.errors import ConfigError
 from specserve.models.loader import build_model, open_model_source
-from specserve.spec_decode.policy import SpeculationPolicy
 from specserve.spec_decode.step_costs import StepCosts
+
+from scripted_policy import timed_by_costs
 
 
 def test_dummy_load_makes_the_shape_without_weight_files(tmp_path):
@@ -151,11 +152,8 @@ def test_the_dynamic_policy_beside_no_speculation(tmp_path, monkeypatch):
         return StepCosts(sizes, {0: tuple(1e-3 * b for b in sizes), k: tuple(1.5e-3 * b for b in sizes)})
 
     monkeypatch.setattr(core, "measure_step_costs", slower_drafting)
-    # Each measured step takes those seconds too, instead of the host's: on the tiny model a drafting step costs
-    # within the host's noise of a plain one, and one noisy comparison would keep a bucket drafting.
-    observe = SpeculationPolicy.observe_step
-    monkeypatch.setattr(SpeculationPolicy, "observe_step", lambda self, kind, decisions, batch, tokens, _: observe(
-        self, kind, decisions, batch, tokens, self.costs.step_seconds(decisions[0], batch)))
+    # Each measured step takes those seconds too: one noisy comparison would keep a bucket drafting.
+    timed_by_costs(monkeypatch)
     cfg = preset_config("tiny", spec=[SpecSetting(2, 0.0, dynamic=True)], hf_batch_sizes=[], new_tokens=48)
     results = run_decode_bench(cfg, tmp_path / "r.json")
     rows = {(r.spec, r.batch): r for r in results.rows}

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import repetitive_prompts as prompts
 from heads import save_eagle_head
-from scripted_policy import scripted
+from scripted_policy import scripted, timed_by_costs
 from specserve import LLM, SamplingParams
 from specserve.entrypoints.openai.metrics import PREFIX, EngineStatsCollector
 from specserve.spec_decode.measured_steps import MIN_MEASURED, PROBE_STEPS
@@ -51,16 +51,6 @@ def tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def timed_by_table(llm: LLM, table: str) -> None:
-    """Every measured step takes the table's seconds for its decision and batch instead of the host's: on this tiny
-    model a drafting step whose drafts are all accepted yields within a few percent of a plain step's tokens a
-    second on a CPU, so a test of what the policy makes of known rates would otherwise test the host's noise."""
-    policy, costs = llm.engine.core.scheduler.policy, StepCosts.load(table)
-    observe = policy.observe_step
-    policy.observe_step = lambda kind, decisions, batch, emitted, seconds: observe(
-        kind, decisions, batch, emitted, costs.step_seconds(decisions[0], batch))
-
-
 def test_every_draft_rejected_turns_drafting_off(models):
     """Forced acceptance 0 with drafting steps 30% slower: the table's prior drafts first (its estimate starts from
     every draft accepted), the steps measure fewer tokens a second with drafts than in the probe without, and the
@@ -80,12 +70,12 @@ def test_every_draft_rejected_turns_drafting_off(models):
     assert stats.spec_steps_without_drafts == policy.steps_without_drafts > stats.spec_steps_drafting > 0
 
 
-def test_every_draft_accepted_with_cheap_drafts_keeps_drafting(models):
+def test_every_draft_accepted_with_cheap_drafts_keeps_drafting(models, monkeypatch):
     """Forced acceptance 1 with drafts nearly free (the steps timed by the table): the buckets keep drafting, and
     steps without drafts are only the probes of none (PROBE_STEPS a bucket)."""
     table = cost_table(models, "cheap", (1.0,) * 4, (1.1,) * 4)
+    timed_by_costs(monkeypatch)
     llm = dynamic_llm(models, table, forced_acceptance_prob=1.0)
-    timed_by_table(llm, table)
     llm.generate(models["prompts"], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
     policy = llm.engine.core.scheduler.policy
     buckets = policy.measured_steps[StepKind.GREEDY].buckets
