@@ -21,7 +21,7 @@ import triton.language as tl
 
 from specserve.kernels.fp8_rows import chunk_columns, quantize_chunked_rows
 from specserve.kernels.pdl import pdl_args, wait_for_previous
-from specserve.quantization.fp8 import FP8_DTYPE, Fp8Rows
+from specserve.quantization.fp8 import Fp8Rows
 
 _BLOCK = 1024
 
@@ -85,12 +85,10 @@ def silu_and_mul_fp8_rows(gate_up: torch.Tensor) -> Fp8Rows:
         raise ValueError(f"gate_up must be [tokens, 2 * inter], got {tuple(gate_up.shape)}")
     rows, inter = _rows(gate_up)
     products = torch.empty((rows.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
-    if not products.numel():
-        return Fp8Rows(torch.empty(products.shape, dtype=FP8_DTYPE, device=gate_up.device),
-                       torch.empty((rows.shape[0], 1), dtype=torch.float32, device=gate_up.device), gate_up.dtype)
     block = chunk_columns(gate_up.device)
     amax = torch.empty((rows.shape[0], triton.cdiv(inter, block)), dtype=torch.float32, device=gate_up.device)
-    _silu_and_mul_amax_kernel[amax.shape](rows, products, amax, rows.stride(0), inter, BLOCK=block,
-                                          **pdl_args(gate_up.device))
+    if products.numel():
+        _silu_and_mul_amax_kernel[amax.shape](rows, products, amax, rows.stride(0), inter, BLOCK=block,
+                                              **pdl_args(gate_up.device))
     q, scale = quantize_chunked_rows(products, amax, block)
     return Fp8Rows(q, scale, gate_up.dtype)
