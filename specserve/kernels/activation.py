@@ -27,12 +27,29 @@ _BLOCK = 1024
 
 
 @triton.jit
+def silu_times(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up as dtype, rounded as the unfused path rounds: gate and up (float32) first rounded to dtype
+    (the projection's stored output), silu(gate) rounded to dtype before the multiply. Shared by the GEMM
+    epilogues that apply it (fused_linear.py, fp8_gemm.py), so that every path rounds alike."""
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype)
+
+
+@triton.jit
+def row_amax(x):
+    """The largest magnitude of each row of a 2-D block x, in float32 (the chunk amax that
+    fp8_rows.quantize_chunked_rows takes)."""
+    return tl.max(tl.abs(x.to(tl.float32)), 1)
+
+
+@triton.jit
 def _silu_mul(row, cols, mask, inter, dtype: tl.constexpr):
     """silu(gate) * up at cols of a gate/up row, rounded as the unfused path rounds; 0 where mask is off."""
     gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return (act * up).to(dtype)
+    return silu_times(gate, up, dtype)
 
 
 @triton.jit
@@ -90,5 +107,5 @@ def silu_and_mul_fp8_rows(gate_up: torch.Tensor) -> Fp8Rows:
     if products.numel():
         _silu_and_mul_amax_kernel[amax.shape](rows, products, amax, rows.stride(0), inter, BLOCK=block,
                                               **pdl_args(gate_up.device))
-    q, scale = quantize_chunked_rows(products, amax, block)
+    q, scale = quantize_chunked_rows(products, amax)
     return Fp8Rows(q, scale, gate_up.dtype)

@@ -91,30 +91,33 @@ def chunk_columns(device: torch.device) -> int:
 @triton.jit
 def _quantize_chunked_rows_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, K, num_chunks, fp8_max, min_scale,
                                   BLOCK: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, chunk): the row's scale from its chunks' largest magnitudes, then the chunk's values."""
+    """Program (row, block of BLOCK columns): the row's scale from the largest magnitudes of its num_chunks
+    chunks (of any width), then the block's values."""
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
+    block = tl.program_id(1)
     parts = tl.arange(0, CHUNKS)
     amax = tl.load(amax_ptr + row * num_chunks + parts, mask=parts < num_chunks, other=0.0)
     scale = row_scale(tl.max(amax, 0), fp8_max, min_scale)
-    if chunk == 0:
+    if block == 0:
         tl.store(scale_ptr + row, scale)
-    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    offs = block * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * K + offs, mask=offs < K, other=0.0)
     tl.store(q_ptr + row * K + offs, quantize_e4m3(x, scale, q_ptr.dtype.element_ty), mask=offs < K)
 
 
-def quantize_chunked_rows(x: torch.Tensor, amax: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_rows(x) for a contiguous x [M, K] whose largest magnitudes per chunk of block columns are known:
-    amax [M, cdiv(K, block)] float32, as the kernel that wrote x found them. One program a chunk."""
+def quantize_chunked_rows(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows(x) for a contiguous x [M, K] whose largest magnitudes per chunk of columns are known:
+    amax [M, chunks] float32, as the kernel that wrote x found them (chunks of any width that cover the row).
+    One program per chunk_columns(device) columns of a row."""
     m, k = x.shape
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m and k:
-        _quantize_chunked_rows_kernel[amax.shape](x, amax, q, scale, k, amax.shape[1], FP8_MAX, MIN_SCALE,
-                                                  BLOCK=block, CHUNKS=triton.next_power_of_2(amax.shape[1]),
-                                                  **pdl_args(x.device))
+        block = chunk_columns(x.device)
+        _quantize_chunked_rows_kernel[(m, triton.cdiv(k, block))](
+            x, amax, q, scale, k, amax.shape[1], FP8_MAX, MIN_SCALE, BLOCK=block,
+            CHUNKS=triton.next_power_of_2(amax.shape[1]), **pdl_args(x.device))
     return q, scale
 
 

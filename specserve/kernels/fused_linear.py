@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.activation import row_amax, silu_times
 from specserve.kernels.argmax import pick_chunks
 from specserve.kernels.pdl import PREFETCH_LINES, pdl_args, prefetch_weight_rows, wait_for_previous
 from specserve.kernels.small_m_configs import SmallMConfig, linear_config
@@ -45,8 +46,9 @@ from specserve.spec_decode.pick_scatter import PickScatter
 @triton.jit
 def _fused_linear_kernel(
     x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr, idx_ptr, part_ptr, counter_ptr, w_scale_ptr, x_scale_ptr,
-    M, N, K, k_per, stride_xm, stride_rm, stride_rom, stride_wn, stride_om, eps,
-    ADD: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, TOP: tl.constexpr, DOT_FP32: tl.constexpr,
+    amax_ptr, M, N, K, k_per, stride_xm, stride_rm, stride_rom, stride_wn, stride_om, eps,
+    ADD: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, AMAX: tl.constexpr, TOP: tl.constexpr,
+    DOT_FP32: tl.constexpr,
     W_SCALED: tl.constexpr, X_SCALED: tl.constexpr,
     COMPACT: tl.constexpr, ROWS: tl.constexpr, PRE_K: tl.constexpr, SLICE_K: tl.constexpr, LATE_RSTD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
@@ -56,7 +58,8 @@ def _fused_linear_kernel(
     K from s * k_per (a multiple of BLOCK_K) into part_ptr's float32 [SPLIT_K, M, N]; counter_ptr holds a
     zero per column tile, back at zero when the launch ends. With W_SCALED the weight is FP8 with a float32 scale
     per output column (w_scale_ptr [N]), with X_SCALED x is FP8 with one per row (x_scale_ptr [M], no prologue):
-    both operands are widened exactly to the dot's dtype and the float32 sums scaled once, after the K loop."""
+    both operands are widened exactly to the dot's dtype and the float32 sums scaled once, after the K loop.
+    With AMAX (and SILU_MUL) each row's largest product magnitude goes to amax_ptr [M, programs]."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start, k_end = split_k_range(K, k_per, tl.program_id(1), SPLIT_K)
@@ -113,8 +116,13 @@ def _fused_linear_kernel(
         acc = sum_parts(parts, mask, M * N, SPLIT_K, BLOCK_M, BLOCK_N)
     if W_SCALED:
         acc = acc * tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
+        if SILU_MUL:
+            acc_up = acc_up * tl.load(w_scale_ptr + offs_n + N, mask=offs_n < N, other=0.0)[None, :]
     if X_SCALED:
-        acc = acc * tl.load(x_scale_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
+        x_scale = tl.load(x_scale_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
+        acc = acc * x_scale
+        if SILU_MUL:
+            acc_up = acc_up * x_scale
     if TOP > 0:
         # Per row, the TOP best of this program's columns, best first, ties to the first; out holds [M, programs
         # x TOP] float32 values. A NaN never wins (as in argmax.py's chunk kernel), so a row of NaN still picks
@@ -135,11 +143,10 @@ def _fused_linear_kernel(
         out_ty = out_ptr.dtype.element_ty
         # Rounded to the output dtype where the unfused path stores a tensor, so the paths differ in
         # reduction order only.
-        out = acc.to(out_ty)
-        if SILU_MUL:
-            gate = out.to(tl.float32)
-            up = acc_up.to(out_ty).to(tl.float32)
-            out = ((gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32) * up).to(out_ty)
+        out = silu_times(acc, acc_up, out_ty) if SILU_MUL else acc.to(out_ty)
+        if AMAX:
+            # Rows and columns past M and N multiplied zeros: their products are 0.
+            tl.store(amax_ptr + offs_m * tl.num_programs(0) + pid, row_amax(out), mask=offs_m < M)
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)
     if ADD:
@@ -181,6 +188,40 @@ def fp8_linear(
 ) -> torch.Tensor:
     """(x * x_scale) @ (weight * weight_scale)^T as out_dtype [M, N]: the small-M kernel with an FP8 weight (W8A16),
     and with x_scale an FP8 input too (W8A8); the weight is widened tile by tile, never stored wider."""
+    out_dtype = _check_fp8_linear(x, weight, weight_scale, x_scale, out_dtype)
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=out_dtype, device=x.device)
+    _launch(x, weight, None, 0.0, None, False, config, weight.shape[0], out, None, scales=(weight_scale, x_scale))
+    return out
+
+
+def fp8_linear_silu_mul(
+    x: torch.Tensor,  # [M, K], M <= 32, float8_e4m3fn
+    weight: torch.Tensor,  # [2I, K] float8_e4m3fn: the gate's rows, then the up's
+    weight_scale: torch.Tensor,  # [2I] float32
+    x_scale: torch.Tensor,  # [M, 1] float32
+    out_dtype: torch.dtype,
+    config: SmallMConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(gate) * up as out_dtype [M, I], amax [M, programs] float32) of fp8_linear's gate/up projection
+    (W8A8): its halves rounded to out_dtype as fp8_linear stores them, multiplied as activation.silu_and_mul
+    rounds, and each row's largest product magnitude in each program's columns (fp8_rows.quantize_chunked_rows'
+    amax). config.block_n columns of each half a program; K is not split."""
+    if x_scale is None:
+        raise ValueError("the SiLU-and-mul epilogue takes an FP8 x with its x_scale")
+    out_dtype = _check_fp8_linear(x, weight, weight_scale, x_scale, out_dtype)
+    m, inter = x.shape[0], weight.shape[0] // 2
+    cfg = config or linear_config(weight, wide=True, norm=False, m=m)
+    if weight.shape[0] % 2 or cfg.split_k != 1:
+        raise ValueError(f"a gate/up weight of an even number of rows and an unsplit tile expected, got "
+                         f"{weight.shape[0]} rows and split_k {cfg.split_k}")
+    out = torch.empty((m, inter), dtype=out_dtype, device=x.device)
+    amax = torch.empty((m, triton.cdiv(inter, cfg.block_n)), dtype=torch.float32, device=x.device)
+    _launch(x, weight, None, 0.0, None, True, cfg, inter, out, None, scales=(weight_scale, x_scale), amax=amax)
+    return out, amax
+
+
+def _check_fp8_linear(x, weight, weight_scale, x_scale, out_dtype) -> torch.dtype:
+    """Validate fp8_linear's operands (raises ValueError naming what is wrong); returns the output dtype."""
     from specserve.quantization.fp8 import FP8_DTYPE
 
     m, n = x.shape[0], weight.shape[0]
@@ -199,9 +240,7 @@ def fp8_linear(
         raise ValueError(f"x [M <= {MAX_ROWS}, K] for weight {tuple(weight.shape)} expected, got {tuple(x.shape)}")
     if x.stride(1) != 1 or weight.stride(1) != 1 or x.device != weight.device:
         raise ValueError("x and weight must share a device and have unit stride along K")
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    _launch(x, weight, None, 0.0, None, False, config, n, out, None, scales=(weight_scale, x_scale))
-    return out
+    return out_dtype
 
 
 def fused_linear_argmax(x: torch.Tensor, weight: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -244,9 +283,9 @@ def fused_linear_topk(
 
 
 def _launch(x, weight, norm_weight, eps, residual, silu_mul, config, n, out, firsts, top=0,
-            scales=(None, None)) -> torch.Tensor | None:
-    """Run the kernel over x into out (with firsts: the buffers of each program's top best columns); returns
-    x + residual. scales: fp8_linear's (weight_scale, x_scale)."""
+            scales=(None, None), amax=None) -> torch.Tensor | None:
+    """Run the kernel over x into out (with firsts: the buffers of each program's top best columns; with amax,
+    each program's largest products); returns x + residual. scales: fp8_linear's (weight_scale, x_scale)."""
     weight_scale, x_scale = scales
     m, k = x.shape
     norm = norm_weight is not None
@@ -269,9 +308,9 @@ def _launch(x, weight, norm_weight, eps, residual, silu_mul, config, n, out, fir
         x, residual if residual is not None else x, residual_out if residual_out is not None else out,
         norm_weight if norm_weight is not None else x, weight, out, firsts if firsts is not None else out,
         parts, counters, weight_scale if weight_scale is not None else out, x_scale if x_scale is not None else out,
-        m, n, k, k_per, x.stride(0), residual.stride(0) if residual is not None else 0,
+        amax if amax is not None else out, m, n, k, k_per, x.stride(0), residual.stride(0) if residual is not None else 0,
         residual_out.stride(0) if residual_out is not None else 0, weight.stride(0), out.stride(0), eps,
-        ADD=residual is not None, NORM=norm, SILU_MUL=silu_mul, TOP=top,
+        ADD=residual is not None, NORM=norm, SILU_MUL=silu_mul, AMAX=amax is not None, TOP=top,
         DOT_FP32=dot_in_float32(x, out.dtype if weight_scale is not None else None),
         W_SCALED=weight_scale is not None, X_SCALED=x_scale is not None,
         **prologue_meta(x, norm, cfg.compact, grid), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

@@ -235,6 +235,8 @@ class GatedMLP(FusableModule):
             return output_projection(self, self.down_proj, h), x if total is None else total
         if folds_fp8_norm(norm, self.gate_up_proj):
             rows, residual = norm.forward_fp8_rows(x, residual)
+            if self.fused and takes_fp8_rows(self.down_proj):
+                return self.down_proj.forward_rows(self.gate_up_proj.silu_and_mul_rows(rows)), residual
             return self._down(self.gate_up_proj.forward_rows(rows)), residual
         x, residual = add_and_norm(norm, x, residual)
         return self(x), residual

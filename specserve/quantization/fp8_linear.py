@@ -11,18 +11,21 @@ table's tile, which was measured for a bfloat16 model's FP8 input (kernels/fp8_g
 `torch._scaled_mm` cannot run (a float32 or float16 model, a W8A16 layer); torch._scaled_mm with rowwise
 scales (bfloat16 output) otherwise; past the Triton kernel's rows, a layer _scaled_mm cannot take
 dequantizes. A dynamic input is quantized per token by one kernel there (kernels/fp8_rows.py), or already by
-the kernel that computed it (the norm or SiLU-and-mul ahead: forward_rows). The unfused path (the CPU's) is
-the reference: dequantize both operands and multiply in float32.
+the kernel that computed it (the norm or SiLU-and-mul ahead: forward_rows). A gate/up projection of such rows
+whose GEMM is a Triton kernel applies SiLU-and-mul in its epilogue and hands down_proj the products' FP8 rows
+(silu_and_mul_rows), a launch fewer. The unfused path (the CPU's) is the reference: dequantize both operands
+and multiply in float32.
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from specserve.kernels.fp8_gemm_choice import FP8_DOT, SCALED_MM, TRITON, TRITON_MAX_ROWS, Fp8DotTile, choose
+from specserve.kernels.fp8_gemm_choice import (DEFAULT_DOT_TILE, FP8_DOT, SCALED_MM, TRITON, TRITON_MAX_ROWS,
+                                               Fp8DotTile, choose)
 from specserve.kernels.small_m_configs import SmallMConfig
 from specserve.models.layers import FusableModule
 from specserve.quantization.fp8 import (FP8_DTYPE, Fp8Rows, dequantize, quantize_per_channel, quantize_per_token,
@@ -31,6 +34,8 @@ from specserve.quantization.fp8 import (FP8_DTYPE, Fp8Rows, dequantize, quantize
 
 # The route of a layer off the fused path (or one no kernel takes): both operands dequantized, in float32.
 REFERENCE = "reference"
+# The narrowest tile of the FP8 kernels' dots (16 columns).
+MIN_BLOCK_N = 16
 
 
 @dataclass(frozen=True)
@@ -117,11 +122,39 @@ class Fp8Linear(FusableModule):
     def forward_rows(self, rows: Fp8Rows) -> torch.Tensor:
         """self(x) [M, out_features] for x [M, in_features] quantized per token already, by the kernel that
         computed it (models/layers.py, takes_fp8_rows): a dynamic-input layer's alone."""
+        self._check_rows(rows)
+        return self._project(rows.q, rows.scale, rows.dtype)
+
+    def silu_and_mul_rows(self, rows: Fp8Rows) -> Fp8Rows:
+        """quantize_rows(silu(gate) * up) for this gate/up projection (out_features = 2I: the gate's, then the
+        up's) of rows as forward_rows takes them: SiLU-and-mul in the GEMM's epilogue where silu_route names a
+        kernel, after the GEMM otherwise (kernels/activation.py); both round as silu_and_mul does."""
+        from specserve.kernels.fp8_rows import quantize_chunked_rows
+
+        self._check_rows(rows)
+        route = self.silu_route(rows.q.shape[0], rows.dtype)
+        if route is None:
+            from specserve.kernels.activation import silu_and_mul_fp8_rows
+
+            return silu_and_mul_fp8_rows(self._project(rows.q, rows.scale, rows.dtype))
+        if route.kernel == FP8_DOT:
+            from specserve.kernels.fp8_gemm import fp8_dot_silu_mul
+
+            products, amax = fp8_dot_silu_mul(rows.q, self.weight, self.weight_scale, rows.scale,
+                                              out_dtype=rows.dtype, tile=route.tile)
+        else:
+            from specserve.kernels.fused_linear import fp8_linear_silu_mul
+
+            products, amax = fp8_linear_silu_mul(rows.q, self.weight, self.weight_scale, rows.scale, rows.dtype,
+                                                 config=route.tile)
+        q, scale = quantize_chunked_rows(products, amax)
+        return Fp8Rows(q, scale, rows.dtype)
+
+    def _check_rows(self, rows: Fp8Rows) -> None:
         if self.activation is not Fp8Activation.DYNAMIC or rows.q.shape[1:] != (self.in_features,):
             raise ValueError(f"rows quantized per token [M, {self.in_features}] feed a layer with dynamic input "
                              f"scales only; this one's input is {self.activation.value}, the rows "
                              f"{tuple(rows.q.shape)}")
-        return self._project(rows.q, rows.scale, rows.dtype)
 
     def _project(self, xq: torch.Tensor, x_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         out = self._matmul(xq, x_scale, dtype)
@@ -139,6 +172,20 @@ class Fp8Linear(FusableModule):
         if m <= TRITON_MAX_ROWS and (not scaled_mm_fits or choice.kernel == TRITON):
             return Fp8GemmRoute(TRITON, choice.config() if scaled_mm_fits else None)
         return Fp8GemmRoute(SCALED_MM if scaled_mm_fits else REFERENCE)
+
+    def silu_route(self, m: int, dtype: torch.dtype) -> Fp8GemmRoute | None:
+        """The GEMM whose epilogue applies SiLU-and-mul over m FP8 rows of this gate/up projection (dtype
+        output): route's kernel where it is a Triton one that runs unsplit and there is no bias, each program
+        reading as many weight rows as route's tile has columns (half of them from each half); None otherwise."""
+        route = self.route(m, dtype, x_scaled=True)
+        if route.kernel not in (FP8_DOT, TRITON) or self.bias is not None or self.out_features % 2:
+            return None
+        tile = route.tile or (DEFAULT_DOT_TILE if route.kernel == FP8_DOT else None)
+        if tile is None:
+            return route  # the small-M kernel's tile data for a gate/up projection (small_m_configs.py)
+        if tile.split_k != 1:
+            return None
+        return Fp8GemmRoute(route.kernel, replace(tile, block_n=max(MIN_BLOCK_N, tile.block_n // 2)))
 
     def _matmul(self, xq: torch.Tensor, x_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         route = self.route(xq.shape[0], dtype, x_scale is not None)

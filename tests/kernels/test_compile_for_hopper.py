@@ -86,7 +86,8 @@ def kernels():
     projection = dict(x_ptr=bf16, res_ptr=bf16, res_out_ptr=bf16, norm_w_ptr=bf16, w_ptr=bf16, out_ptr=bf16,
                       idx_ptr=bf16, part_ptr=bf16, counter_ptr=bf16, M=i32, N=i32, K=i32, k_per=i32, stride_xm=i32,
                       stride_rm=i32, stride_rom=i32, stride_wn=i32, stride_om=i32, eps="fp32", DOT_FP32=False,
-                      BLOCK_M=16, SPLIT_K=1, w_scale_ptr=f32, x_scale_ptr=f32, W_SCALED=False, X_SCALED=False)
+                      BLOCK_M=16, SPLIT_K=1, w_scale_ptr=f32, x_scale_ptr=f32, amax_ptr=f32, W_SCALED=False,
+                      X_SCALED=False, AMAX=False)
     for rows, cfg in ((1, tiles["norm_small_one_token"]), (16, tiles["norm_small"]), (4, tiles["norm_medium"])):
         yield fused_linear._fused_linear_kernel, dict(
             projection, ADD=True, NORM=True, SILU_MUL=True, TOP=0, COMPACT=cfg.compact, ROWS=rows,
@@ -111,12 +112,19 @@ def kernels():
     # their sums promoted every MMA and every K chunk.
     from specserve.kernels import fp8_gemm
 
-    for split_k, even_k, promote_k in ((1, True, 32), (2, False, 128)):
+    # SiLU-and-mul in the gate/up projection's epilogue, with each row's largest products.
+    for split_k, even_k, promote_k, silu_mul in ((1, True, 32, False), (2, False, 128, False), (1, True, 128, True)):
         yield fp8_gemm._fp8_dot_kernel, dict(
             x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", out_ptr=bf16, x_scale_ptr=f32, w_scale_ptr=f32, part_ptr=f32,
-            counter_ptr=p32, M=i32, N=i32, K=i32, k_per=i32, stride_xm=i32, stride_wn=i32, stride_om=i32,
-            DOT_FP32=False, EVEN_K=even_k, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split_k,
-            PROMOTE_K=promote_k)
+            counter_ptr=p32, amax_ptr=f32, M=i32, N=i32, K=i32, k_per=i32, stride_xm=i32, stride_wn=i32,
+            stride_om=i32, DOT_FP32=False, EVEN_K=even_k, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split_k,
+            PROMOTE_K=promote_k, SILU_MUL=silu_mul)
+    # The small-M gate/up projection of FP8 rows at one token, SiLU-and-mul and its largest products in the
+    # epilogue (an 8B model's tile, half its columns from each half).
+    yield fused_linear._fused_linear_kernel, dict(
+        projection, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", W_SCALED=True, X_SCALED=True, AMAX=True, ADD=False,
+        NORM=False, SILU_MUL=True, TOP=0, COMPACT=False, ROWS=16, PRE_K=256, SLICE_K=16, LATE_RSTD=False,
+        BLOCK_N=64, BLOCK_K=256)
     # The head's down_proj (576 x 6144), K split over 4 programs a column tile (atomics, L2 loads, a barrier).
     yield fused_linear._fused_linear_kernel, dict(
         projection, part_ptr=f32, counter_ptr=p32, ADD=False, NORM=False, SILU_MUL=False, TOP=0, COMPACT=False,

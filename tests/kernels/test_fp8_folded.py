@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specserve.attention.backend import get_attention_backend
-from specserve.kernels import activation, fp8_rows, rmsnorm
+from specserve.kernels import activation, fp8_rows, fused_linear, rmsnorm
 from specserve.kernels.activation import silu_and_mul, silu_and_mul_fp8_rows
 from specserve.kernels.fp8_rows import quantize_rows
 from specserve.kernels.rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_fp8_rows
@@ -131,15 +131,19 @@ def _run(model, arch, dtype) -> list[torch.Tensor]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_fp8_model_is_the_same_with_the_quantization_folded(monkeypatch, dtype):
     """A W8A8 (dynamic) model on the fused path: its norms and SiLU-and-mul write the FP8 rows of qkv, gate/up
-    and down_proj (o_proj alone quantizes its input), and its logits, so its greedy tokens, are bit for bit
-    those of the path that quantizes in launches of their own."""
+    and down_proj (o_proj alone quantizes its input), SiLU-and-mul in the small-M gate/up projection's epilogue
+    where that kernel runs it (float32 here; bfloat16 runs torch._scaled_mm), and its logits, so its greedy
+    tokens, are bit for bit those of the path that quantizes in launches of their own."""
     model, arch = _fp8_model(dtype)
     calls = count_calls(monkeypatch, {"norm": (rmsnorm, "rms_norm_fp8_rows"),
                                       "silu": (activation, "silu_and_mul_fp8_rows"),
+                                      "silu_epilogue": (fused_linear, "fp8_linear_silu_mul"),
                                       "rows": (fp8_rows, "quantize_rows")})
     folded = _run(model, arch, dtype)
-    assert calls == {"norm": 2 * arch.num_layers * len(STEPS), "silu": arch.num_layers * len(STEPS),
-                     "rows": arch.num_layers * len(STEPS)}
+    mlps = arch.num_layers * len(STEPS)
+    in_epilogue = dtype == torch.float32
+    assert calls == {"norm": 2 * mlps, "silu": 0 if in_epilogue else mlps, "silu_epilogue": mlps if in_epilogue else 0,
+                     "rows": mlps}
     monkeypatch.setattr(layers, "takes_fp8_rows", lambda linear: False)
     unfolded = _run(model, arch, dtype)
     assert calls["rows"] == 5 * arch.num_layers * len(STEPS)
