@@ -15,8 +15,9 @@ small-M kernel does (split_parts.py): a projection with few output tiles (o_proj
 model, 4,096 columns) otherwise leaves SMs idle. A gate/up projection may end in SiLU-and-mul instead
 (fp8_dot_silu_mul): each program accumulates the same columns of the gate and the up halves and stores their
 products and each row's largest product, so the [M, 2I] projection is never written and the SiLU-and-mul
-launch disappears; the products' row quantization (fp8_rows.quantize_chunked_rows) follows. Launches depend on
-shapes only (CUDA-graph capturable).
+launch disappears; the products' row quantization (fp8_rows.quantize_chunked_rows) follows. Under PDL a
+program asks L2 for its weight rows' first lines before it waits for the kernel ahead, as the small-M kernel
+does (pdl.py). Launches depend on shapes only (CUDA-graph capturable).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import triton.language as tl
 
 from specserve.kernels.activation import row_amax, silu_times
 from specserve.kernels.fp8_gemm_choice import DEFAULT_DOT_TILE, Fp8DotTile
-from specserve.kernels.pdl import pdl_args, wait_for_previous
+from specserve.kernels.pdl import PREFETCH_LINES, pdl_args, prefetch_weight_rows, wait_for_previous
 from specserve.kernels.small_m_prologue import split_k_range
 from specserve.kernels.split_parts import counts_in_last, split_counters, sum_parts
 
@@ -49,7 +50,7 @@ def _fp8_dot_kernel(
     M, N, K, k_per, stride_xm, stride_wn, stride_om,
     DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PROMOTE_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
+    PROMOTE_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
 ):
     """Program (m tile, n tile, part): the m tiles of one n tile are neighbours in the launch order, so a
     weight tile read by one is in L2 for the next. With SILU_MUL (unsplit only) the weight is [2N, K], gate rows
@@ -60,6 +61,11 @@ def _fp8_dot_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start, k_end = split_k_range(K, k_per, tl.program_id(2), SPLIT_K)
+    if PDL and PREFETCH_LINES > 0:
+        # The weight is no kernel's output: its first lines may be asked for before the wait.
+        prefetch_weight_rows(w_ptr, offs_n, N, stride_wn, k_start, K, PREFETCH_LINES)
+        if SILU_MUL:
+            prefetch_weight_rows(w_ptr, offs_n + N, 2 * N, stride_wn, k_start, K, PREFETCH_LINES)
     wait_for_previous(PDL)
     m_mask = offs_m < M
     n_mask = offs_n < N
@@ -160,7 +166,7 @@ def _launch(x, weight, weight_scale, x_scale, out, amax, tile: Fp8DotTile) -> No
         x.stride(0), weight.stride(0), out.stride(0), DOT_FP32=x.device.type == "cpu",
         EVEN_K=k_per % tile.block_k == 0 and k % tile.block_k == 0, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, SPLIT_K=tile.split_k, PROMOTE_K=tile.promote_k, SILU_MUL=amax is not None,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(x.device),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(x.device), PREFETCH_LINES=PREFETCH_LINES,
     )
 
 
