@@ -27,7 +27,7 @@ import triton.language as tl
 
 from specserve.kernels.activation import row_amax, silu_times
 from specserve.kernels.fp8_gemm_choice import DEFAULT_DOT_TILE, Fp8DotTile
-from specserve.kernels.pdl import PREFETCH_LINES, pdl_args, prefetch_weight_rows, wait_for_previous
+from specserve.kernels.pdl import PREFETCH_LINES, pdl_args, prefetch_and_wait
 from specserve.kernels.small_m_prologue import split_k_range
 from specserve.kernels.split_parts import counts_in_last, split_counters, sum_parts
 
@@ -61,12 +61,7 @@ def _fp8_dot_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start, k_end = split_k_range(K, k_per, tl.program_id(2), SPLIT_K)
-    if PDL and PREFETCH_LINES > 0:
-        # The weight is no kernel's output: its first lines may be asked for before the wait.
-        prefetch_weight_rows(w_ptr, offs_n, N, stride_wn, k_start, K, PREFETCH_LINES)
-        if SILU_MUL:
-            prefetch_weight_rows(w_ptr, offs_n + N, 2 * N, stride_wn, k_start, K, PREFETCH_LINES)
-    wait_for_previous(PDL)
+    prefetch_and_wait(w_ptr, offs_n, N, stride_wn, k_start, K, SILU_MUL, PDL, PREFETCH_LINES)
     m_mask = offs_m < M
     n_mask = offs_n < N
     # int64 rows: a vocabulary-sized weight passes 2**31 elements.

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from specserve.kernels.activation import row_amax, silu_times
 from specserve.kernels.argmax import pick_chunks
-from specserve.kernels.pdl import PREFETCH_LINES, pdl_args, prefetch_weight_rows, wait_for_previous
+from specserve.kernels.pdl import PREFETCH_LINES, pdl_args, prefetch_and_wait
 from specserve.kernels.small_m_configs import SmallMConfig, linear_config
 from specserve.kernels.small_m_prologue import (MAX_ROWS, check_prologue, dot_in_float32, input_chunk,
                                                  prologue_meta, prologue_rows, row_rstd, split_k_range,
@@ -63,12 +63,7 @@ def _fused_linear_kernel(
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start, k_end = split_k_range(K, k_per, tl.program_id(1), SPLIT_K)
-    if PDL and PREFETCH_LINES > 0:
-        # The weight is no kernel's output: its first lines may be asked for before the wait.
-        prefetch_weight_rows(w_ptr, offs_n, N, stride_wn, k_start, K, PREFETCH_LINES)
-        if SILU_MUL:
-            prefetch_weight_rows(w_ptr, offs_n + N, 2 * N, stride_wn, k_start, K, PREFETCH_LINES)
-    wait_for_previous(PDL)
+    prefetch_and_wait(w_ptr, offs_n, N, stride_wn, k_start, K, SILU_MUL, PDL, PREFETCH_LINES)
     offs_m = tl.arange(0, BLOCK_M)
     w_ty = w_ptr.dtype.element_ty
     # An FP8 weight multiplies in the output's dtype, into which e4m3 widens exactly; with an FP8 input too, in

@@ -61,3 +61,16 @@ def prefetch_weight_rows(w_ptr, rows, N, stride_wn, k_start, K, LINES: tl.conste
     ptrs = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[None, :] * stride_wn + cols[:, None]
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_and_wait(w_ptr, rows, N, stride_wn, k_start, K, BOTH_HALVES: tl.constexpr, PDL: tl.constexpr,
+                      LINES: tl.constexpr):
+    """A projection's start under PDL: ask L2 for the first LINES lines of the weight rows `rows` (with
+    BOTH_HALVES, of a gate/up weight [2N, K]'s up rows, rows + N, too), then wait for the kernel ahead. The
+    weight is no kernel's output, so it may be asked for before the wait."""
+    if PDL and LINES > 0:
+        prefetch_weight_rows(w_ptr, rows, N, stride_wn, k_start, K, LINES)
+        if BOTH_HALVES:
+            prefetch_weight_rows(w_ptr, rows + N, 2 * N, stride_wn, k_start, K, LINES)
+    wait_for_previous(PDL)
