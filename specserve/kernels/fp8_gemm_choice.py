@@ -33,6 +33,8 @@ DEFAULT = SCALED_MM
 CHOICE_DIR = Path(__file__).resolve().parent / "configs" / "fp8_gemm"
 # The K of one Hopper FP8 MMA instruction (wgmma with 8-bit operands): the finest promotion of its sums.
 FP8_MMA_K = 32
+# The fewest rows or columns of a tile tl.dot takes.
+MIN_DOT_TILE = 16
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class Fp8DotTile:
             if value < 1 or (name.startswith("block") and value & (value - 1)):
                 raise ValueError(f"{name} must be a positive{' power of two' if name.startswith('block') else ''}, "
                                  f"got {value}")
-        if self.block_m < 16 or self.block_n < 16 or self.block_k < 32:
+        if self.block_m < MIN_DOT_TILE or self.block_n < MIN_DOT_TILE or self.block_k < FP8_MMA_K:
             raise ValueError(f"tl.dot of e4m3 needs tiles of at least 16 x 16 outputs and 32 along K, got "
                              f"{self.block_m} x {self.block_n} x {self.block_k}")
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from specserve.kernels.fp8_gemm_choice import (DEFAULT_DOT_TILE, FP8_DOT, SCALED_MM, TRITON, TRITON_MAX_ROWS,
-                                               Fp8DotTile, choose)
+from specserve.kernels.fp8_gemm_choice import (DEFAULT_DOT_TILE, FP8_DOT, MIN_DOT_TILE, SCALED_MM, TRITON,
+                                               TRITON_MAX_ROWS, Fp8DotTile, choose)
 from specserve.kernels.small_m_configs import SmallMConfig
 from specserve.models.layers import FusableModule
 from specserve.quantization.fp8 import (FP8_DTYPE, Fp8Rows, dequantize, quantize_per_channel, quantize_per_token,
@@ -34,8 +34,6 @@ from specserve.quantization.fp8 import (FP8_DTYPE, Fp8Rows, dequantize, quantize
 
 # The route of a layer off the fused path (or one no kernel takes): both operands dequantized, in float32.
 REFERENCE = "reference"
-# The narrowest tile of the FP8 kernels' dots (16 columns).
-MIN_BLOCK_N = 16
 
 
 @dataclass(frozen=True)
@@ -185,7 +183,7 @@ class Fp8Linear(FusableModule):
             return route  # the small-M kernel's tile data for a gate/up projection (small_m_configs.py)
         if tile.split_k != 1:
             return None
-        return Fp8GemmRoute(route.kernel, replace(tile, block_n=max(MIN_BLOCK_N, tile.block_n // 2)))
+        return Fp8GemmRoute(route.kernel, replace(tile, block_n=max(MIN_DOT_TILE, tile.block_n // 2)))
 
     def _matmul(self, xq: torch.Tensor, x_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         route = self.route(xq.shape[0], dtype, x_scale is not None)
