@@ -1,4 +1,5 @@
-"""Reading GGUF files: config, tokenizer source and dequantized weights under Hugging Face names."""
+"""Reading GGUF files: config, tokenizer source and weights under Hugging Face names (dequantized, or a
+projection's FP8 block codes: quantization/gguf_blocks.py)."""
 from __future__ import annotations
 
 import functools
@@ -104,20 +105,57 @@ def _hf_name(name: str) -> str:
     raise ModelLoadError(f"unexpected tensor {name!r} in GGUF file")
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_weights(reader, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def _is_projection(name: str) -> bool:
+    return re.fullmatch(r"blk\.\d+\.(attn_[qkv]|attn_output|ffn_gate|ffn_up|ffn_down)\.weight", name) is not None
+
+
+def projection_block_type(reader) -> str | None:
+    """The GGML type every decoder projection weight of the file has, where it is one whose codes FP8 holds
+    exactly (quantization/gguf_blocks.py, HELD_TYPES); None otherwise (mixed or other types)."""
+    from specserve.quantization.gguf_blocks import HELD_TYPES
+
+    types = {t.tensor_type.name for t in reader.tensors if _is_projection(t.name)}
+    return types.pop() if len(types) == 1 and types <= set(HELD_TYPES) else None
+
+
+def gguf_weight_count(reader, block_codes: bool = False) -> int:
+    """How many tensors gguf_weights(reader, ..., block_codes) yields."""
+    from specserve.quantization.gguf_blocks import has_offset
+
+    return sum(2 + has_offset(t.tensor_type.name) if block_codes and _is_projection(t.name) else 1
+               for t in reader.tensors)
+
+
+def gguf_weights(reader, config: dict, block_codes: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file's tensors under Hugging Face names, dequantized to float32; with block_codes the projection
+    weights as their FP8 codes (`weight`), block scales (`block_scale`) and offsets (`block_offset`, where the
+    type has them) instead, for BlockFp8Linear layers (projection_block_type must name the file's type)."""
     from gguf.quants import dequantize
+
+    from specserve.quantization.gguf_blocks import decode_blocks
 
     arch = _field(reader, "general.architecture")
     for t in reader.tensors:
-        # A copy: unquantized tensors come back as read-only views of the memory-mapped file.
-        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
-        if arch in _PERMUTED_QK and t.name.endswith("attn_q.weight"):
-            w = _unpermute(w, config["num_attention_heads"])
-        elif arch in _PERMUTED_QK and t.name.endswith("attn_k.weight"):
-            w = _unpermute(w, config["num_key_value_heads"])
-        yield _hf_name(t.name), torch.from_numpy(np.ascontiguousarray(w))
+        shape = tuple(int(d) for d in reversed(t.shape))
+        name = _hf_name(t.name)
+        if block_codes and _is_projection(t.name):
+            b = decode_blocks(t.data, t.tensor_type.name, shape)
+            base = name.removesuffix("weight")
+            parts = {name: b.codes, base + "block_scale": b.scale, base + "block_offset": b.offset}
+        else:
+            # A copy: unquantized tensors come back as read-only views of the memory-mapped file.
+            parts = {name: torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
+                                            .reshape(shape))}
+        for part_name, w in parts.items():
+            if w is None:
+                continue
+            # llama.cpp permuted q's and k's rows (each row's codes, scales and offsets alike).
+            if arch in _PERMUTED_QK and t.name.endswith("attn_q.weight"):
+                w = _unpermute(w, config["num_attention_heads"])
+            elif arch in _PERMUTED_QK and t.name.endswith("attn_k.weight"):
+                w = _unpermute(w, config["num_key_value_heads"])
+            yield part_name, w.contiguous()

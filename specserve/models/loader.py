@@ -16,7 +16,8 @@ from tqdm import tqdm
 from specserve.distributed.parallel_state import TPGroup
 from specserve.errors import ModelLoadError
 from specserve.models.arch_config import ArchConfig
-from specserve.models.gguf_file import gguf_hf_config, gguf_weights, open_gguf
+from specserve.models.gguf_file import (gguf_hf_config, gguf_weight_count, gguf_weights, open_gguf,
+                                        projection_block_type)
 from specserve.models.hub import MODEL_FILES, TOKENIZER_FILES, hub_snapshot, is_hub_id
 
 logger = logging.getLogger(__name__)
@@ -123,11 +124,12 @@ def count_safetensors(path: Path) -> int:
     return total
 
 
-def hf_named_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """The source's tensors under Hugging Face names, dequantized to float32 for GGUF."""
+def hf_named_weights(source: ModelSource, block_codes: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The source's tensors under Hugging Face names, dequantized to float32 for GGUF (with block_codes a GGUF's
+    projections as FP8 block codes: gguf_file.gguf_weights)."""
     if source.is_gguf:
         reader = open_gguf(source.path)
-        weights, total = gguf_weights(reader, source.hf_config), len(reader.tensors)
+        weights, total = gguf_weights(reader, source.hf_config, block_codes), gguf_weight_count(reader, block_codes)
     else:
         weights, total = safetensors_weights(source.path), count_safetensors(source.path)
     # Counted against the total and left on screen, so that a log shows how many tensors were read.
@@ -143,8 +145,9 @@ def whole_tensors(source: ModelSource, names: set[str]) -> dict[str, torch.Tenso
 
 
 def load_weights_into(model: torch.nn.Module, source: ModelSource, quantize: bool = False,
-                      kv_cache_dtype: str = "auto") -> None:
-    """quantize: quantize the projections' weights to FP8 as they load (quantization/fp8_model.py). The
+                      kv_cache_dtype: str = "auto", block_codes: bool = False) -> None:
+    """quantize: quantize the projections' weights to FP8 per channel as they load (quantization/fp8_model.py);
+    block_codes: load a GGUF's projections as their FP8 block codes (quantization/gguf_blocks.py). The
     checkpoint's KV-cache scales, if any, are set on the attention layers for an FP8 cache
     (quantization/kv_cache_scales.py)."""
     from specserve.quantization.checkpoint import declares_kv_cache_scales
@@ -152,7 +155,7 @@ def load_weights_into(model: torch.nn.Module, source: ModelSource, quantize: boo
     from specserve.quantization.kv_cache_scales import CheckpointKVScales
 
     kv_scales = CheckpointKVScales(declares_kv_cache_scales(source.hf_config))
-    weights = kv_scales.take(hf_named_weights(source))
+    weights = kv_scales.take(hf_named_weights(source, block_codes))
     try:
         model.load_weights(quantized_checkpoint(weights) if quantize else weights)
         kv_scales.apply(model, kv_cache_dtype)
@@ -215,7 +218,8 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: str, backend, a
     from specserve.quantization.fp8_model import quantize_projections, use_fp8_projections
 
     arch = ArchConfig.from_hf_config(source.hf_config)
-    fp8, quantize = model_fp8_scheme(source.hf_config, quantization)
+    block_type = projection_block_type(open_gguf(source.path)) if source.is_gguf and quantization else None
+    fp8, quantize = model_fp8_scheme(source.hf_config, quantization, block_type)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, backend, aux_hidden_layers, tp)
     if load_format == "dummy":
@@ -230,9 +234,9 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: str, backend, a
             quantize_projections(model)
         return model.eval().requires_grad_(False), arch
     if fp8 is not None:
-        use_fp8_projections(model, fp8.activation)
+        use_fp8_projections(model, fp8)
     model = model.to_empty(device="cpu")
     model.tie_weights()
-    load_weights_into(model, source, quantize, kv_cache_dtype)
+    load_weights_into(model, source, quantize, kv_cache_dtype, block_codes=fp8 is not None and fp8.block_type is not None)
     model = model.to(device=device, dtype=dtype)
     return model.eval().requires_grad_(False), arch

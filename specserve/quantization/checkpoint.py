@@ -28,10 +28,16 @@ _FIX = "use a per-tensor or per-channel FP8 checkpoint, or the bfloat16 one with
 
 @dataclass(frozen=True)
 class Fp8Scheme:
-    """How a model's projections are FP8: the activations' quantization (the weights are always FP8 with a
-    float32 scale per output channel once loaded)."""
+    """How a model's projections are FP8: the activations' quantization, and the weights' layout: a float32
+    scale per output channel (Fp8Linear), or with block_type (a GGML type of gguf_blocks.HELD_TYPES) the GGUF's
+    own codes with their block scales (BlockFp8Linear, whose input stays unquantized)."""
 
     activation: Fp8Activation
+    block_type: str | None = None
+
+    def __post_init__(self):
+        if self.block_type is not None and self.activation is not Fp8Activation.NONE:
+            raise ValueError(f"block codes take an unquantized input, not {self.activation.value}")
 
 
 def _refuse(what: str) -> ModelLoadError:
@@ -125,11 +131,16 @@ def _check_ignored(ignored: list[str]) -> None:
         raise _refuse(f"leaves {others[0]!r} unquantized (only lm_head may be)")
 
 
-def model_fp8_scheme(hf_config: dict, quantization: str | None) -> tuple[Fp8Scheme | None, bool]:
-    """(the model's FP8 scheme or None, whether its weights are quantized as they load): a checkpoint already
-    in FP8 loads as it is, an unquantized one with quantization 'fp8' is quantized per channel, its inputs
-    per token. Raises ModelLoadError for a checkpoint quantization that cannot load."""
+def model_fp8_scheme(hf_config: dict, quantization: str | None,
+                     gguf_block_type: str | None = None) -> tuple[Fp8Scheme | None, bool]:
+    """(the model's FP8 scheme or None, whether its weights are quantized per channel as they load): a
+    checkpoint already in FP8 loads as it is; with quantization 'fp8', a GGUF whose projections are all of
+    gguf_block_type (gguf_file.projection_block_type) loads their codes as they are, exactly, and any other
+    unquantized checkpoint is quantized per channel, its inputs per token. Raises ModelLoadError for a checkpoint
+    quantization that cannot load."""
     scheme = checkpoint_fp8_scheme(hf_config)
     if scheme is not None or quantization is None:
         return scheme, False
+    if gguf_block_type is not None:
+        return Fp8Scheme(Fp8Activation.NONE, gguf_block_type), False
     return Fp8Scheme(Fp8Activation.DYNAMIC), True

@@ -51,7 +51,27 @@ class Fp8Activation(enum.Enum):
     NONE = "none"  # W8A16: the input stays in the model's dtype
 
 
-class Fp8Linear(FusableModule):
+class QuantizedLinear(FusableModule):
+    """A projection whose quantized tensors (kept_tensors) keep their dtypes when the model is cast."""
+
+    def kept_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):
+        """Moves apply to every tensor, but a cast of the model's dtype leaves the kept tensors as they are (an
+        FP8 weight, scales: a float32 scale through bfloat16 would lose bits)."""
+        kept = {id(t) for t in self.kept_tensors() if t is not None}
+
+        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            if id(t) not in kept or out.dtype == t.dtype:
+                return out
+            return out.to(t.dtype) if t.is_meta else t.to(out.device)
+
+        return super()._apply(keep_dtype, recurse)
+
+
+class Fp8Linear(QuantizedLinear):
     """x @ (weight * weight_scale)^T + bias, with x quantized as `activation` says.
 
     parts: the checkpoint projections fused into this one (3 for q/k/v, 2 for gate/up, else 1). Each part of a
@@ -82,18 +102,8 @@ class Fp8Linear(FusableModule):
         layer.fused = getattr(linear, "fused", weight.is_cuda)
         return layer
 
-    def _apply(self, fn, recurse=True):
-        """Moves apply to every tensor, but a cast of the model's dtype leaves the FP8 weight and the float32
-        scales as they are (a scale through bfloat16 would lose bits)."""
-        kept = {id(t) for t in (self.weight, self.weight_scale, self.input_scale) if t is not None}
-
-        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
-            out = fn(t)
-            if id(t) not in kept or out.dtype == t.dtype:
-                return out
-            return out.to(t.dtype) if t.is_meta else t.to(out.device)
-
-        return super()._apply(keep_dtype, recurse)
+    def kept_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return self.weight, self.weight_scale, self.input_scale
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

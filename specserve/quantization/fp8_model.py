@@ -12,8 +12,11 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from specserve.quantization.block_fp8_linear import BlockFp8Linear
+from specserve.quantization.checkpoint import Fp8Scheme
 from specserve.quantization.fp8 import quantize_per_channel
-from specserve.quantization.fp8_linear import Fp8Activation, Fp8Linear
+from specserve.quantization.fp8_linear import Fp8Linear
+from specserve.quantization.gguf_blocks import has_offset
 
 # Our projection -> how many checkpoint projections it fuses (q, k, v; gate, up).
 FP8_PROJECTIONS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
@@ -29,13 +32,18 @@ def _projections(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Linear]]
                 yield module, name, linear
 
 
-def use_fp8_projections(model: nn.Module, activation: Fp8Activation) -> None:
-    """Replace model's projections by empty Fp8Linear layers of the same shapes (on the device their weights
-    are on, meta while a model is built), for an FP8 checkpoint to load into."""
+def use_fp8_projections(model: nn.Module, scheme: Fp8Scheme) -> None:
+    """Replace model's projections by empty FP8 layers of the same shapes (on the device their weights are on,
+    meta while a model is built) for an FP8 checkpoint to load into: Fp8Linear, or BlockFp8Linear for a GGUF's
+    block codes (scheme.block_type)."""
     for parent, name, linear in _projections(model):
         with torch.device(linear.weight.device):
-            layer = Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None, activation,
-                              FP8_PROJECTIONS[name])
+            if scheme.block_type is not None:
+                layer = BlockFp8Linear(linear.in_features, linear.out_features, linear.bias is not None,
+                                       has_offset(scheme.block_type))
+            else:
+                layer = Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None,
+                                  scheme.activation, FP8_PROJECTIONS[name])
         setattr(parent, name, layer)
 
 

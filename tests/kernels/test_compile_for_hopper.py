@@ -119,6 +119,14 @@ def kernels():
             counter_ptr=p32, amax_ptr=f32, M=i32, N=i32, K=i32, k_per=i32, stride_xm=i32, stride_wn=i32,
             stride_om=i32, DOT_FP32=False, EVEN_K=even_k, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split_k,
             PROMOTE_K=promote_k, SILU_MUL=silu_mul)
+    # A GGUF's block codes (kernels/block_fp8_gemm.py), with and without block offsets, at one token and 64.
+    from specserve.kernels import block_fp8_gemm
+
+    for has_offset, block_m, block_n in ((True, 16, 32), (False, 64, 64)):
+        yield block_fp8_gemm._block_fp8_kernel, dict(
+            x_ptr=bf16, w_ptr="*fp8e4nv", scale_ptr="*fp16", offset_ptr="*fp16", out_ptr=bf16, M=i32, N=i32, K=i32,
+            stride_xm=i32, stride_om=i32, HAS_OFFSET=has_offset, GROUP=32, DOT_FP32=False, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=128)
     # The small-M gate/up projection of FP8 rows at one token, SiLU-and-mul and its largest products in the
     # epilogue (an 8B model's tile, half its columns from each half).
     yield fused_linear._fused_linear_kernel, dict(
