@@ -57,9 +57,11 @@ def _block_fp8_kernel(
 
 def block_tile(m: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K) over m rows: tl.dot's narrowest rows up to 16, then as many as m needs up to
-    64; narrow column tiles at small m, where a step's few rows leave the weight's read to spread over SMs."""
+    64. Columns stay narrow so the weight's read spreads over many programs: a program rebuilds each weight
+    tile in registers, and with 64 rows a tile of 16 columns keeps the most programs in flight (BENCHMARKS.md,
+    'FP8 weights': the tile sweep)."""
     block_m = min(64, max(16, triton.next_power_of_2(m)))
-    return block_m, 32 if m <= 32 else 64, 128
+    return block_m, 32 if m <= 32 else 16, 128
 
 
 def block_fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
@@ -82,6 +84,6 @@ def block_fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     _block_fp8_kernel[grid](
         x, codes, scale, offset if offset is not None else scale, out, m, n, k, x.stride(0), out.stride(0),
         HAS_OFFSET=offset is not None, GROUP=GROUP, DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=4,
     )
     return out
