@@ -229,9 +229,9 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: str, backend, a
         model.tie_weights()
         init_dummy_weights(model, seed)
         if fp8 is not None:
-            # Random weights quantized on the device, inputs per token, whatever a checkpoint's scheme says:
-            # speed does not depend on the values.
-            quantize_projections(model)
+            # Random weights quantized on the device into the scheme's layout (per channel with inputs per token
+            # whatever a checkpoint's activations are): speed depends on the layout, not the values.
+            quantize_projections(model, fp8.block_type)
         return model.eval().requires_grad_(False), arch
     if fp8 is not None:
         use_fp8_projections(model, fp8)

@@ -16,7 +16,7 @@ from specserve.quantization.block_fp8_linear import BlockFp8Linear
 from specserve.quantization.checkpoint import Fp8Scheme
 from specserve.quantization.fp8 import quantize_per_channel
 from specserve.quantization.fp8_linear import Fp8Linear
-from specserve.quantization.gguf_blocks import has_offset
+from specserve.quantization.gguf_blocks import block_codes_of, has_offset
 
 # Our projection -> how many checkpoint projections it fuses (q, k, v; gate, up).
 FP8_PROJECTIONS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
@@ -47,10 +47,23 @@ def use_fp8_projections(model: nn.Module, scheme: Fp8Scheme) -> None:
         setattr(parent, name, layer)
 
 
-def quantize_projections(model: nn.Module) -> None:
-    """Quantize model's loaded projections in place, where they are: per-channel weights, per-token inputs."""
+def quantize_projections(model: nn.Module, block_type: str | None = None) -> None:
+    """Quantize model's loaded projections in place, where they are: per-channel weights and per-token inputs, or
+    with block_type (a GGML type of gguf_blocks.HELD_TYPES) into its block codes (gguf_blocks.block_codes_of)."""
     for parent, name, linear in _projections(model):
-        setattr(parent, name, Fp8Linear.quantize(linear))
+        if block_type is None:
+            setattr(parent, name, Fp8Linear.quantize(linear))
+            continue
+        codes = block_codes_of(linear.weight, block_type)
+        with torch.device(linear.weight.device):
+            layer = BlockFp8Linear(linear.in_features, linear.out_features, linear.bias is not None,
+                                   codes.offset is not None)
+        for param, value in ((layer.weight, codes.codes), (layer.block_scale, codes.scale),
+                             (layer.block_offset, codes.offset), (layer.bias, linear.bias)):
+            if param is not None:
+                param.data.copy_(value)
+        layer.fused = linear.weight.is_cuda
+        setattr(parent, name, layer)
 
 
 def quantized_checkpoint(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

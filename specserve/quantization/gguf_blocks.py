@@ -72,3 +72,23 @@ def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Te
     if offset is not None:
         w = w + offset.float()[:, :, None]
     return w.view(rows, k)
+
+
+def block_codes_of(weight: torch.Tensor, ggml_type: str) -> BlockCodes:
+    """weight [N, K] rounded to ggml_type's codes, on its device: each block's range over the 16 levels and its
+    minimum as the offset (Q4_1), or its largest magnitude over the signed levels (Q4_0, Q5_0). For weights that no
+    file holds (random ones, whose speed is the layout's)."""
+    rows, k = weight.shape
+    w = weight.detach().float().view(rows, k // GROUP, GROUP)
+    shift, offset = _FORMATS[ggml_type]
+    tiny = torch.finfo(torch.float16).tiny
+    if offset:
+        low = w.amin(-1, keepdim=True)
+        scale = ((w.amax(-1, keepdim=True) - low) / 15).clamp_min(tiny).half()
+        codes = ((w - low) / scale.float()).round().clamp(0, 15)
+    else:
+        low = None
+        scale = (w.abs().amax(-1, keepdim=True) / shift).clamp_min(tiny).half()
+        codes = (w / scale.float()).round().clamp(-shift, shift - 1)
+    return BlockCodes(codes.view(rows, k).to(FP8_DTYPE), scale.view(rows, -1),
+                      None if low is None else low.half().view(rows, -1))

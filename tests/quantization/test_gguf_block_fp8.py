@@ -105,3 +105,31 @@ def test_the_default_model_under_fp8_decodes_as_unquantized_with_speculation():
             assert isinstance(proj, BlockFp8Linear) and proj.weight.dtype == FP8_DTYPE
     outs = fp8.chat(CHATS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("ggml_type", HELD_TYPES)
+def test_random_weights_round_to_the_types_codes(ggml_type):
+    """block_codes_of (dummy weights' stand-in for a file's codes): codes on the type's levels, and the weight
+    they rebuild within half a level of the original in every block."""
+    from specserve.quantization.gguf_blocks import block_codes_of
+
+    w = torch.from_numpy(_weights(24, 128, seed=4))
+    b = block_codes_of(w, ggml_type)
+    codes = b.codes.float()
+    low, high = {"Q4_0": (-8, 7), "Q4_1": (0, 15), "Q5_0": (-16, 15)}[ggml_type]
+    assert torch.equal(codes, codes.round()) and codes.min() >= low and codes.max() <= high
+    error = (dequantize_blocks(b.codes, b.scale, b.offset) - w).abs().view(24, -1, GROUP)
+    step = b.scale.float()[:, :, None]
+    # Half a level, plus the float16 rounding of the scale and offset; Q4_0's and Q5_0's top code sits one level
+    # short of the largest magnitude, clamped.
+    largest = w.abs().view(24, -1, GROUP).amax(-1, keepdim=True)
+    assert (error <= step * (0.51 if ggml_type == "Q4_1" else 1.01) + 1e-3 * largest).all()
+
+
+def test_dummy_weights_take_the_block_layout():
+    llm = LLM("smollm2-135m", max_model_len=256, dtype="float32", device="cpu", quantization="fp8",
+              load_format="dummy")
+    layer = llm.engine.core.model.model.layers[0]
+    assert isinstance(layer.mlp.down_proj, BlockFp8Linear) and layer.mlp.down_proj.block_offset is not None
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
